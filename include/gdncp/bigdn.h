@@ -1,0 +1,71 @@
+// gdncp/bigdn.h — the single-rank bidirectional gated-delta-net layer (SPEC §1-5).
+//
+//   q̂, k̂   = full-channel RMSNorm of q, k over C = H·D channels (times the norm weight)
+//   q⁺ = relu(q̂), k⁺ = relu(k̂)·k_scale, qʳ = rope(q⁺), kʳ = rope(k⁺)
+//   per frame f:  P_f = kʳᵀ diag(β) kʳ,  A_f = kʳᵀ diag(β) v,  Pz_f = k⁺ᵀ diag(β) k⁺,  b_f = k⁺ᵀ β
+//   M_f = g_f (I − P_f) M_{f−1} + A_f          z_f likewise with (Pz, b)
+//   M̃_f = g_{f+1} (I − P_{f+1}) M̃_{f+1} + A_{f+1},  M̃_{F−1} = 0
+//   num_s = qʳ_s (M_f + M̃_f),  den_s = q⁺_s · (z_f + z̃_f),  out_s = num_s / (den_s + eps)
+//
+// Layouts (all dense, row-major):
+//   qkv   (B, N, 3, H, D)  bf16 | f32 | f64   channel 0 = q, 1 = k, 2 = v; N = F·S
+//   beta  (B, H, F, S)     bf16 | f32 | f64   per-token update gate
+//   decay (B, H, F)        bf16 | f32 | f64   per-frame decay g
+//   q_norm_w, k_norm_w (C) f32 (f64 with f64 inputs), or undefined: an absent
+//         weight means that stream is not normalised at all and gets no gradient
+//   rope_cos, rope_sin (N, D) f32 (f64 with f64 inputs); sin carries the sign:
+//         rope(x)[d] = x[d]·cos[d] + x[d^1]·sin[d]
+//   out   (B, N, H, D)     qkv's dtype
+// Either every floating input is f64 (the CPU oracle) or none is. All tensors
+// on one device. D even, 2..128; f64 is CPU-only.
+//
+// Gradients flow to qkv, beta, decay and the present norm weights.
+// Throws gdncp::Error naming the argument for any bad input (SPEC §9).
+#pragma once
+
+#include <cstdint>
+
+#include "gdncp/autograd.h"
+#include "gdncp/tensor.h"
+
+namespace gdncp {
+
+// Matrix-unit mode of the CUDA kernels (SPEC §8). The CPU computes exactly in
+// f32 (bf16/f32 inputs) or f64 whatever the mode.
+enum class Precision {
+  automatic,  // bf16 operands for bf16 input, IEEE f32 for f32 input
+  bf16,       // bf16 tensor-core operands, f32 accumulation
+  tf32,       // tf32 tensor-core operands, f32 accumulation
+  ieee,       // plain f32 arithmetic
+};
+const char* precision_name(Precision p);
+
+struct BigdnOptions {
+  double k_scale = 1.0;   // Sana production uses D^-½·S^-½
+  double norm_eps = 1e-5;
+  double eps = 1e-6;
+  Precision precision = Precision::automatic;
+  Checkpoint checkpoint = Checkpoint::off;  // on: keep only the inputs, recompute in backward
+};
+
+// Largest supported head dimension.
+constexpr int64_t kMaxHeadDim = 128;
+
+// The layer, as fused kernels (one node, or a checkpoint node). Returns out.
+Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
+             const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
+             const BigdnOptions& options = {});
+
+// The same layer composed of the fine-grained ops of gdncp/ops.h, one node per
+// op (CPU). An independent coding of the math, used to check bigdn.
+Tensor bigdn_unfused(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
+                     const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
+                     const BigdnOptions& options = {});
+
+// Standard RoPE tables for the pair layout of SPEC §2 (sin carries the sign),
+// position of token n = n + offset, frequency base^(-2i/D) for pair i.
+// Returns {cos, sin}, each (N, D) in dtype (f32 or f64), on device.
+std::pair<Tensor, Tensor> rope_tables(int64_t N, int64_t D, DType dtype, Device device, int64_t offset = 0,
+                                      double base = 10000.0);
+
+}  // namespace gdncp

@@ -1,0 +1,90 @@
+// gdncp/error.h — the one error type of the library and the checks that raise it.
+//
+// Every public entry validates its arguments before any work is launched and
+// throws gdncp::Error whose message names the argument and says why
+// (SPEC §9). Failures of CUDA, cuBLAS, NCCL and MPI calls surface as the same
+// exception, naming the failed call. Nothing here aborts the process.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace gdncp {
+
+// The only exception type gdncp throws. what() reads "file:line: message".
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+namespace detail {
+
+inline void append(std::ostringstream&) {}
+template <typename T, typename... Rest>
+void append(std::ostringstream& os, const T& first, const Rest&... rest) {
+  os << first;
+  append(os, rest...);
+}
+
+template <typename... Args>
+[[noreturn]] void fail(const char* file, int line, const Args&... args) {
+  std::ostringstream os;
+  os << file << ":" << line << ": ";
+  append(os, args...);
+  throw Error(os.str());
+}
+
+}  // namespace detail
+}  // namespace gdncp
+
+// GDNCP_CHECK(cond, msg...) throws gdncp::Error("file:line: msg...") when cond is false.
+// The message parts are streamed, so GDNCP_CHECK(n > 0, "qkv: N must be > 0, got ", n) works.
+#define GDNCP_CHECK(cond, ...)                                        \
+  do {                                                                \
+    if (!(cond)) ::gdncp::detail::fail(__FILE__, __LINE__, __VA_ARGS__); \
+  } while (0)
+
+#define GDNCP_FAIL(...) ::gdncp::detail::fail(__FILE__, __LINE__, __VA_ARGS__)
+
+// Checks of library calls. Each evaluates its argument once and throws
+// gdncp::Error naming the call (the expression text) and the library's reason.
+// The macros expand to the library's own error-string function, so they may be
+// used only where that library's header is included; error.h itself includes none.
+#define GDNCP_CUDA_CHECK(expr)                                                              \
+  do {                                                                                      \
+    const cudaError_t gdncp_err_ = (expr);                                                  \
+    if (gdncp_err_ != cudaSuccess)                                                          \
+      ::gdncp::detail::fail(__FILE__, __LINE__, "CUDA call ", #expr, " failed: ",            \
+                            cudaGetErrorName(gdncp_err_), " (", cudaGetErrorString(gdncp_err_), ")"); \
+  } while (0)
+
+// After a kernel launch: reports launch-configuration errors naming the kernel.
+#define GDNCP_CUDA_CHECK_LAUNCH(kernel_name) GDNCP_CUDA_CHECK((static_cast<void>(kernel_name), cudaGetLastError()))
+
+#define GDNCP_CUBLAS_CHECK(expr)                                                         \
+  do {                                                                                   \
+    const cublasStatus_t gdncp_st_ = (expr);                                             \
+    if (gdncp_st_ != CUBLAS_STATUS_SUCCESS)                                              \
+      ::gdncp::detail::fail(__FILE__, __LINE__, "cuBLAS call ", #expr, " failed: ",       \
+                            cublasGetStatusName(gdncp_st_), " (", cublasGetStatusString(gdncp_st_), ")"); \
+  } while (0)
+
+#define GDNCP_NCCL_CHECK(expr)                                                                  \
+  do {                                                                                          \
+    const ncclResult_t gdncp_nr_ = (expr);                                                      \
+    if (gdncp_nr_ != ncclSuccess && gdncp_nr_ != ncclInProgress)                                \
+      ::gdncp::detail::fail(__FILE__, __LINE__, "NCCL call ", #expr, " failed: ", ncclGetErrorString(gdncp_nr_)); \
+  } while (0)
+
+#define GDNCP_MPI_CHECK(expr)                                                         \
+  do {                                                                                \
+    const int gdncp_mr_ = (expr);                                                     \
+    if (gdncp_mr_ != MPI_SUCCESS) {                                                   \
+      char gdncp_msg_[MPI_MAX_ERROR_STRING];                                          \
+      int gdncp_len_ = 0;                                                             \
+      MPI_Error_string(gdncp_mr_, gdncp_msg_, &gdncp_len_);                           \
+      ::gdncp::detail::fail(__FILE__, __LINE__, "MPI call ", #expr, " failed: ",       \
+                            std::string(gdncp_msg_, static_cast<size_t>(gdncp_len_))); \
+    }                                                                                 \
+  } while (0)
