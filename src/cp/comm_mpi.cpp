@@ -100,11 +100,14 @@ class MpiCommunicator final : public Communicator {
       t.copy_from(f.to(DType::bf16));
       return;
     }
-    const MPI_Datatype type = t.dtype() == DType::f64 ? MPI_DOUBLE : MPI_FLOAT;
-    const int count = checked_count(static_cast<size_t>(t.numel()), "all_reduce_sum");
-    MPI_Request req;
-    GDNCP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, t.data(), count, type, MPI_SUM, comm_, &req));
-    wait(req, "MPI_Iallreduce", {t}, t.nbytes());
+    // Gather, then sum in rank order: the same bits on every rank and in every
+    // run, whatever reduction algorithm MPI would pick.
+    Tensor all = Tensor::empty({static_cast<int64_t>(size_) * t.numel()}, t.dtype());
+    all_gather(all, t);
+    if (t.dtype() == DType::f64)
+      sum_ranks<double>(t, all);
+    else
+      sum_ranks<float>(t, all);
   }
 
   void broadcast(Tensor& t, int root) override {
@@ -173,6 +176,18 @@ class MpiCommunicator final : public Communicator {
     return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
   }
   static constexpr int kHaloTag = 4242;
+
+  template <typename T>
+  void sum_ranks(Tensor& t, const Tensor& all) const {
+    const int64_t n = t.numel();
+    const T* a = all.data_ptr<T>();
+    T* out = t.data_ptr<T>();
+    for (int64_t i = 0; i < n; ++i) {
+      T acc = a[i];
+      for (int r = 1; r < size_; ++r) acc += a[r * n + i];
+      out[i] = acc;
+    }
+  }
 
   struct Parked {
     MPI_Request request;

@@ -59,6 +59,12 @@ Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs) {
   return L;
 }
 
+// (BH, D) for the Z stream (E = 1), else (BH, D, E); with frames: (BH, F, D[, E]).
+Shape state_shape(int64_t BH, int64_t D, int64_t E) { return E == 1 ? Shape{BH, D} : Shape{BH, D, E}; }
+Shape states_shape(int64_t BH, int64_t F, int64_t D, int64_t E) {
+  return E == 1 ? Shape{BH, F, D} : Shape{BH, F, D, E};
+}
+
 }  // namespace
 
 int64_t active_frames(int64_t K, int rank, int64_t F) {
@@ -81,7 +87,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
         ScanJob& j = jobs[i];
         SweepSpec s = spec_of(ctx, j);
         s.descending = j.anti;
-        Tensor h = Tensor::empty({BH, D, j.E}, dt, dev);
+        Tensor h = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
         Tensor M = Tensor::empty({BH, D, D}, dt, dev);
         s.init = Init::zero;
         kern::scan_sweep(none, none, h, j.P, ctx.decay, none, j.U, none, s);
@@ -102,29 +108,29 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       ScanJob& j = jobs[i];
       std::vector<int> before;
       for (int pos = 0; pos < logical(j, r, P); ++pos) before.push_back(physical(j, pos, P));
-      j.X0 = Tensor::empty({BH, D, j.E}, dt, dev);
+      j.X0 = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
       kern::fold(j.X0, none, ctx.gathered, L.M[i], L.fwd_total, false, ctx.gathered, L.h[i], L.fwd_total, before, BH,
                  D, j.E);
       if (j.terminal) {
         GDNCP_CHECK(!j.anti && !j.rank_reverse, "cp scan: a terminal state needs the forward rank order");
         std::vector<int> all;
         for (int p = 0; p < P; ++p) all.push_back(p);
-        j.T = Tensor::empty({BH, D, j.E}, dt, dev);
+        j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
         kern::fold(j.T, none, ctx.gathered, L.M[i], L.fwd_total, false, ctx.gathered, L.h[i], L.fwd_total, all, BH,
                    D, j.E);
       }
     }
   } else {
-    for (auto& j : jobs) j.X0 = Tensor::zeros({BH, D, j.E}, dt, dev);
+    for (auto& j : jobs) j.X0 = Tensor::zeros(state_shape(BH, D, j.E), dt, dev);
   }
 
   for (auto& j : jobs) {
     SweepSpec s = spec_of(ctx, j);
     s.init = Init::given;
-    j.Y = Tensor::empty({BH, F, D, j.E}, dt, dev);
+    j.Y = Tensor::empty(states_shape(BH, F, D, j.E), dt, dev);
     Tensor fin;
     if (P == 1 && j.terminal) {  // one rank: the terminal state is its last state
-      j.T = Tensor::empty({BH, D, j.E}, dt, dev);
+      j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
       fin = j.T;
     }
     if (j.anti) {
@@ -166,7 +172,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     for (size_t i = 0; i < jobs.size(); ++i) {
       const ScanJob& j = jobs[i];
       if (logical(j, r, P) > 0) {  // the logically first rank's X0 is the constant 0
-        Tensor dX0 = Tensor::empty({BH, D, j.E}, dt, dev);
+        Tensor dX0 = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
         adjoint_sweep(j, none, dX0, none);
         kern::copy_region(pack, L.dX0[i], dX0, 0, dX0.numel());
       }
@@ -181,7 +187,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       if (j.terminal) {  // Σ over ranks of dT, in rank order: the same bits everywhere
         std::vector<int> all;
         for (int p = 0; p < P; ++p) all.push_back(p);
-        a0 = Tensor::empty({BH, D, j.E}, dt, dev);
+        a0 = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
         kern::fold(a0, none, none, 0, 0, false, gathered, L.dT[i], stride, all, BH, D, j.E);
       }
       std::vector<int> after;
@@ -189,7 +195,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       if (after.empty()) {
         seed[i] = a0;
       } else {
-        seed[i] = Tensor::empty({BH, D, j.E}, dt, dev);
+        seed[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
         kern::fold(seed[i], a0, ctx.gathered, L.M[i], L.fwd_total, true, gathered, L.dX0[i], stride, after, BH, D,
                    j.E);
       }
@@ -201,7 +207,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
 
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
-    j.dU = Tensor::empty({BH, ctx.F, D, j.E}, dt, dev);
+    j.dU = Tensor::empty(states_shape(BH, ctx.F, D, j.E), dt, dev);
     adjoint_sweep(j, j.dU, none, seed[i]);
     SweepSpec s = spec_of(ctx, j);
     kern::scan_grad_outer(j.dP, dg, j.dU, j.Y, j.anti ? none : j.X0, j.P, ctx.decay, s, j.anti, j.dP_accumulate);
