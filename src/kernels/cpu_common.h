@@ -259,6 +259,26 @@ inline void matvec_t(T* out, const T* a, const T* x, int64_t D) {
   }
 }
 
+// Accumulator of long reductions with cancellation (the decay gradient sums D²
+// terms of both signs): double for float, long double for double.
+template <typename T>
+struct Wider;
+template <>
+struct Wider<float> {
+  using type = double;
+};
+template <>
+struct Wider<double> {
+  using type = long double;
+};
+
+template <typename T>
+inline T dot_wide(const T* a, const T* b, int64_t n) {
+  typename Wider<T>::type s = 0;
+  for (int64_t i = 0; i < n; ++i) s += static_cast<typename Wider<T>::type>(a[i]) * b[i];
+  return static_cast<T>(s);
+}
+
 template <typename T>
 inline T dot(const T* a, const T* b, int64_t n) {
   T s = T(0);

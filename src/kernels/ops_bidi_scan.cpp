@@ -122,14 +122,17 @@ struct Chain {
       tmul_add(next.data(), &trans[static_cast<size_t>((f + 1) * DD)], G.data(), D, m);
       G.swap(next);
     }
-    // T_f = g_f (I − P_f)
-    for (int64_t f = 0; f < F; ++f)
+    // T_f = g_f (I − P_f); dg sums D² terms of both signs, so it accumulates wider.
+    for (int64_t f = 0; f < F; ++f) {
+      typename Wider<T>::type s = 0;
       for (int64_t i = 0; i < D; ++i)
         for (int64_t j = 0; j < D; ++j) {
           const int64_t e = f * DD + i * D + j;
           dP[e] = -g[f] * dT[static_cast<size_t>(e)];
-          dg[f] += dT[static_cast<size_t>(e)] * ((i == j ? T(1) : T(0)) - P[e]);
+          s += static_cast<typename Wider<T>::type>(dT[static_cast<size_t>(e)]) * ((i == j ? T(1) : T(0)) - P[e]);
         }
+      dg[f] += static_cast<T>(s);
+    }
   }
 };
 

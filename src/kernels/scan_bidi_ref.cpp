@@ -9,7 +9,8 @@
 //   dU += G,  dP += −g G X_prevᵀ,  dg += ⟨(I − P)ᵀ G, X_prev⟩,  dL/dX_prev += g (I − P)ᵀ G.
 // The forward chain is walked from the last frame back, the reverse chain from
 // the first frame on; frame f's transition feeds Mf_f and Mr_{f−1}.
-// Gradient rule: dP, dA, dPz, dbz, ddecay are overwritten.
+// Gradient rule: dP, dA, dPz, dbz, ddecay are overwritten. The decay gradient
+// (a sum of D² terms of both signs) accumulates in a wider type.
 #include "kernels/cpu_common.h"
 #include "kernels/kernels.h"
 
@@ -81,7 +82,7 @@ T step_mat_bwd(T* dU, T* dP, T* W, const T* G, const T* P, const T* X_prev, T g,
   for (int64_t i = 0; i < DD; ++i) dP[i] -= g * tmp[i];
   matmul_tn(tmp, P, G, D);
   for (int64_t i = 0; i < DD; ++i) W[i] = G[i] - tmp[i];
-  return dot(W, X_prev, DD);
+  return dot_wide(W, X_prev, DD);
 }
 
 template <typename T>
@@ -93,7 +94,7 @@ T step_vec_bwd(T* du, T* dP, T* w, const T* G, const T* P, const T* x_prev, T g,
   }
   matvec_t(tmp, P, G, D);
   for (int64_t i = 0; i < D; ++i) w[i] = G[i] - tmp[i];
-  return dot(w, x_prev, D);
+  return dot_wide(w, x_prev, D);
 }
 
 template <typename T>
