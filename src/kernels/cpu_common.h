@@ -194,69 +194,67 @@ inline void relu_scale_bwd(T* dxhat, const T* dxplus, const T* xhat, T scale, in
 }
 
 // --- small dense matrices (row-major D×D) ----------------------------------
+// Inner loops are written as y[j] += a·x[j] (axpy) over contiguous rows, the
+// form the compiler vectorises without reassociating sums (so results stay
+// bitwise reproducible).
+
+// y[0..n) += a·x[0..n)
+template <typename T>
+inline void axpy(T* __restrict y, T a, const T* __restrict x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
+}
+
+// out = aᵀ (out must not alias a).
+template <typename T>
+inline void transpose(T* __restrict out, const T* __restrict a, int64_t D) {
+  for (int64_t i = 0; i < D; ++i)
+    for (int64_t j = 0; j < D; ++j) out[j * D + i] = a[i * D + j];
+}
+
 // out = a·b (out must not alias a or b).
 template <typename T>
 inline void matmul(T* out, const T* a, const T* b, int64_t D) {
   for (int64_t i = 0; i < D * D; ++i) out[i] = T(0);
-  for (int64_t i = 0; i < D; ++i) {
-    T* o = out + i * D;
-    for (int64_t k = 0; k < D; ++k) {
-      const T aik = a[i * D + k];
-      const T* bk = b + k * D;
-      for (int64_t j = 0; j < D; ++j) o[j] += aik * bk[j];
-    }
-  }
+  for (int64_t i = 0; i < D; ++i)
+    for (int64_t k = 0; k < D; ++k) axpy(out + i * D, a[i * D + k], b + k * D, D);
 }
 
 // out = aᵀ·b (out must not alias a or b).
 template <typename T>
 inline void matmul_tn(T* out, const T* a, const T* b, int64_t D) {
   for (int64_t i = 0; i < D * D; ++i) out[i] = T(0);
-  for (int64_t k = 0; k < D; ++k) {
-    const T* ak = a + k * D;
-    const T* bk = b + k * D;
-    for (int64_t i = 0; i < D; ++i) {
-      const T aki = ak[i];
-      T* o = out + i * D;
-      for (int64_t j = 0; j < D; ++j) o[j] += aki * bk[j];
-    }
-  }
+  for (int64_t k = 0; k < D; ++k)
+    for (int64_t i = 0; i < D; ++i) axpy(out + i * D, a[k * D + i], b + k * D, D);
 }
 
-// out = a·bᵀ (out must not alias a or b).
+// out = a·bᵀ (out must not alias a or b; bt: D×D scratch).
 template <typename T>
-inline void matmul_nt(T* out, const T* a, const T* b, int64_t D) {
-  for (int64_t i = 0; i < D; ++i) {
-    const T* ai = a + i * D;
-    for (int64_t j = 0; j < D; ++j) {
-      const T* bj = b + j * D;
-      T s = T(0);
-      for (int64_t k = 0; k < D; ++k) s += ai[k] * bj[k];
-      out[i * D + j] = s;
-    }
-  }
+inline void matmul_nt(T* out, const T* a, const T* b, int64_t D, T* bt) {
+  transpose(bt, b, D);
+  matmul(out, a, bt, D);
 }
 
-// out = a·x for a D×D matrix and D-vector.
+// out = aᵀ·x (out must not alias a or x).
+template <typename T>
+inline void matvec_t(T* out, const T* a, const T* x, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) out[i] = T(0);
+  for (int64_t k = 0; k < D; ++k) axpy(out, x[k], a + k * D, D);
+}
+
+// out = a·x in dot form (for the cheap D² paths).
 template <typename T>
 inline void matvec(T* out, const T* a, const T* x, int64_t D) {
   for (int64_t i = 0; i < D; ++i) {
-    const T* ai = a + i * D;
     T s = T(0);
-    for (int64_t k = 0; k < D; ++k) s += ai[k] * x[k];
+    for (int64_t k = 0; k < D; ++k) s += a[i * D + k] * x[k];
     out[i] = s;
   }
 }
 
-// out = aᵀ·x.
+// out = a·x given at = aᵀ (out must not alias at or x).
 template <typename T>
-inline void matvec_t(T* out, const T* a, const T* x, int64_t D) {
-  for (int64_t i = 0; i < D; ++i) out[i] = T(0);
-  for (int64_t k = 0; k < D; ++k) {
-    const T xk = x[k];
-    const T* ak = a + k * D;
-    for (int64_t i = 0; i < D; ++i) out[i] += ak[i] * xk;
-  }
+inline void matvec_from_t(T* out, const T* at, const T* x, int64_t D) {
+  matvec_t(out, at, x, D);
 }
 
 // Accumulator of long reductions with cancellation (the decay gradient sums D²

@@ -47,34 +47,34 @@ void phase_a_fwd_impl(Tensor& P, Tensor& A, Tensor& Pz, Tensor& bz, const Tensor
   In<T> x(qkv), r(rstd), w(k_norm_w), cs(rope_cos), sn(rope_sin), bt(beta);
   Out<T> oP(P), oA(A), oPz(Pz), ob(bz);
   const KPrep<T> prep{x.data(), r.data(), w.data(), cs.data(), sn.data(), d.N(), d.C(), D, static_cast<T>(k_scale)};
-  std::vector<T> kp(static_cast<size_t>(D)), kr(static_cast<size_t>(D)), v(static_cast<size_t>(D)), scratch(kp);
+  // The frame's S rows of k⁺, kʳ, v, loaded once; each output row i then
+  // accumulates Σ_s over rows that stay in cache.
+  const size_t SD = static_cast<size_t>(S * D);
+  std::vector<T> Kp(SD), Kr(SD), V(SD), bs(static_cast<size_t>(S)), scratch(static_cast<size_t>(D));
 
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.H; ++h) {
       const int64_t bh = b * d.H + h;
       for (int64_t f = 0; f < F; ++f) {
+        for (int64_t s = 0; s < S; ++s) {
+          prep.load(b, f * S + s, h, nullptr, &Kp[s * D], &Kr[s * D], &V[s * D], scratch.data());
+          bs[s] = bt[(bh * F + f) * S + s];
+        }
         T* Pf = oP.data() + (bh * F + f) * DD;
         T* Af = oA.data() + (bh * F + f) * DD;
         T* Pzf = oPz.data() + (bh * F + f) * DD;
         T* bf = ob.data() + (bh * F + f) * D;
         for (int64_t i = 0; i < DD; ++i) Pf[i] = Af[i] = Pzf[i] = T(0);
-        for (int64_t i = 0; i < D; ++i) bf[i] = T(0);
-        for (int64_t s = 0; s < S; ++s) {
-          const int64_t n = f * S + s;
-          prep.load(b, n, h, nullptr, kp.data(), kr.data(), v.data(), scratch.data());
-          const T beta_s = bt[(bh * F + f) * S + s];
-          for (int64_t i = 0; i < D; ++i) {
-            const T bkr = beta_s * kr[i], bkp = beta_s * kp[i];
-            T* Pi = Pf + i * D;
-            T* Ai = Af + i * D;
-            T* Pzi = Pzf + i * D;
-            for (int64_t j = 0; j < D; ++j) {
-              Pi[j] += bkr * kr[j];
-              Ai[j] += bkr * v[j];
-              Pzi[j] += bkp * kp[j];
-            }
-            bf[i] += bkp;
+        for (int64_t i = 0; i < D; ++i) {
+          T bsum = T(0);
+          for (int64_t s = 0; s < S; ++s) {
+            const T bkr = bs[s] * Kr[s * D + i], bkp = bs[s] * Kp[s * D + i];
+            axpy(Pf + i * D, bkr, &Kr[s * D], D);
+            axpy(Af + i * D, bkr, &V[s * D], D);
+            axpy(Pzf + i * D, bkp, &Kp[s * D], D);
+            bsum += bkp;
           }
+          bf[i] = bsum;
         }
       }
     }
@@ -98,7 +98,7 @@ void phase_a_bwd_impl(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor&
   const auto vec = [D] { return std::vector<T>(static_cast<size_t>(D)); };
   std::vector<T> kh = vec(), kp = vec(), kr = vec(), v = vec(), scratch = vec();
   std::vector<T> u = vec(), av = vec(), uz = vec(), dkr = vec(), dkp = vec();
-  std::vector<T> Ps(static_cast<size_t>(DD)), Pzs(static_cast<size_t>(DD));
+  std::vector<T> Ps(static_cast<size_t>(DD)), Pzs(static_cast<size_t>(DD)), dAt(static_cast<size_t>(DD));
 
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < H; ++h) {
@@ -113,13 +113,14 @@ void phase_a_bwd_impl(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor&
             Ps[i * D + j] = dPf[i * D + j] + dPf[j * D + i];
             Pzs[i * D + j] = dPzf[i * D + j] + dPzf[j * D + i];
           }
+        transpose(dAt.data(), dAf, D);
         for (int64_t s = 0; s < S; ++s) {
           const int64_t n = f * S + s;
           prep.load(b, n, h, kh.data(), kp.data(), kr.data(), v.data(), scratch.data());
           const T beta_s = bt[(bh * F + f) * S + s];
-          matvec(u.data(), Ps.data(), kr.data(), D);    // Ps kʳ
-          matvec(av.data(), dAf, v.data(), D);          // dA v
-          matvec(uz.data(), Pzs.data(), kp.data(), D);  // Pzs k⁺
+          matvec_t(u.data(), Ps.data(), kr.data(), D);     // Ps kʳ (Ps is symmetric)
+          matvec_from_t(av.data(), dAt.data(), v.data(), D);  // dA v
+          matvec_t(uz.data(), Pzs.data(), kp.data(), D);   // Pzs k⁺
           T* dvs = dv.data() + (b * N + n) * C + h * D;
           matvec_t(dvs, dAf, kr.data(), D);  // dAᵀ kʳ
           for (int64_t i = 0; i < D; ++i) {

@@ -88,6 +88,7 @@ void phase_c_bwd_impl(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout
   const QPrep<T> prep{x.data(), r.data(), w.data(), cs.data(), sn.data(), N, C, D};
   const auto vec = [D] { return std::vector<T>(static_cast<size_t>(D)); };
   std::vector<T> qh = vec(), qp = vec(), qr = vec(), num = vec(), dnum = vec(), dqr = vec(), dqp = vec();
+  std::vector<T> Mt(static_cast<size_t>(DD));
 
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < H; ++h) {
@@ -99,6 +100,7 @@ void phase_c_bwd_impl(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout
         T* dzf = odz.data() + (bh * F + f) * D;
         std::fill(dMf, dMf + DD, T(0));
         std::fill(dzf, dzf + D, T(0));
+        transpose(Mt.data(), Mf, D);
         for (int64_t s = 0; s < S; ++s) {
           const int64_t n = f * S + s;
           const int64_t row = (b * N + n) * C + h * D;
@@ -114,11 +116,9 @@ void phase_c_bwd_impl(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout
             for (int64_t j = 0; j < D; ++j) dnum[j] = go.defined() ? go[row + j] : T(0);
             if (gden.defined()) dden_s = gden[bh * N + n];
           }
-          matvec(dqr.data(), Mf, dnum.data(), D);
+          matvec_from_t(dqr.data(), Mt.data(), dnum.data(), D);  // M dnum
           for (int64_t i = 0; i < D; ++i) {
-            const T qi = qr[i];
-            T* dMi = dMf + i * D;
-            for (int64_t j = 0; j < D; ++j) dMi[j] += qi * dnum[j];
+            axpy(dMf + i * D, qr[i], dnum.data(), D);
             dzf[i] += dden_s * qp[i];
             dqp[i] = dden_s * zf[i];
           }

@@ -73,12 +73,12 @@ void scan_bidi_fwd_impl(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor
 }
 
 // Backward of X = g (I − P) X_prev + U (D×D): dU += G, dP += −g G X_prevᵀ,
-// W = (I − P)ᵀ G; returns ⟨W, X_prev⟩ = dL/dg. tmp: D×D scratch.
+// W = (I − P)ᵀ G; returns ⟨W, X_prev⟩ = dL/dg. tmp, tmp2: D×D scratch.
 template <typename T>
-T step_mat_bwd(T* dU, T* dP, T* W, const T* G, const T* P, const T* X_prev, T g, int64_t D, T* tmp) {
+T step_mat_bwd(T* dU, T* dP, T* W, const T* G, const T* P, const T* X_prev, T g, int64_t D, T* tmp, T* tmp2) {
   const int64_t DD = D * D;
   for (int64_t i = 0; i < DD; ++i) dU[i] += G[i];
-  matmul_nt(tmp, G, X_prev, D);
+  matmul_nt(tmp, G, X_prev, D, tmp2);
   for (int64_t i = 0; i < DD; ++i) dP[i] -= g * tmp[i];
   matmul_tn(tmp, P, G, D);
   for (int64_t i = 0; i < DD; ++i) W[i] = G[i] - tmp[i];
@@ -105,7 +105,7 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
   In<T> gM(dMsum), gz(dzsum), iP(P), iPz(Pz), ig(decay), iMf(Mf), iMr(Mr), izf(zf), izr(zr);
   Out<T> odP(dP), odA(dA), odPz(dPz), odb(dbz), odg(ddecay);
   const auto buf = [](int64_t n) { return std::vector<T>(static_cast<size_t>(n)); };
-  std::vector<T> G = buf(DD), W = buf(DD), tmp = buf(DD), Gz = buf(D), Wz = buf(D);
+  std::vector<T> G = buf(DD), W = buf(DD), tmp = buf(DD), tmp2 = buf(DD), Gz = buf(D), Wz = buf(D);
 
   for (int64_t bh = 0; bh < d.BH(); ++bh) {
     const auto mat = [&](auto& t, int64_t f) { return t.data() + (bh * F + f) * DD; };
@@ -123,7 +123,7 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
     std::copy(vec(gz, F - 1), vec(gz, F - 1) + D, Gz.begin());
     for (int64_t f = F - 1; f >= 1; --f) {
       odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMf, f - 1),
-                                      g(f), D, tmp.data());
+                                      g(f), D, tmp.data(), tmp2.data());
       odg[bh * F + f] += step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f),
                                       vec(izf, f - 1), g(f), D, tmp.data());
       for (int64_t i = 0; i < DD; ++i) G[i] = mat(gM, f - 1)[i] + g(f) * W[i];
@@ -136,7 +136,7 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
     std::copy(vec(gz, 0), vec(gz, 0) + D, Gz.begin());
     for (int64_t f = 1; f < F; ++f) {
       odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMr, f), g(f),
-                                      D, tmp.data());
+                                      D, tmp.data(), tmp2.data());
       odg[bh * F + f] += step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f), vec(izr, f),
                                       g(f), D, tmp.data());
       if (f + 1 < F) {
