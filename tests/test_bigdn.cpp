@@ -469,6 +469,21 @@ TEST(BigdnTwins, OverwriteEveryPoisonedOutput) {
   }
 }
 
+TEST(BigdnTwins, RejectShapesThatDoNotMatchDims) {
+  const Dims d = dims(1, 2, 8, 2, 3);
+  const LayerInputs in = make_layer_inputs(d, DType::f32, 995);
+  Tensor rstd = Tensor::empty({d.B, d.N(), 2}, DType::f32);
+  cpu::rms_stats(rstd, in.qkv, in.q_norm_w, in.k_norm_w, d, 1e-5);
+  Tensor P = Tensor::empty({d.BH(), d.F, d.D, d.D + 1}, DType::f32), A = Tensor::empty({d.BH(), d.F, d.D, d.D}, DType::f32);
+  Tensor Pz = A.clone(), bz = Tensor::empty({d.BH(), d.F, d.D}, DType::f32);
+  EXPECT_THROW(cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, 1.0,
+                                MathMode::ieee),
+               Error);
+  Dims wrong = d;
+  wrong.F = 3;  // qkv holds F·S = 6 tokens, not 9
+  EXPECT_THROW(cpu::rms_stats(rstd, in.qkv, in.q_norm_w, in.k_norm_w, wrong, 1e-5), Error);
+}
+
 // --- rope tables ---------------------------------------------------------------------------------
 
 TEST(RopeTables, PairLayoutWithSignedSin) {

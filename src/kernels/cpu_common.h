@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "gdncp/error.h"
@@ -146,6 +147,16 @@ inline DType compute_dtype(DType dtype) { return dtype == DType::f64 ? DType::f6
 inline void require_cpu(const Tensor& t, const char* op, const char* arg) {
   GDNCP_CHECK(t.defined(), op, ": ", arg, " is undefined");
   GDNCP_CHECK(!t.is_cuda(), op, ": ", arg, " is a CUDA tensor; this op runs on the CPU only (use gdncp::bigdn)");
+}
+
+// Cheap guard at the twin entries: a shape that does not match the Dims would
+// make the loops read or write out of bounds.
+inline void check_shape(const Tensor& t, const Shape& shape, const char* op, const char* name) {
+  GDNCP_CHECK(t.defined(), op, ": ", name, " is undefined");
+  GDNCP_CHECK(t.shape() == shape, op, ": ", name, " must be ", shape_str(shape), ", got ", t.str());
+}
+inline void check_shape_if_defined(const Tensor& t, const Shape& shape, const char* op, const char* name) {
+  if (t.defined()) check_shape(t, shape, op, name);
 }
 
 // --- the qkv layout (B, N, 3, H, D) -----------------------------------------

@@ -156,6 +156,11 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
 
 void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,
                    const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Dims& d) {
+  const char* op = "cpu::scan_bidi_fwd";
+  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&Mf, &Mr, &Msum, &P, &A, &Pz}) check_shape(*t, mat_s, op, "a (BH, F, D, D) tensor");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&zf, &zr, &zsum, &bz}) check_shape(*t, vec_s, op, "a (BH, F, D) tensor");
+  check_shape(decay, {d.B, d.H, d.F}, op, "decay");
   if (P.dtype() == DType::f64)
     scan_bidi_fwd_impl<double>(Mf, Mr, Msum, zf, zr, zsum, P, A, Pz, bz, decay, d);
   else
@@ -165,6 +170,12 @@ void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr,
 void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& ddecay, const Tensor& dMsum,
                    const Tensor& dzsum, const Tensor& P, const Tensor& Pz, const Tensor& decay, const Tensor& Mf,
                    const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Dims& d) {
+  const char* op = "cpu::scan_bidi_bwd";
+  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dP, &dA, &dPz, &dMsum, &P, &Pz, &Mf, &Mr}) check_shape(*t, mat_s, op, "a (BH, F, D, D) tensor");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dbz, &dzsum, &zf, &zr}) check_shape(*t, vec_s, op, "a (BH, F, D) tensor");
+  check_shape(ddecay, {d.B, d.H, d.F}, op, "ddecay");
+  check_shape(decay, {d.B, d.H, d.F}, op, "decay");
   if (P.dtype() == DType::f64)
     scan_bidi_bwd_impl<double>(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, d);
   else
