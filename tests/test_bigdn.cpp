@@ -49,7 +49,8 @@ TEST(BigdnHand, TwoFramesWithRopeAndReverseState) {
                              : bigdn_unfused(qkv, beta, decay, Tensor(), Tensor(), cs, sn, 2, 1, opt);
     ASSERT_EQ(out.shape(), Shape({1, 2, 1, 2}));
     const std::vector<double> got = out.to_vector();
-    for (size_t i = 0; i < expected.size(); ++i) EXPECT_NEAR(got[i], expected[i], 1e-14) << "fused " << fused << " i " << i;
+    for (size_t i = 0; i < expected.size(); ++i)
+      EXPECT_NEAR(got[i], expected[i], 1e-14) << "fused " << fused << " i " << i;
   }
 }
 
@@ -76,7 +77,8 @@ TEST(BigdnHand, OneFrameWithNormAndKScale) {
     const Tensor out = fused ? bigdn(qkv, beta, decay, qw, kw, cs, sn, 1, 2, opt)
                              : bigdn_unfused(qkv, beta, decay, qw, kw, cs, sn, 1, 2, opt);
     const std::vector<double> got = out.to_vector();
-    for (size_t i = 0; i < expected.size(); ++i) EXPECT_NEAR(got[i], expected[i], 1e-14) << "fused " << fused << " i " << i;
+    for (size_t i = 0; i < expected.size(); ++i)
+      EXPECT_NEAR(got[i], expected[i], 1e-14) << "fused " << fused << " i " << i;
   }
 }
 
@@ -100,7 +102,9 @@ std::vector<double> naive_bigdn(const LayerInputs& in) {
     plus[c].assign(static_cast<size_t>(B * N * H * D), 0);
     rot[c] = plus[c];
   }
-  const auto at = [&](int64_t b, int64_t n, int64_t h, int64_t i) { return static_cast<size_t>(((b * N + n) * H + h) * D + i); };
+  const auto at = [&](int64_t b, int64_t n, int64_t h, int64_t i) {
+    return static_cast<size_t>(((b * N + n) * H + h) * D + i);
+  };
   for (int64_t b = 0; b < B; ++b)
     for (int64_t n = 0; n < N; ++n)
       for (int c = 0; c < 2; ++c) {
@@ -453,7 +457,8 @@ TEST(BigdnTwins, OverwriteEveryPoisonedOutput) {
     for (const Tensor* t : {&dP, &dA, &dPz, &dbz, &ddecay}) EXPECT_FALSE(has_nonfinite(*t)) << what;
 
     // phase_a_bwd writes only the v channel of dqkv; rms_norm_bwd then writes q and k.
-    Tensor dk_hat = poisoned({B, N, H, D}, ct), dqkv = poisoned(in.qkv.shape(), dt), dbeta = poisoned(in.beta.shape(), dt);
+    Tensor dk_hat = poisoned({B, N, H, D}, ct), dqkv = poisoned(in.qkv.shape(), dt),
+           dbeta = poisoned(in.beta.shape(), dt);
     cpu::phase_a_bwd(dk_hat, dqkv, dbeta, dP, dA, dPz, dbz, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin,
                      in.beta, d, ks, mode);
     EXPECT_FALSE(has_nonfinite(dk_hat)) << what;
@@ -474,7 +479,8 @@ TEST(BigdnTwins, RejectShapesThatDoNotMatchDims) {
   const LayerInputs in = make_layer_inputs(d, DType::f32, 995);
   Tensor rstd = Tensor::empty({d.B, d.N(), 2}, DType::f32);
   cpu::rms_stats(rstd, in.qkv, in.q_norm_w, in.k_norm_w, d, 1e-5);
-  Tensor P = Tensor::empty({d.BH(), d.F, d.D, d.D + 1}, DType::f32), A = Tensor::empty({d.BH(), d.F, d.D, d.D}, DType::f32);
+  Tensor P = Tensor::empty({d.BH(), d.F, d.D, d.D + 1}, DType::f32),
+         A = Tensor::empty({d.BH(), d.F, d.D, d.D}, DType::f32);
   Tensor Pz = A.clone(), bz = Tensor::empty({d.BH(), d.F, d.D}, DType::f32);
   EXPECT_THROW(cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, 1.0,
                                 MathMode::ieee),

@@ -21,18 +21,30 @@ namespace detail {
 
 // --- element conversion ---------------------------------------------------
 template <typename T>
-inline T to_compute(float x) { return static_cast<T>(x); }
+inline T to_compute(float x) {
+  return static_cast<T>(x);
+}
 template <typename T>
-inline T to_compute(double x) { return static_cast<T>(x); }
+inline T to_compute(double x) {
+  return static_cast<T>(x);
+}
 template <typename T>
-inline T to_compute(bf16 x) { return static_cast<T>(bf16_to_float(x)); }
+inline T to_compute(bf16 x) {
+  return static_cast<T>(bf16_to_float(x));
+}
 
 template <typename T>
-inline void from_compute(float* p, int64_t i, T v) { p[i] = static_cast<float>(v); }
+inline void from_compute(float* p, int64_t i, T v) {
+  p[i] = static_cast<float>(v);
+}
 template <typename T>
-inline void from_compute(double* p, int64_t i, T v) { p[i] = static_cast<double>(v); }
+inline void from_compute(double* p, int64_t i, T v) {
+  p[i] = static_cast<double>(v);
+}
 template <typename T>
-inline void from_compute(bf16* p, int64_t i, T v) { p[i] = float_to_bf16(static_cast<float>(v)); }
+inline void from_compute(bf16* p, int64_t i, T v) {
+  p[i] = float_to_bf16(static_cast<float>(v));
+}
 
 // Calls fn(ptr) with t's data as float*, double* or bf16*.
 template <typename Fn>
@@ -55,7 +67,9 @@ void visit_mut(Tensor& t, Fn&& fn) {
 }
 
 template <typename T>
-constexpr DType compute_dtype_of() { return dtype_of<T>::value; }
+constexpr DType compute_dtype_of() {
+  return dtype_of<T>::value;
+}
 
 // Read-only view of a CPU tensor in T. An undefined tensor gives data() == nullptr.
 template <typename T>

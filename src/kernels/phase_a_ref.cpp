@@ -21,9 +21,9 @@ using namespace detail;
 // The inputs of one (b, h) pair that every frame reads.
 template <typename T>
 struct KPrep {
-  const T* x;     // qkv
-  const T* r;     // rstd
-  const T* w;     // k_norm_w or null
+  const T* x;  // qkv
+  const T* r;  // rstd
+  const T* w;  // k_norm_w or null
   const T* cos;
   const T* sin;
   int64_t N, C, D;
@@ -118,9 +118,9 @@ void phase_a_bwd_impl(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor&
           const int64_t n = f * S + s;
           prep.load(b, n, h, kh.data(), kp.data(), kr.data(), v.data(), scratch.data());
           const T beta_s = bt[(bh * F + f) * S + s];
-          matvec_t(u.data(), Ps.data(), kr.data(), D);     // Ps kʳ (Ps is symmetric)
+          matvec_t(u.data(), Ps.data(), kr.data(), D);        // Ps kʳ (Ps is symmetric)
           matvec_from_t(av.data(), dAt.data(), v.data(), D);  // dA v
-          matvec_t(uz.data(), Pzs.data(), kp.data(), D);   // Pzs k⁺
+          matvec_t(uz.data(), Pzs.data(), kp.data(), D);      // Pzs k⁺
           T* dvs = dv.data() + (b * N + n) * C + h * D;
           matvec_t(dvs, dAf, kr.data(), D);  // dAᵀ kʳ
           for (int64_t i = 0; i < D; ++i) {

@@ -77,10 +77,9 @@ void phase_c_fwd_impl(Tensor& out, Tensor& den, const Tensor& qkv, const Tensor&
 }
 
 template <typename T>
-void phase_c_bwd_impl(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, const Tensor& dden,
-                      const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& rope_cos,
-                      const Tensor& rope_sin, const Tensor& M, const Tensor& z, const Dims& d, double eps,
-                      bool divide) {
+void phase_c_bwd_impl(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, const Tensor& dden, const Tensor& qkv,
+                      const Tensor& rstd, const Tensor& q_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
+                      const Tensor& M, const Tensor& z, const Dims& d, double eps, bool divide) {
   const int64_t D = d.D, S = d.S, F = d.F, N = d.N(), C = d.C(), H = d.H, DD = D * D;
   In<T> x(qkv), r(rstd), w(q_norm_w), cs(rope_cos), sn(rope_sin), iM(M), iz(z), go(dout), gden(dden);
   GDNCP_CHECK(!divide || go.defined(), "phase_c_bwd: divide mode needs dout");
@@ -176,11 +175,9 @@ void phase_c_bwd(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, con
   check_shape(z, vec_s, op, "z");
   (void)mode;
   if (qkv.dtype() == DType::f64)
-    phase_c_bwd_impl<double>(dq_hat, dM, dz, dout, dden, qkv, rstd, q_norm_w, rope_cos, rope_sin, M, z, d, eps,
-                             divide);
+    phase_c_bwd_impl<double>(dq_hat, dM, dz, dout, dden, qkv, rstd, q_norm_w, rope_cos, rope_sin, M, z, d, eps, divide);
   else
-    phase_c_bwd_impl<float>(dq_hat, dM, dz, dout, dden, qkv, rstd, q_norm_w, rope_cos, rope_sin, M, z, d, eps,
-                            divide);
+    phase_c_bwd_impl<float>(dq_hat, dM, dz, dout, dden, qkv, rstd, q_norm_w, rope_cos, rope_sin, M, z, d, eps, divide);
 }
 
 }  // namespace cpu

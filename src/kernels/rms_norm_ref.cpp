@@ -75,8 +75,7 @@ void rms_norm_bwd_impl(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const
     store_qkv_channel(dqkv, c, dx, d.B, N, C);
     Tensor& dwt = *dw_out[c];
     if (w && dwt.defined()) {
-      GDNCP_CHECK(dwt.numel() == C, "rms_norm_bwd: norm weight gradient must have ", C, " elements, got ",
-                  dwt.str());
+      GDNCP_CHECK(dwt.numel() == C, "rms_norm_bwd: norm weight gradient must have ", C, " elements, got ", dwt.str());
       Out<T> o(dwt);
       for (int64_t i = 0; i < C; ++i) o[i] = static_cast<T>(dw[static_cast<size_t>(i)]);
       o.commit();
@@ -109,7 +108,8 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
   check_shape(dq_hat, row_s, op, "dq_hat");
   check_shape(dk_hat, row_s, op, "dk_hat");
   check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&dq_norm_w, &dk_norm_w, &q_norm_w, &k_norm_w}) check_shape_if_defined(*t, {d.C()}, op, "norm weight");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dq_norm_w, &dk_norm_w, &q_norm_w, &k_norm_w})
+    check_shape_if_defined(*t, {d.C()}, op, "norm weight");
   if (qkv.dtype() == DType::f64)
     rms_norm_bwd_impl<double>(dqkv, dq_norm_w, dk_norm_w, dq_hat, dk_hat, qkv, rstd, q_norm_w, k_norm_w, d);
   else

@@ -122,10 +122,10 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
     std::copy(mat(gM, F - 1), mat(gM, F - 1) + DD, G.begin());
     std::copy(vec(gz, F - 1), vec(gz, F - 1) + D, Gz.begin());
     for (int64_t f = F - 1; f >= 1; --f) {
-      odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMf, f - 1),
-                                      g(f), D, tmp.data(), tmp2.data());
-      odg[bh * F + f] += step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f),
-                                      vec(izf, f - 1), g(f), D, tmp.data());
+      odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMf, f - 1), g(f),
+                                      D, tmp.data(), tmp2.data());
+      odg[bh * F + f] += step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f), vec(izf, f - 1),
+                                      g(f), D, tmp.data());
       for (int64_t i = 0; i < DD; ++i) G[i] = mat(gM, f - 1)[i] + g(f) * W[i];
       for (int64_t i = 0; i < D; ++i) Gz[i] = vec(gz, f - 1)[i] + g(f) * Wz[i];
     }
@@ -135,10 +135,10 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
     std::copy(mat(gM, 0), mat(gM, 0) + DD, G.begin());
     std::copy(vec(gz, 0), vec(gz, 0) + D, Gz.begin());
     for (int64_t f = 1; f < F; ++f) {
-      odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMr, f), g(f),
-                                      D, tmp.data(), tmp2.data());
-      odg[bh * F + f] += step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f), vec(izr, f),
-                                      g(f), D, tmp.data());
+      odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMr, f), g(f), D,
+                                      tmp.data(), tmp2.data());
+      odg[bh * F + f] +=
+          step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f), vec(izr, f), g(f), D, tmp.data());
       if (f + 1 < F) {
         for (int64_t i = 0; i < DD; ++i) G[i] = mat(gM, f)[i] + g(f) * W[i];
         for (int64_t i = 0; i < D; ++i) Gz[i] = vec(gz, f)[i] + g(f) * Wz[i];
@@ -158,8 +158,10 @@ void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr,
                    const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Dims& d) {
   const char* op = "cpu::scan_bidi_fwd";
   const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&Mf, &Mr, &Msum, &P, &A, &Pz}) check_shape(*t, mat_s, op, "a (BH, F, D, D) tensor");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&zf, &zr, &zsum, &bz}) check_shape(*t, vec_s, op, "a (BH, F, D) tensor");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&Mf, &Mr, &Msum, &P, &A, &Pz})
+    check_shape(*t, mat_s, op, "a (BH, F, D, D) tensor");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&zf, &zr, &zsum, &bz})
+    check_shape(*t, vec_s, op, "a (BH, F, D) tensor");
   check_shape(decay, {d.B, d.H, d.F}, op, "decay");
   if (P.dtype() == DType::f64)
     scan_bidi_fwd_impl<double>(Mf, Mr, Msum, zf, zr, zsum, P, A, Pz, bz, decay, d);
@@ -172,8 +174,10 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
                    const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Dims& d) {
   const char* op = "cpu::scan_bidi_bwd";
   const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&dP, &dA, &dPz, &dMsum, &P, &Pz, &Mf, &Mr}) check_shape(*t, mat_s, op, "a (BH, F, D, D) tensor");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&dbz, &dzsum, &zf, &zr}) check_shape(*t, vec_s, op, "a (BH, F, D) tensor");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dP, &dA, &dPz, &dMsum, &P, &Pz, &Mf, &Mr})
+    check_shape(*t, mat_s, op, "a (BH, F, D, D) tensor");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dbz, &dzsum, &zf, &zr})
+    check_shape(*t, vec_s, op, "a (BH, F, D) tensor");
   check_shape(ddecay, {d.B, d.H, d.F}, op, "ddecay");
   check_shape(decay, {d.B, d.H, d.F}, op, "decay");
   if (P.dtype() == DType::f64)
