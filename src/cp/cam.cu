@@ -168,13 +168,13 @@ Geo geo_of(const CamDims& d) {
 }
 
 dim3 tok_grid(const CamDims& d) {
-  return dim3(static_cast<unsigned>((d.S + kTok - 1) / kTok), static_cast<unsigned>(d.F), static_cast<unsigned>(d.BH()));
+  return dim3(static_cast<unsigned>((d.S + kTok - 1) / kTok), static_cast<unsigned>(d.F),
+              static_cast<unsigned>(d.BH()));
 }
 
 }  // namespace
 
-void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta,
-                     const CamDims& d) {
+void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta, const CamDims& d) {
   const Geo g = geo_of(d);
   float* pc = f32_out(Pc, "Pc");
   float* ac = f32_out(Ac, "Ac");
@@ -231,7 +231,7 @@ void cam_out_bwd(Tensor& dq, Tensor& dM, const Tensor& dout, const Tensor& q, co
   tok_kernel<TokMode::dq><<<tok_grid(d), kRowThreads, 0, stream()>>>(a);
   check_launch("tok_kernel(dq)");
   dm_kernel<<<static_cast<unsigned>(d.BH() * d.F), kOuterThreads, 0, stream()>>>(f32_out(dM, "dM"), in_of(q, "q"),
-                                                                                  in_of(dout, "dout"), a.g);
+                                                                                 in_of(dout, "dout"), a.g);
   check_launch("dm_kernel");
 }
 

@@ -47,9 +47,12 @@ void pause(int spins) {
 
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
-    case DType::f32: return ncclFloat32;
-    case DType::f64: return ncclFloat64;
-    case DType::bf16: return ncclBfloat16;
+    case DType::f32:
+      return ncclFloat32;
+    case DType::f64:
+      return ncclFloat64;
+    case DType::bf16:
+      return ncclBfloat16;
   }
   GDNCP_FAIL("nccl: unknown dtype");
 }
@@ -115,17 +118,15 @@ class NcclCommunicator final : public Communicator {
                 dtype_name(in.dtype()));
     GDNCP_CHECK(out.numel() == in.numel() * size_, "all_gather: out has ", out.numel(), " elements, expected size()·",
                 in.numel(), " = ", in.numel() * size_);
-    run("ncclAllGather", in.nbytes(), [&](cudaStream_t s) {
-      return ncclAllGather(in.data(), out.data(), in.nbytes(), ncclUint8, comm_, s);
-    });
+    run("ncclAllGather", in.nbytes(),
+        [&](cudaStream_t s) { return ncclAllGather(in.data(), out.data(), in.nbytes(), ncclUint8, comm_, s); });
   }
 
   void all_reduce_sum(Tensor& t) override {
     check_usable("all_reduce_sum");
     check_cuda(t, "all_reduce_sum: t");
     run("ncclAllReduce", t.nbytes(), [&](cudaStream_t s) {
-      return ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), ncclSum, comm_,
-                           s);
+      return ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), ncclSum, comm_, s);
     });
   }
 
@@ -133,9 +134,8 @@ class NcclCommunicator final : public Communicator {
     check_usable("broadcast");
     check_cuda(t, "broadcast: t");
     GDNCP_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is not a rank of a group of ", size_);
-    run("ncclBroadcast", t.nbytes(), [&](cudaStream_t s) {
-      return ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, s);
-    });
+    run("ncclBroadcast", t.nbytes(),
+        [&](cudaStream_t s) { return ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, s); });
   }
 
   void send_recv(const Tensor& send, int dst, Tensor& recv, int src) override {
@@ -173,7 +173,8 @@ class NcclCommunicator final : public Communicator {
     Tensor send = Tensor::empty({n}, DType::f64, Device::cuda);
     Tensor recv = Tensor::empty({n * size_}, DType::f64, Device::cuda);
     const cudaStream_t cur = static_cast<cudaStream_t>(current_stream());
-    GDNCP_CUDA_CHECK(cudaMemcpyAsync(send.data(), host.data(), static_cast<size_t>(n) * 8, cudaMemcpyHostToDevice, cur));
+    GDNCP_CUDA_CHECK(
+        cudaMemcpyAsync(send.data(), host.data(), static_cast<size_t>(n) * 8, cudaMemcpyHostToDevice, cur));
     all_gather(recv, send);  // waits: the copy back below cannot block on NCCL
     std::vector<double> all(static_cast<size_t>(n * size_));
     GDNCP_CUDA_CHECK(cudaMemcpyAsync(all.data(), recv.data(), all.size() * 8, cudaMemcpyDeviceToHost, cur));
@@ -286,8 +287,8 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm) {
   config.blocking = 0;
   ncclComm_t nc = nullptr;
   const ncclResult_t r = ncclCommInitRankConfig(&nc, size, id, rank, &config);
-  GDNCP_CHECK(r == ncclSuccess || r == ncclInProgress, "make_nccl_communicator: ncclCommInitRankConfig failed: ",
-              ncclGetErrorString(r));
+  GDNCP_CHECK(r == ncclSuccess || r == ncclInProgress,
+              "make_nccl_communicator: ncclCommInitRankConfig failed: ", ncclGetErrorString(r));
   const double timeout = 300.0;
   const ncclResult_t st = settle(nc, Clock::now() + as_duration(timeout));
   if (st != ncclSuccess) {

@@ -58,8 +58,7 @@ void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_of
 
 void add(Tensor& out, const Tensor& a, const Tensor& b) { GDNCP_CP_DISPATCH(out, add(out, a, b)); }
 
-void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta,
-                     const CamDims& d) {
+void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta, const CamDims& d) {
   GDNCP_CP_DISPATCH(k, cam_phase_a_fwd(Pc, Ac, k, v, beta, d));
 }
 

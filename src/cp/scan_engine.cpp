@@ -109,15 +109,15 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       std::vector<int> before;
       for (int pos = 0; pos < logical(j, r, P); ++pos) before.push_back(physical(j, pos, P));
       j.X0 = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-      kern::fold(j.X0, none, ctx.gathered, L.M[i], L.fwd_total, false, ctx.gathered, L.h[i], L.fwd_total, before, BH,
-                 D, j.E);
+      kern::fold(j.X0, none, ctx.gathered, L.M[i], L.fwd_total, false, ctx.gathered, L.h[i], L.fwd_total, before, BH, D,
+                 j.E);
       if (j.terminal) {
         GDNCP_CHECK(!j.anti && !j.rank_reverse, "cp scan: a terminal state needs the forward rank order");
         std::vector<int> all;
         for (int p = 0; p < P; ++p) all.push_back(p);
         j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-        kern::fold(j.T, none, ctx.gathered, L.M[i], L.fwd_total, false, ctx.gathered, L.h[i], L.fwd_total, all, BH,
-                   D, j.E);
+        kern::fold(j.T, none, ctx.gathered, L.M[i], L.fwd_total, false, ctx.gathered, L.h[i], L.fwd_total, all, BH, D,
+                   j.E);
       }
     }
   } else {
@@ -196,8 +196,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
         seed[i] = a0;
       } else {
         seed[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-        kern::fold(seed[i], a0, ctx.gathered, L.M[i], L.fwd_total, true, gathered, L.dX0[i], stride, after, BH, D,
-                   j.E);
+        kern::fold(seed[i], a0, ctx.gathered, L.M[i], L.fwd_total, true, gathered, L.dX0[i], stride, after, BH, D, j.E);
       }
     }
   } else {

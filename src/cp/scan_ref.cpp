@@ -115,8 +115,8 @@ void grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const 
         continue;
       }
       const T* lt = l + (bh * F + t) * DE;
-      const T* prev = shifted ? r + (bh * F + t) * DE
-                              : (t > 0 ? r + (bh * F + t - 1) * DE : (r0 ? r0 + bh * DE : zero.data()));
+      const T* prev =
+          shifted ? r + (bh * F + t) * DE : (t > 0 ? r + (bh * F + t - 1) * DE : (r0 ? r0 + bh * DE : zero.data()));
       for (int64_t i = 0; i < D; ++i)
         for (int64_t k = 0; k < D; ++k) {
           T acc = 0;
@@ -229,9 +229,9 @@ void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_of
 
 void add(Tensor& out, const Tensor& a, const Tensor& b) {
   check_compute(out, "add: out");
-  GDNCP_CHECK(a.numel() == out.numel() && b.numel() == out.numel() && a.dtype() == out.dtype() &&
-                  b.dtype() == out.dtype(),
-              "add: shape or dtype mismatch");
+  GDNCP_CHECK(
+      a.numel() == out.numel() && b.numel() == out.numel() && a.dtype() == out.dtype() && b.dtype() == out.dtype(),
+      "add: shape or dtype mismatch");
   if (is_f64(out))
     add_impl<double>(out, a, b);
   else
