@@ -43,6 +43,36 @@ struct SweepSpec {
   int64_t active = 0;       // frames t ≥ active are frozen (pass F for none)
 };
 
+// One sweep of Note [scan step] and its tensors (P required; the rest may be undefined).
+struct Sweep {
+  Tensor out_before, out_after, final_state;
+  Tensor P, add_before, add_after, init;
+  SweepSpec spec;
+};
+
+// One source of a transition gradient: an adjoint sweep's L (its out_before) and the states R of the
+// forward sweep it belongs to (R0 its initial state; shifted: the anti-causal layout). active: its frozen frames.
+struct OuterSource {
+  Tensor L, R, R0;
+  bool shifted = false;
+  int64_t active = 0;
+};
+// The transition gradient of one P from one or two sources (Gr = Σ_sources Gr_src), see scan_grad_outer.
+struct OuterGroup {
+  Tensor dP, dg, P;
+  std::vector<OuterSource> sources;
+  int64_t E = 0;
+  bool accumulate_dP = false;
+};
+
+// One fold over ranks, see fold().
+struct Fold {
+  Tensor X, init, Mbuf, Hbuf;
+  int64_t m_off = 0, m_stride = 0, h_off = 0, h_stride = 0, E = 0;
+  bool transpose = false;
+  std::vector<int> order;
+};
+
 // Camera-branch sizes: q, k, v (B, H, D, N), N = F·S; beta (B,H,F,S) or per frame (B,H,F).
 struct CamDims {
   int64_t B = 0, H = 0, D = 0, F = 0, S = 0;
@@ -66,6 +96,14 @@ struct CamDims {
      L, R (BH, F, D, E), R0 (BH, D, E), all compute dtype. */                                                           \
   void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const Tensor& R0, const Tensor& P,     \
                        const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate_dP);                      \
+                                                                                                                        \
+  /* Independent sweeps (none reads another's outputs) sharing decay, BH, F and D: one launch on CUDA. */               \
+  void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay);                                                    \
+  /* Independent groups of scan_grad_outer (each group its own dP and dg tensors): one launch on CUDA.                  \
+     Per (bh, t): Gr = Σ over the group's sources; dP (=, +=) −g Gr, dg += ⟨Gr, I − P⟩. */                     \
+  void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D);        \
+  /* Independent folds: one launch on CUDA. */                                                                          \
+  void folds(std::vector<Fold>& folds, int64_t BH, int64_t D);                                                          \
                                                                                                                         \
   /* Fold over ranks: X = init (undefined = 0); for j in order: X = op(M_j) X + H_j, op = transpose or identity.        \
      M_j = Mbuf[m_off + j·m_stride + ...] (BH, D, D), the identity when Mbuf is undefined; H_j likewise from Hbuf      \

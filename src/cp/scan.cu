@@ -22,14 +22,13 @@ namespace {
 using namespace dev;
 
 constexpr int kCols = 16;
-constexpr int kMaxRanks = 256;
+constexpr int kMaxRanks = 64;
 
 struct SweepArgs {
   float* ob = nullptr;
   float* oa = nullptr;
   float* fin = nullptr;
   const float* P = nullptr;
-  In decay;
   const float* vb = nullptr;
   const float* ua = nullptr;
   const float* init = nullptr;
@@ -37,8 +36,17 @@ struct SweepArgs {
   bool descending = false, transpose = false;
 };
 
+constexpr int kMaxSweeps = 8;
+struct SweepBatch {
+  SweepArgs s[kMaxSweeps];
+  In decay;
+};
+
+// blockIdx = (column block, b·h, sweep).
 template <int NC>
-__global__ void __launch_bounds__(kRowThreads) sweep_kernel(SweepArgs a) {
+__global__ void __launch_bounds__(kRowThreads) sweep_kernel(const __grid_constant__ SweepBatch batch) {
+  const SweepArgs& a = batch.s[blockIdx.z];
+  if (static_cast<int>(blockIdx.x) * NC >= a.E) return;  // a sweep with fewer columns than the widest
   __shared__ float Ps[kRowThreads * kPitch];
   __shared__ __align__(16) float Ys[kRowThreads * NC];
   const int c0 = blockIdx.x * NC, bh = blockIdx.y, i = threadIdx.x;
@@ -73,7 +81,7 @@ __global__ void __launch_bounds__(kRowThreads) sweep_kernel(SweepArgs a) {
         for (int c = 0; c < NC; ++c) Ys[i * NC + c] = y[c];
       }
       apply_mat<NC>(acc, a.P + (static_cast<int64_t>(bh) * a.F + t) * a.D * a.D, a.transpose, Ys, Ps, a.D, i);
-      const float g = a.decay[static_cast<int64_t>(bh) * a.F + t];
+      const float g = batch.decay[static_cast<int64_t>(bh) * a.F + t];
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
         y[c] = g * (y[c] - acc[c]);
@@ -103,11 +111,18 @@ struct FoldArgs {
   bool transpose = false;
   int order[kMaxRanks];
 };
+constexpr int kMaxFolds = 4;
+struct FoldBatch {
+  FoldArgs f[kMaxFolds];
+};
 
+// blockIdx = (column block, b·h, fold).
 template <int NC>
-__global__ void __launch_bounds__(kRowThreads) fold_kernel(FoldArgs a) {
+__global__ void __launch_bounds__(kRowThreads) fold_kernel(const __grid_constant__ FoldBatch batch) {
   __shared__ float Ps[kRowThreads * kPitch];
   __shared__ __align__(16) float Ys[kRowThreads * NC];
+  const FoldArgs& a = batch.f[blockIdx.z];
+  if (static_cast<int>(blockIdx.x) * NC >= a.E) return;
   const int c0 = blockIdx.x * NC, bh = blockIdx.y, i = threadIdx.x;
   const int nc = min(NC, a.E - c0);
   const bool row = i < a.D;
@@ -141,40 +156,68 @@ __global__ void __launch_bounds__(kRowThreads) fold_kernel(FoldArgs a) {
   }
 }
 
-struct OuterArgs {
-  float* dP = nullptr;
-  float* dg = nullptr;
+struct OuterSrc {
   const float* L = nullptr;
   const float* R = nullptr;
   const float* R0 = nullptr;
+  bool shifted = false;
+  int active = 0;
+};
+struct OuterArgs {
+  float* dP = nullptr;
+  float* dg = nullptr;
   const float* P = nullptr;
+  OuterSrc src[2];
+  int nsrc = 0, E = 0;
+  bool accumulate = false;
+};
+constexpr int kMaxGroups = 4;
+struct OuterBatch {
+  OuterArgs g[kMaxGroups];
   In decay;
-  int D = 0, F = 0, E = 0, active = 0;
-  bool shifted = false, accumulate = false;
+  int D = 0, F = 0;
 };
 
-__global__ void __launch_bounds__(kOuterThreads) outer_kernel(OuterArgs a) {
+// blockIdx = (b·h·F + t, group): Gr = Σ_src L_t R'_tᵀ, then dP and dg.
+__global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_constant__ OuterBatch batch) {
   __shared__ float Ls[kChunk * kOuterPitch];
   __shared__ float Rs[kChunk * kOuterPitch];
   __shared__ float red[kOuterThreads];
+  const OuterArgs& a = batch.g[blockIdx.y];
+  const int D = batch.D, F = batch.F, E = a.E;
   const int64_t bt = blockIdx.x;
-  const int t = static_cast<int>(bt % a.F);
-  const int64_t bh = bt / a.F;
-  const int64_t DD = static_cast<int64_t>(a.D) * a.D, DE = static_cast<int64_t>(a.D) * a.E;
+  const int t = static_cast<int>(bt % F);
+  const int64_t bh = bt / F;
+  const int64_t DD = static_cast<int64_t>(D) * D, DE = static_cast<int64_t>(D) * E;
   float* dPt = a.dP + bt * DD;
-  if (t >= a.active) {  // frozen frame: no gradient
+  float sum[8][8];
+#pragma unroll
+  for (int ia = 0; ia < 8; ++ia)
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) sum[ia][kb] = 0.f;
+  bool any = false;
+  for (int q = 0; q < a.nsrc; ++q) {
+    const OuterSrc& src = a.src[q];
+    if (t >= src.active) continue;  // a frozen frame of this source: no gradient
+    any = true;
+    const float* Lt = src.L + bt * DE;
+    const float* Rp =
+        src.shifted ? src.R + bt * DE : (t > 0 ? src.R + (bt - 1) * DE : (src.R0 ? src.R0 + bh * DE : nullptr));
+    float acc[8][8];
+    outer_tile(
+        acc, [&](int r, int e) { return Lt[static_cast<int64_t>(r) * E + e]; },
+        [&](int r, int e) { return Rp ? Rp[static_cast<int64_t>(r) * E + e] : 0.f; }, D, E, Ls, Rs);
+#pragma unroll
+    for (int ia = 0; ia < 8; ++ia)
+#pragma unroll
+      for (int kb = 0; kb < 8; ++kb) sum[ia][kb] += acc[ia][kb];
+  }
+  if (!any) {  // every source frozen: dP_t = 0, dg unchanged
     if (!a.accumulate)
       for (int64_t k = threadIdx.x; k < DD; k += blockDim.x) dPt[k] = 0.f;
     return;
   }
-  const float* Lt = a.L + bt * DE;
-  const float* Rp = a.shifted ? a.R + bt * DE : (t > 0 ? a.R + (bt - 1) * DE : (a.R0 ? a.R0 + bh * DE : nullptr));
-  const int E = a.E;
-  float acc[8][8];
-  outer_tile(
-      acc, [&](int r, int e) { return Lt[static_cast<int64_t>(r) * E + e]; },
-      [&](int r, int e) { return Rp ? Rp[static_cast<int64_t>(r) * E + e] : 0.f; }, a.D, E, Ls, Rs);
-  const float g = a.decay[bt];
+  const float g = batch.decay[bt];
   const float* Pt = a.P + bt * DD;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   float part = 0.f;
@@ -183,15 +226,15 @@ __global__ void __launch_bounds__(kOuterThreads) outer_kernel(OuterArgs a) {
 #pragma unroll
     for (int kb = 0; kb < 8; ++kb) {
       const int i = ty + 16 * ia, k = tx + 16 * kb;
-      if (i < a.D && k < a.D) {
-        const float v = acc[ia][kb];
-        const int64_t o = static_cast<int64_t>(i) * a.D + k;
+      if (i < D && k < D) {
+        const float v = sum[ia][kb];
+        const int64_t o = static_cast<int64_t>(i) * D + k;
         part += v * ((i == k ? 1.f : 0.f) - Pt[o]);
         dPt[o] = a.accumulate ? dPt[o] - g * v : -g * v;
       }
     }
-  const float s = block_sum<kOuterThreads>(part, red);
-  if (threadIdx.x == 0) a.dg[bt] += s;
+  const float total = block_sum<kOuterThreads>(part, red);
+  if (threadIdx.x == 0) a.dg[bt] += total;
 }
 
 __global__ void add_kernel(float* out, const float* x, const float* y, int64_t n) {
@@ -208,84 +251,163 @@ void check_dims(const SweepSpec& s) {
 
 }  // namespace
 
+void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
+  const In dc = decay_of(decay);
+  for (size_t first = 0; first < sweeps.size(); first += kMaxSweeps) {
+    const size_t n = std::min<size_t>(kMaxSweeps, sweeps.size() - first);
+    SweepBatch batch;
+    batch.decay = dc;
+    int64_t BH = 0, maxE = 1;
+    for (size_t k = 0; k < n; ++k) {
+      Sweep& w = sweeps[first + k];
+      const SweepSpec& s = w.spec;
+      check_dims(s);
+      GDNCP_CHECK(k == 0 || s.BH == BH, "scan_sweeps: sweeps of one batch must share B·H");
+      BH = s.BH;
+      maxE = std::max(maxE, s.E);
+      SweepArgs& a = batch.s[k];
+      a.ob = f32_out(w.out_before, "out_before");
+      a.oa = f32_out(w.out_after, "out_after");
+      a.fin = f32_out(w.final_state, "final_state");
+      a.P = f32_in(w.P, "P");
+      a.vb = f32_in(w.add_before, "add_before");
+      a.ua = f32_in(w.add_after, "add_after");
+      a.init = s.init == Init::given ? f32_in(w.init, "init") : nullptr;
+      GDNCP_CHECK(s.init != Init::given || a.init, "scan_sweep: init is undefined");
+      a.D = static_cast<int>(s.D);
+      a.F = static_cast<int>(s.F);
+      a.E = static_cast<int>(s.E);
+      a.active = static_cast<int>(std::min(s.active, s.F));
+      a.init_kind = static_cast<int>(s.init);
+      a.descending = s.descending;
+      a.transpose = s.transpose;
+    }
+    if (maxE == 1) {
+      sweep_kernel<1>
+          <<<dim3(1, static_cast<unsigned>(BH), static_cast<unsigned>(n)), kRowThreads, 0, stream()>>>(batch);
+      check_launch("sweep_kernel<1>");
+    } else {
+      const unsigned blocks = static_cast<unsigned>((maxE + kCols - 1) / kCols);
+      sweep_kernel<kCols>
+          <<<dim3(blocks, static_cast<unsigned>(BH), static_cast<unsigned>(n)), kRowThreads, 0, stream()>>>(batch);
+      check_launch("sweep_kernel<16>");
+    }
+  }
+}
+
 void scan_sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Tensor& P, const Tensor& decay,
                 const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s) {
-  check_dims(s);
-  SweepArgs a;
-  a.ob = f32_out(out_before, "out_before");
-  a.oa = f32_out(out_after, "out_after");
-  a.fin = f32_out(final_state, "final_state");
-  a.P = f32_in(P, "P");
-  a.decay = decay_of(decay);
-  a.vb = f32_in(add_before, "add_before");
-  a.ua = f32_in(add_after, "add_after");
-  a.init = s.init == Init::given ? f32_in(init, "init") : nullptr;
-  GDNCP_CHECK(s.init != Init::given || a.init, "scan_sweep: init is undefined");
-  a.D = static_cast<int>(s.D);
-  a.F = static_cast<int>(s.F);
-  a.E = static_cast<int>(s.E);
-  a.active = static_cast<int>(std::min(s.active, s.F));
-  a.init_kind = static_cast<int>(s.init);
-  a.descending = s.descending;
-  a.transpose = s.transpose;
-  if (s.E == 1) {
-    sweep_kernel<1><<<dim3(1, static_cast<unsigned>(s.BH)), kRowThreads, 0, stream()>>>(a);
-    check_launch("sweep_kernel<1>");
-  } else {
-    const unsigned blocks = static_cast<unsigned>((s.E + kCols - 1) / kCols);
-    sweep_kernel<kCols><<<dim3(blocks, static_cast<unsigned>(s.BH)), kRowThreads, 0, stream()>>>(a);
-    check_launch("sweep_kernel<16>");
+  std::vector<Sweep> one(1);
+  one[0] = Sweep{out_before, out_after, final_state, P, add_before, add_after, init, s};
+  scan_sweeps(one, decay);
+}
+
+void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
+  GDNCP_CHECK(D >= 1 && D <= kRowThreads, "cp cuda scan: D = ", D, " must be in [1, ", kRowThreads, "]");
+  for (size_t first = 0; first < groups.size(); first += kMaxGroups) {
+    const size_t n = std::min<size_t>(kMaxGroups, groups.size() - first);
+    OuterBatch batch;
+    batch.decay = decay_of(decay);
+    batch.D = static_cast<int>(D);
+    batch.F = static_cast<int>(F);
+    for (size_t k = 0; k < n; ++k) {
+      OuterGroup& g = groups[first + k];
+      GDNCP_CHECK(g.sources.size() >= 1 && g.sources.size() <= 2, "scan_grad_outers: 1 or 2 sources per group");
+      OuterArgs& a = batch.g[k];
+      a.dP = f32_out(g.dP, "dP");
+      a.dg = f32_out(g.dg, "dg");
+      a.P = f32_in(g.P, "P");
+      a.E = static_cast<int>(g.E);
+      a.accumulate = g.accumulate_dP;
+      a.nsrc = static_cast<int>(g.sources.size());
+      for (size_t q = 0; q < g.sources.size(); ++q) {
+        const OuterSource& src = g.sources[q];
+        a.src[q].L = f32_in(src.L, "L");
+        a.src[q].R = f32_in(src.R, "R");
+        a.src[q].R0 = f32_in(src.R0, "R0");
+        a.src[q].shifted = src.shifted;
+        a.src[q].active = static_cast<int>(std::min(src.active, F));
+      }
+    }
+    outer_kernel<<<dim3(static_cast<unsigned>(BH * F), static_cast<unsigned>(n)), kOuterThreads, 0, stream()>>>(batch);
+    check_launch("outer_kernel");
   }
 }
 
 void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const Tensor& R0, const Tensor& P,
                      const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate) {
   check_dims(s);
-  OuterArgs a;
-  a.dP = f32_out(dP, "dP");
-  a.dg = f32_out(dg, "dg");
-  a.L = f32_in(L, "L");
-  a.R = f32_in(R, "R");
-  a.R0 = f32_in(R0, "R0");
-  a.P = f32_in(P, "P");
-  a.decay = decay_of(decay);
-  a.D = static_cast<int>(s.D);
-  a.F = static_cast<int>(s.F);
-  a.E = static_cast<int>(s.E);
-  a.active = static_cast<int>(std::min(s.active, s.F));
-  a.shifted = shifted;
-  a.accumulate = accumulate;
-  outer_kernel<<<static_cast<unsigned>(s.BH * s.F), kOuterThreads, 0, stream()>>>(a);
-  check_launch("outer_kernel");
+  std::vector<OuterGroup> one(1);
+  one[0].dP = dP;
+  one[0].dg = dg;
+  one[0].P = P;
+  one[0].E = s.E;
+  one[0].accumulate_dP = accumulate;
+  OuterSource src;
+  src.L = L;
+  src.R = R;
+  src.R0 = R0;
+  src.shifted = shifted;
+  src.active = s.active;
+  one[0].sources.push_back(src);
+  scan_grad_outers(one, decay, s.BH, s.F, s.D);
+}
+
+void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
+  GDNCP_CHECK(D >= 1 && D <= kRowThreads, "cp cuda fold: D = ", D, " must be in [1, ", kRowThreads, "]");
+  for (size_t first = 0; first < fs.size(); first += kMaxFolds) {
+    const size_t n = std::min<size_t>(kMaxFolds, fs.size() - first);
+    FoldBatch batch;
+    int64_t maxE = 1;
+    for (size_t k = 0; k < n; ++k) {
+      Fold& f = fs[first + k];
+      GDNCP_CHECK(f.order.size() <= static_cast<size_t>(kMaxRanks), "cp cuda fold: more than ", kMaxRanks, " ranks");
+      GDNCP_CHECK(f.E == 1 || f.E == D, "cp cuda fold: E = ", f.E, " must be 1 or D");
+      FoldArgs& a = batch.f[k];
+      a.X = f32_out(f.X, "X");
+      a.init = f32_in(f.init, "init");
+      a.M = f32_in(f.Mbuf, "Mbuf");
+      a.H = f32_in(f.Hbuf, "Hbuf");
+      a.m_off = f.m_off;
+      a.m_stride = f.m_stride;
+      a.h_off = f.h_off;
+      a.h_stride = f.h_stride;
+      a.D = static_cast<int>(D);
+      a.E = static_cast<int>(f.E);
+      a.n = static_cast<int>(f.order.size());
+      a.transpose = f.transpose;
+      std::copy(f.order.begin(), f.order.end(), a.order);
+      maxE = std::max(maxE, f.E);
+    }
+    if (maxE == 1) {
+      fold_kernel<1><<<dim3(1, static_cast<unsigned>(BH), static_cast<unsigned>(n)), kRowThreads, 0, stream()>>>(batch);
+      check_launch("fold_kernel<1>");
+    } else {
+      const unsigned blocks = static_cast<unsigned>((maxE + kCols - 1) / kCols);
+      fold_kernel<kCols>
+          <<<dim3(blocks, static_cast<unsigned>(BH), static_cast<unsigned>(n)), kRowThreads, 0, stream()>>>(batch);
+      check_launch("fold_kernel<16>");
+    }
+  }
 }
 
 void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int64_t m_stride, bool transpose,
           const Tensor& Hbuf, int64_t h_off, int64_t h_stride, const std::vector<int>& order, int64_t BH, int64_t D,
           int64_t E) {
-  GDNCP_CHECK(order.size() <= static_cast<size_t>(kMaxRanks), "cp cuda fold: more than ", kMaxRanks, " ranks");
-  GDNCP_CHECK(D >= 1 && D <= kRowThreads && (E == 1 || E == D), "cp cuda fold: bad sizes D = ", D, ", E = ", E);
-  FoldArgs a;
-  a.X = f32_out(X, "X");
-  a.init = f32_in(init, "init");
-  a.M = f32_in(Mbuf, "Mbuf");
-  a.H = f32_in(Hbuf, "Hbuf");
-  a.m_off = m_off;
-  a.m_stride = m_stride;
-  a.h_off = h_off;
-  a.h_stride = h_stride;
-  a.D = static_cast<int>(D);
-  a.E = static_cast<int>(E);
-  a.n = static_cast<int>(order.size());
-  a.transpose = transpose;
-  std::copy(order.begin(), order.end(), a.order);
-  if (E == 1) {
-    fold_kernel<1><<<dim3(1, static_cast<unsigned>(BH)), kRowThreads, 0, stream()>>>(a);
-    check_launch("fold_kernel<1>");
-  } else {
-    const unsigned blocks = static_cast<unsigned>((E + kCols - 1) / kCols);
-    fold_kernel<kCols><<<dim3(blocks, static_cast<unsigned>(BH)), kRowThreads, 0, stream()>>>(a);
-    check_launch("fold_kernel<16>");
-  }
+  std::vector<Fold> one(1);
+  Fold& f = one[0];
+  f.X = X;
+  f.init = init;
+  f.Mbuf = Mbuf;
+  f.Hbuf = Hbuf;
+  f.m_off = m_off;
+  f.m_stride = m_stride;
+  f.h_off = h_off;
+  f.h_stride = h_stride;
+  f.E = E;
+  f.transpose = transpose;
+  f.order = order;
+  folds(one, BH, D);
 }
 
 void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n) {

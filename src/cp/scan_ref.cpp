@@ -238,6 +238,30 @@ void add(Tensor& out, const Tensor& a, const Tensor& b) {
     add_impl<float>(out, a, b);
 }
 
+void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
+  for (Sweep& w : sweeps)
+    scan_sweep(w.out_before, w.out_after, w.final_state, w.P, decay, w.add_before, w.add_after, w.init, w.spec);
+}
+
+void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
+  for (OuterGroup& g : groups)
+    for (size_t i = 0; i < g.sources.size(); ++i) {
+      const OuterSource& src = g.sources[i];
+      SweepSpec s;
+      s.BH = BH;
+      s.F = F;
+      s.D = D;
+      s.E = g.E;
+      s.active = src.active;
+      scan_grad_outer(g.dP, g.dg, src.L, src.R, src.R0, g.P, decay, s, src.shifted, i > 0 || g.accumulate_dP);
+    }
+}
+
+void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
+  for (Fold& f : fs)
+    fold(f.X, f.init, f.Mbuf, f.m_off, f.m_stride, f.transpose, f.Hbuf, f.h_off, f.h_stride, f.order, BH, D, f.E);
+}
+
 }  // namespace cpu
 }  // namespace cp
 }  // namespace gdncp
