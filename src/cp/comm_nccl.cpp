@@ -8,8 +8,9 @@
 // also give the device time spent in collectives (Stats::seconds).
 //
 // Waiting for each collective costs one host round trip; the CP layers issue
-// one collective per forward and one per backward (plus the small validation
-// exchange, which needs its answer on the host anyway).
+// one collective per forward and one per backward. The small validation
+// exchange (host memory) goes over MPI when the communicator was bootstrapped
+// from an MPI communicator, so it does not wait for the stream.
 #include <mpi.h>
 
 #include "gdncp/cp.h"
@@ -70,8 +71,10 @@ ncclResult_t settle(ncclComm_t comm, Clock::time_point deadline) {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, bool owned, cudaStream_t stream, double timeout)
-      : comm_(comm), owned_(owned), stream_(stream) {
+  // host: an MPI communicator over the same ranks for host-memory exchanges (may be null).
+  NcclCommunicator(ncclComm_t comm, bool owned, cudaStream_t stream, double timeout,
+                   std::shared_ptr<Communicator> host = nullptr)
+      : comm_(comm), owned_(owned), stream_(stream), host_(std::move(host)) {
     timeout_seconds_ = timeout;
     GDNCP_NCCL_CHECK(ncclCommCount(comm_, &size_));
     GDNCP_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
@@ -107,7 +110,7 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Device device() const override { return Device::cuda; }
-  bool aborted() const override { return aborted_; }
+  bool aborted() const override { return aborted_ || (host_ && host_->aborted()); }
   const char* backend() const override { return "nccl"; }
 
   void all_gather(Tensor& out, const Tensor& in) override {
@@ -167,6 +170,11 @@ class NcclCommunicator final : public Communicator {
 
   void all_gather_host(void* out, const void* in, size_t bytes) override {
     check_usable("all_gather_host");
+    if (host_) {  // over MPI: no device round trip, no wait for the stream
+      host_->set_timeout_seconds(timeout_seconds_);
+      host_->all_gather_host(out, in, bytes);
+      return;
+    }
     const int64_t n = static_cast<int64_t>((bytes + 7) / 8);
     std::vector<double> host(static_cast<size_t>(n), 0.0);
     std::memcpy(host.data(), in, bytes);
@@ -185,7 +193,7 @@ class NcclCommunicator final : public Communicator {
 
  private:
   void check_usable(const char* what) const {
-    GDNCP_CHECK(!aborted_, what, ": the NCCL communicator was aborted by an earlier timeout or error (rank ", rank_,
+    GDNCP_CHECK(!aborted(), what, ": the NCCL communicator was aborted by an earlier timeout or error (rank ", rank_,
                 ")");
     int cur = -1;
     GDNCP_CUDA_CHECK(cudaGetDevice(&cur));
@@ -251,6 +259,7 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   bool owned_ = false;
   cudaStream_t stream_ = nullptr;
+  std::shared_ptr<Communicator> host_;
   int rank_ = 0, size_ = 1, device_ = 0;
   bool aborted_ = false;
   cudaEvent_t start_ = nullptr, stop_ = nullptr, order_ = nullptr;
@@ -296,7 +305,7 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm) {
     GDNCP_FAIL("make_nccl_communicator: ncclCommInitRankConfig on rank ", rank, " (device ", device, ") ",
                st == ncclInProgress ? std::string("timed out") : std::string(ncclGetErrorString(st)));
   }
-  return std::make_shared<NcclCommunicator>(nc, true, nullptr, timeout);
+  return std::make_shared<NcclCommunicator>(nc, true, nullptr, timeout, make_mpi_communicator(comm));
 }
 
 #else  // !GDNCP_WITH_CUDA
