@@ -300,8 +300,9 @@ void check_layer_gpu(DType dt, uint64_t seed) {
     return res;
   };
   const Result cpres = run(nccl_world().get(), block(g, F, r), rank_block(w, 1, F * S, r), Device::cuda, true);
-  const Result one = run(nullptr, g, w, Device::cuda, false);  // one GPU, the gathered sequence
-  const Result oracle = run(nullptr, as_f64(g), w, Device::cpu, false);
+  const Result self = run(nccl_self().get(), g, w, Device::cuda, false);  // the same code on one GPU
+  const Result one = run(nullptr, g, w, Device::cuda, false);             // the single-GPU layer
+  const Result oracle = run(nullptr, as_f64(g), w, Device::cpu, false);   // f64 on the CPU
 
   auto local = [&](const Tensor& t, size_t k) {
     if (k == 0) return rank_block(t, 1, F * S, r);
@@ -309,12 +310,18 @@ void check_layer_gpu(DType dt, uint64_t seed) {
     return t;
   };
   const char* names[] = {"dqkv", "dbeta", "ddecay", "dq_norm_w", "dk_norm_w"};
-  const double oracle_tol = dt == DType::bf16 ? 2e-2 : 1e-5;
-  EXPECT_TRUE(close_rel(cpres.out, rank_block(one.out, 1, F * S, r), tol_fwd(dt), "out vs one GPU")) << "rank " << r;
-  EXPECT_TRUE(close_rel(cpres.out, rank_block(oracle.out, 1, F * S, r), oracle_tol, "out vs f64")) << "rank " << r;
+  // P GPUs vs one GPU running the same code: the issue's tolerances. Against the
+  // single-GPU layer (other scan kernels) and the f64 oracle: the layer's own
+  // accuracy bar (issue 3: f32 IEEE 1e-5, bf16 ~1e-2; 2e-2 here).
+  const double loose = dt == DType::bf16 ? 2e-2 : 1e-5;
+  EXPECT_TRUE(close_rel(cpres.out, rank_block(self.out, 1, F * S, r), tol_fwd(dt), "out vs P=1")) << "rank " << r;
+  EXPECT_TRUE(close_rel(cpres.out, rank_block(one.out, 1, F * S, r), loose, "out vs bigdn")) << "rank " << r;
+  EXPECT_TRUE(close_rel(cpres.out, rank_block(oracle.out, 1, F * S, r), loose, "out vs f64")) << "rank " << r;
   for (size_t k = 0; k < 5; ++k) {
-    EXPECT_TRUE(close_rel(cpres.grads[k], local(one.grads[k], k), tol_grad(dt), std::string(names[k]) + " vs one GPU"));
-    EXPECT_TRUE(close_rel(cpres.grads[k], local(oracle.grads[k], k), oracle_tol, std::string(names[k]) + " vs f64"));
+    const std::string n = names[k];
+    EXPECT_TRUE(close_rel(cpres.grads[k], local(self.grads[k], k), tol_grad(dt), n + " vs P=1")) << "rank " << r;
+    EXPECT_TRUE(close_rel(cpres.grads[k], local(one.grads[k], k), loose, n + " vs bigdn")) << "rank " << r;
+    EXPECT_TRUE(close_rel(cpres.grads[k], local(oracle.grads[k], k), loose, n + " vs f64")) << "rank " << r;
   }
 }
 
