@@ -58,11 +58,11 @@ Tensor grad_block(const Tensor& g, size_t k, int64_t F, int64_t S, int b) {
 
 // --- bigdn_cp vs bigdn ----------------------------------------------------------------
 
-void check_bigdn_cp(DType dt, bool norms, uint64_t seed, double tol_out, double tol_g) {
+void check_bigdn_cp(DType dt, bool norms, uint64_t seed, double tol_out, double tol_g, int64_t B = 1, int64_t D = 6) {
   const int P = nranks(), r = rank();
   const int64_t F = 2, S = 3;
-  const LayerInputs g = make_layer_inputs(dims(1, 2, 6, F * P, S), dt, seed, norms, norms);
-  const Tensor w = Tensor::randn({1, F * P * S, 2, 6}, dt, Device::cpu, seed + 50);
+  const LayerInputs g = make_layer_inputs(dims(B, 2, D, F * P, S), dt, seed, norms, norms);
+  const Tensor w = Tensor::randn({B, F * P * S, 2, D}, dt, Device::cpu, seed + 50);
 
   const std::vector<Tensor> xg = leaves_of(g);
   const LayerRun ref =
@@ -81,6 +81,7 @@ void check_bigdn_cp(DType dt, bool norms, uint64_t seed, double tol_out, double 
 }
 
 TEST(BigdnCp, MatchesBigdnF64) { check_bigdn_cp(DType::f64, true, 100, 1e-12, 1e-12); }
+TEST(BigdnCp, MatchesBigdnF64Batch2HeadDim12) { check_bigdn_cp(DType::f64, true, 140, 1e-12, 1e-12, 2, 12); }
 TEST(BigdnCp, MatchesBigdnF64NoNormWeights) { check_bigdn_cp(DType::f64, false, 110, 1e-12, 1e-12); }
 TEST(BigdnCp, MatchesBigdnF32) { check_bigdn_cp(DType::f32, true, 120, 1e-6, 1e-5); }
 // bf16 storage, f32 compute on both sides: the only difference is the order
