@@ -6,7 +6,6 @@
 
 #include <cuda_runtime.h>
 #include <mpi.h>
-#include <nccl.h>
 
 #include <algorithm>
 #include <cmath>
@@ -19,7 +18,6 @@
 #include <vector>
 
 #include "gdncp/cp.h"
-#include "gdncp/cp_nccl.h"
 #include "gdncp/error.h"
 #include "gdncp/gdncp.h"
 
@@ -195,14 +193,10 @@ int run(const CpBenchConfig& c) {
   GDNCP_CHECK(cuda_device_count() >= 1, "cp_bench: no CUDA device");
   GDNCP_CHECK(c.global_frames % P == 0, "cp_bench: global_frames ", c.global_frames, " is not divisible by ", P);
   std::shared_ptr<cp::Communicator> world = cp::make_nccl_communicator(MPI_COMM_WORLD);
-  ncclUniqueId id;
-  ncclComm_t one_nc = nullptr;
-  GDNCP_NCCL_CHECK(ncclGetUniqueId(&id));
-  GDNCP_NCCL_CHECK(ncclCommInitRank(&one_nc, 1, id, 0));
-  std::shared_ptr<cp::Communicator> one = cp::make_nccl_communicator(one_nc, nullptr);
   int dev = 0;
   cudaDeviceProp prop;
   GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
+  std::shared_ptr<cp::Communicator> one = cp::make_nccl_communicator(MPI_COMM_SELF, dev);  // P = 1, same GPU
   GDNCP_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
 
   const double err = validate(*world, c, c.global_frames);
@@ -287,7 +281,6 @@ int run(const CpBenchConfig& c) {
     }
   }
   one.reset();
-  ncclCommDestroy(one_nc);
   world.reset();
   return 0;
 }

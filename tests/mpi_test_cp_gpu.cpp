@@ -4,7 +4,7 @@
 //   - the NCCL communicator's collectives;
 //   - cp_scan, cp_gdn_raw, bigdn_cp and the camera branch on P GPUs against one
 //     GPU over the gathered sequence (a one-rank NCCL communicator built from
-//     the caller's ncclComm_t, the third bootstrap), in f32 and bf16, and
+//     the ncclComm_t of a one-rank group, the third bootstrap), in f32 and bf16, and
 //     against the f64 CPU oracle; checkpoint on vs off bitwise.
 // gdncp-mpi-np: 1 2
 #include <cmath>
@@ -439,7 +439,7 @@ TEST(CpCamGpu, MatchesOneGpuBf16) { check_cam_gpu(DType::bf16, 510); }
 int main(int argc, char** argv) {
   using namespace gdncp;
 #if GDNCP_WITH_CUDA
-  ncclComm_t one = nullptr;
+  std::shared_ptr<cp::Communicator> one_owner;
   // The NCCL groups are made once, before the tests, on every rank or on none.
   auto setup = [&] {
     int ok = cuda_device_count() >= test::nranks() ? 1 : 0, all = 0;
@@ -447,14 +447,16 @@ int main(int argc, char** argv) {
     if (!all) return;
     test::nccl_world() = cp::make_nccl_communicator(MPI_COMM_WORLD);  // sets this rank's device
     test::nccl_world()->set_timeout_seconds(120);
-    ncclUniqueId id;
-    GDNCP_NCCL_CHECK(ncclGetUniqueId(&id));
-    GDNCP_NCCL_CHECK(ncclCommInitRank(&one, 1, id, 0));
-    test::nccl_self() = cp::make_nccl_communicator(one, nullptr);
+    int dev = 0;
+    GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
+    // A one-rank group on this rank's device, used through the third bootstrap
+    // (the caller's ncclComm_t + stream).
+    one_owner = cp::make_nccl_communicator(MPI_COMM_SELF, dev);
+    test::nccl_self() = cp::make_nccl_communicator(cp::nccl_comm(*one_owner), nullptr);
   };
   auto teardown = [&] {
     test::nccl_self().reset();
-    if (one) ncclCommDestroy(one);
+    one_owner.reset();
     test::nccl_world().reset();
   };
   return test::run_mpi_tests(argc, argv, setup, teardown);

@@ -98,6 +98,9 @@ std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm = MPI_COMM_WOR
 // (The third bootstrap, from the caller's ncclComm_t + cudaStream_t, is in
 // gdncp/cp_nccl.h because it needs nccl.h.)
 std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm = MPI_COMM_WORLD);
+// The same on an explicit device (device >= 0; -1 = the local-rank rule above),
+// e.g. a one-rank group over MPI_COMM_SELF on the current device.
+std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device);
 
 // The local rank on this node (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)).
 int local_rank(MPI_Comm comm = MPI_COMM_WORLD);

@@ -20,5 +20,9 @@ namespace cp {
 // is unusable after that, as after any NCCL error.
 std::shared_ptr<Communicator> make_nccl_communicator(ncclComm_t comm, cudaStream_t stream);
 
+// The ncclComm_t of an NCCL communicator (throws for an MPI one). It stays
+// owned by c.
+ncclComm_t nccl_comm(const Communicator& c);
+
 }  // namespace cp
 }  // namespace gdncp

@@ -110,6 +110,7 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Device device() const override { return Device::cuda; }
+  ncclComm_t comm() const { return comm_; }
   bool aborted() const override { return aborted_ || (host_ && host_->aborted()); }
   const char* backend() const override { return "nccl"; }
 
@@ -272,7 +273,15 @@ std::shared_ptr<Communicator> make_nccl_communicator(ncclComm_t comm, cudaStream
   return std::make_shared<NcclCommunicator>(comm, false, stream, 300.0);
 }
 
-std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm) {
+ncclComm_t nccl_comm(const Communicator& c) {
+  const auto* n = dynamic_cast<const NcclCommunicator*>(&c);
+  GDNCP_CHECK(n != nullptr, "nccl_comm: a ", c.backend(), " communicator has no ncclComm_t");
+  return n->comm();
+}
+
+std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm) { return make_nccl_communicator(comm, -1); }
+
+std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device_arg) {
   int init = 0;
   MPI_Initialized(&init);
   GDNCP_CHECK(init, "make_nccl_communicator: MPI is not initialised (call MPI_Init first)");
@@ -287,7 +296,9 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm) {
   GDNCP_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm));
   GDNCP_CHECK(all_ok, "make_nccl_communicator: rank ", rank, " sees ", ndev,
               " CUDA devices; some rank of the group has none (", cudaGetErrorString(dev_err), ")");
-  const int device = local_rank(comm) % ndev;
+  GDNCP_CHECK(device_arg < ndev, "make_nccl_communicator: device ", device_arg, " but rank ", rank, " sees ", ndev,
+              " devices");
+  const int device = device_arg >= 0 ? device_arg : local_rank(comm) % ndev;
   GDNCP_CUDA_CHECK(cudaSetDevice(device));
   ncclUniqueId id;
   if (rank == 0) GDNCP_NCCL_CHECK(ncclGetUniqueId(&id));
@@ -310,7 +321,9 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm) {
 
 #else  // !GDNCP_WITH_CUDA
 
-std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm) {
+std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm) { return make_nccl_communicator(comm, -1); }
+
+std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm, int) {
   GDNCP_FAIL("make_nccl_communicator: gdncp was built without CUDA (configure with GDNCP_CUDA=ON)");
 }
 
