@@ -33,8 +33,6 @@ t0=$(date +%s)
 rc=$?
 say "build: rc=$rc in $(($(date +%s) - t0)) s"
 [ $rc -eq 0 ] || { tail -30 "$OUT/build.log"; exit 1; }
-NCCL_INC=$(sed -n 's/^NCCL_INCLUDE_DIR:PATH=//p' "$BUILD_DIR/CMakeCache.txt")
-NCCL_LIB=$(sed -n 's/^NCCL_LIBRARY:FILEPATH=//p' "$BUILD_DIR/CMakeCache.txt")
 mpicxx -O3 -std=c++17 -DOMPI_SKIP_MPICXX -DGDNCP_CP_BENCH_MAIN -Iinclude -I/usr/local/cuda/include \
   bench/cp_bench.cpp -o "$BUILD_DIR/cp_bench" -L"$BUILD_DIR" -lgdncp -L/usr/local/cuda/lib64 -lcudart \
   -Wl,-rpath,"$PWD/$BUILD_DIR" >>"$OUT/build.log" 2>&1 || { say "cp_bench build failed"; tail -20 "$OUT/build.log"; }
