@@ -41,7 +41,7 @@ status=0
 for np in 1 $NP; do
   [ "$np" -le "$NP" ] || continue
   t0=$(date +%s)
-  timeout 240 mpirun -np "$np" --bind-to none "$BUILD_DIR/tests/mpi_test_cp_gpu" >"$OUT/test_np$np.log" 2>&1
+  timeout 120 mpirun -np "$np" --bind-to none "$BUILD_DIR/tests/mpi_test_cp_gpu" >"$OUT/test_np$np.log" 2>&1
   rc=$?
   say "mpi_test_cp_gpu np=$np: rc=$rc in $(($(date +%s) - t0)) s; $(grep -E 'PASSED|FAILED  \]' "$OUT/test_np$np.log" | head -3 | tr '\n' ' ')"
   grep -E "rel_l2|Failure|FAILED|rank [0-9]\]" "$OUT/test_np$np.log" | head -20 >>"$OUT/summary.txt"
@@ -51,7 +51,7 @@ done
 
 if [ -x "$BUILD_DIR/cp_bench" ]; then
   t0=$(date +%s)
-  timeout 240 mpirun -np "$NP" --bind-to none "$BUILD_DIR/cp_bench" $BENCH_ARGS --json "$OUT/cp_bench.json" \
+  timeout 150 mpirun -np "$NP" --bind-to none "$BUILD_DIR/cp_bench" $BENCH_ARGS --json "$OUT/cp_bench.json" \
     >"$OUT/bench.log" 2>&1
   rc=$?
   say "cp_bench np=$NP: rc=$rc in $(($(date +%s) - t0)) s"
