@@ -127,6 +127,7 @@ Row measure(const std::string& name, cp::Communicator* comm, Layer& l, Checkpoin
   // Memory: one step from a clean state.
   zero_grads(l);
   synchronize();
+  empty_cuda_cache();  // whole cached blocks would otherwise blur the counts
   reset_peak_memory();
   const size_t base = cuda_memory_stats().allocated;
   {
