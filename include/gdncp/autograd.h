@@ -37,6 +37,7 @@ struct AutogradMeta {
 struct Edge {
   uint64_t id = 0;
   bool requires_grad = false;
+  Shape shape;                         // the input's shape: its gradient must match
   std::shared_ptr<AutogradMeta> leaf;  // non-null iff the input is a leaf requiring grad
 };
 

@@ -142,7 +142,10 @@ class Tensor {
 
   // Internal: the autograd record of this tensor, created on first use.
   autograd::AutogradMeta& meta() const;
+  const std::shared_ptr<autograd::AutogradMeta>& meta_ptr() const;
   bool same_as(const Tensor& other) const { return impl_ == other.impl_; }
+  // True when no other handle or tensor shares this tensor's storage.
+  bool storage_unique() const;
 
  private:
   explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
