@@ -49,23 +49,15 @@ class BigdnNode : public autograd::Node {
   BigdnNode(const Dims& d, const BigdnOptions& opt, MathMode mode) : d_(d), opt_(opt), mode_(mode) {}
   const char* name() const override { return "bigdn"; }
 
-  // Saves the inputs (absent weights are remembered as absent) and the intermediates.
+  // Saves the inputs (an absent weight is saved as undefined) and the intermediates.
   void save_all(const std::vector<Tensor>& in, const Intermediates& m) {
-    for (int i = 0; i < kNumInputs; ++i) {
-      slot_[i] = -1;
-      if (in[static_cast<size_t>(i)].defined()) {
-        slot_[i] = static_cast<int>(num_saved());
-        save(in[static_cast<size_t>(i)]);
-      }
-    }
-    first_mid_ = num_saved();
+    for (const Tensor& t : in) save(t);
     for (const Tensor* t : {&m.rstd, &m.P, &m.Pz, &m.Mf, &m.Mr, &m.zf, &m.zr, &m.Msum, &m.zsum}) save(*t);
   }
 
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
-    const Tensor none;
-    const auto input = [&](int i) -> const Tensor& { return slot_[i] < 0 ? none : saved(static_cast<size_t>(slot_[i])); };
-    const auto mid = [&](size_t k) -> const Tensor& { return saved(first_mid_ + k); };
+    const auto input = [&](int i) -> const Tensor& { return saved(static_cast<size_t>(i)); };
+    const auto mid = [&](size_t k) -> const Tensor& { return saved(kNumInputs + k); };
     const Tensor &qkv = input(kQkv), &beta = input(kBeta), &decay = input(kDecay), &qw = input(kQNormW),
                  &kw = input(kKNormW), &cs = input(kRopeCos), &sn = input(kRopeSin);
     const Tensor &rstd = mid(0), &P = mid(1), &Pz = mid(2), &Mf = mid(3), &Mr = mid(4), &zf = mid(5), &zr = mid(6),
@@ -108,8 +100,6 @@ class BigdnNode : public autograd::Node {
   Dims d_;
   BigdnOptions opt_;
   MathMode mode_;
-  int slot_[kNumInputs] = {};
-  size_t first_mid_ = 0;
 };
 
 // The fused forward on validated inputs; records one BigdnNode when needed.

@@ -1,0 +1,310 @@
+// src/cp/comm_nccl.cpp — the NCCL communicator (CUDA tensors).
+//
+// The communicator is created nonblocking (ncclConfig_t::blocking = 0), so no
+// NCCL call can block the host forever. Each collective is enqueued on the
+// stream, bracketed by two events, and completed by polling the end event and
+// ncclCommGetAsyncError against a deadline of timeout_seconds(); a miss or an
+// asynchronous error calls ncclCommAbort and throws on this rank. The events
+// also give the device time spent in collectives (Stats::seconds).
+//
+// Waiting for each collective costs one host round trip; the CP layers issue
+// one collective per forward and one per backward (plus the small validation
+// exchange, which needs its answer on the host anyway).
+#include <mpi.h>
+
+#include "gdncp/cp.h"
+#include "gdncp/error.h"
+
+#if GDNCP_WITH_CUDA
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "gdncp/cp_nccl.h"
+#endif
+
+namespace gdncp {
+namespace cp {
+
+#if GDNCP_WITH_CUDA
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Clock::duration as_duration(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
+
+void pause(int spins) {
+  if (spins < 64)
+    std::this_thread::yield();
+  else
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 10 : 200));
+}
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::f32: return ncclFloat32;
+    case DType::f64: return ncclFloat64;
+    case DType::bf16: return ncclBfloat16;
+  }
+  GDNCP_FAIL("nccl: unknown dtype");
+}
+
+// Waits (with a deadline) until a nonblocking NCCL call has settled.
+ncclResult_t settle(ncclComm_t comm, Clock::time_point deadline) {
+  ncclResult_t state = ncclInProgress;
+  for (int spins = 0;; ++spins) {
+    GDNCP_NCCL_CHECK(ncclCommGetAsyncError(comm, &state));
+    if (state != ncclInProgress) return state;
+    if (Clock::now() > deadline) return ncclInProgress;
+    pause(spins);
+  }
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, bool owned, cudaStream_t stream, double timeout)
+      : comm_(comm), owned_(owned), stream_(stream) {
+    timeout_seconds_ = timeout;
+    GDNCP_NCCL_CHECK(ncclCommCount(comm_, &size_));
+    GDNCP_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
+    GDNCP_NCCL_CHECK(ncclCommCuDevice(comm_, &device_));
+    int cur = -1;
+    GDNCP_CUDA_CHECK(cudaGetDevice(&cur));
+    GDNCP_CHECK(cur == device_, "make_nccl_communicator: the NCCL communicator is on device ", device_,
+                " but the current device is ", cur);
+    GDNCP_CUDA_CHECK(cudaEventCreate(&start_));
+    GDNCP_CUDA_CHECK(cudaEventCreate(&stop_));
+    GDNCP_CUDA_CHECK(cudaEventCreateWithFlags(&order_, cudaEventDisableTiming));
+  }
+
+  ~NcclCommunicator() override {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+    cudaEventDestroy(order_);
+    if (!owned_ || aborted_) return;
+    // Best effort, never throws: finalize (nonblocking), then destroy.
+    const ncclResult_t fin = ncclCommFinalize(comm_);
+    ncclResult_t st = (fin == ncclSuccess || fin == ncclInProgress) ? ncclInProgress : fin;
+    const auto deadline = Clock::now() + as_duration(timeout_seconds_);
+    for (int spins = 0; st == ncclInProgress && Clock::now() < deadline; ++spins) {
+      if (ncclCommGetAsyncError(comm_, &st) != ncclSuccess) break;
+      if (st == ncclInProgress) pause(spins);
+    }
+    if (st == ncclSuccess)
+      ncclCommDestroy(comm_);
+    else
+      ncclCommAbort(comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Device device() const override { return Device::cuda; }
+  bool aborted() const override { return aborted_; }
+  const char* backend() const override { return "nccl"; }
+
+  void all_gather(Tensor& out, const Tensor& in) override {
+    check_usable("all_gather");
+    check_cuda(in, "all_gather: in");
+    check_cuda(out, "all_gather: out");
+    GDNCP_CHECK(out.dtype() == in.dtype(), "all_gather: out dtype ", dtype_name(out.dtype()), " != in dtype ",
+                dtype_name(in.dtype()));
+    GDNCP_CHECK(out.numel() == in.numel() * size_, "all_gather: out has ", out.numel(), " elements, expected size()·",
+                in.numel(), " = ", in.numel() * size_);
+    run("ncclAllGather", in.nbytes(), [&](cudaStream_t s) {
+      return ncclAllGather(in.data(), out.data(), in.nbytes(), ncclUint8, comm_, s);
+    });
+  }
+
+  void all_reduce_sum(Tensor& t) override {
+    check_usable("all_reduce_sum");
+    check_cuda(t, "all_reduce_sum: t");
+    run("ncclAllReduce", t.nbytes(), [&](cudaStream_t s) {
+      return ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), ncclSum, comm_,
+                           s);
+    });
+  }
+
+  void broadcast(Tensor& t, int root) override {
+    check_usable("broadcast");
+    check_cuda(t, "broadcast: t");
+    GDNCP_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is not a rank of a group of ", size_);
+    run("ncclBroadcast", t.nbytes(), [&](cudaStream_t s) {
+      return ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, s);
+    });
+  }
+
+  void send_recv(const Tensor& send, int dst, Tensor& recv, int src) override {
+    check_usable("send_recv");
+    GDNCP_CHECK(dst >= -1 && dst < size_, "send_recv: dst ", dst, " is not a rank (or -1)");
+    GDNCP_CHECK(src >= -1 && src < size_, "send_recv: src ", src, " is not a rank (or -1)");
+    if (dst >= 0) check_cuda(send, "send_recv: send");
+    if (src >= 0) check_cuda(recv, "send_recv: recv");
+    if (dst < 0 && src < 0) return;
+    run("ncclSend/ncclRecv", dst >= 0 ? send.nbytes() : 0, [&](cudaStream_t s) {
+      ncclResult_t r = ncclGroupStart();
+      if (r != ncclSuccess) return r;
+      if (dst >= 0) {
+        r = ncclSend(send.data(), send.nbytes(), ncclUint8, dst, comm_, s);
+        if (r != ncclSuccess && r != ncclInProgress) return r;
+      }
+      if (src >= 0) {
+        r = ncclRecv(recv.data(), recv.nbytes(), ncclUint8, src, comm_, s);
+        if (r != ncclSuccess && r != ncclInProgress) return r;
+      }
+      return ncclGroupEnd();
+    });
+  }
+
+  void barrier() override {
+    Tensor one = Tensor::zeros({1}, DType::f32, Device::cuda);
+    all_reduce_sum(one);
+  }
+
+  void all_gather_host(void* out, const void* in, size_t bytes) override {
+    check_usable("all_gather_host");
+    const int64_t n = static_cast<int64_t>((bytes + 7) / 8);
+    std::vector<double> host(static_cast<size_t>(n), 0.0);
+    std::memcpy(host.data(), in, bytes);
+    Tensor send = Tensor::empty({n}, DType::f64, Device::cuda);
+    Tensor recv = Tensor::empty({n * size_}, DType::f64, Device::cuda);
+    const cudaStream_t cur = static_cast<cudaStream_t>(current_stream());
+    GDNCP_CUDA_CHECK(cudaMemcpyAsync(send.data(), host.data(), static_cast<size_t>(n) * 8, cudaMemcpyHostToDevice, cur));
+    all_gather(recv, send);  // waits: the copy back below cannot block on NCCL
+    std::vector<double> all(static_cast<size_t>(n * size_));
+    GDNCP_CUDA_CHECK(cudaMemcpyAsync(all.data(), recv.data(), all.size() * 8, cudaMemcpyDeviceToHost, cur));
+    GDNCP_CUDA_CHECK(cudaStreamSynchronize(cur));
+    for (int r = 0; r < size_; ++r)
+      std::memcpy(static_cast<char*>(out) + static_cast<size_t>(r) * bytes, all.data() + r * n, bytes);
+  }
+
+ private:
+  void check_usable(const char* what) const {
+    GDNCP_CHECK(!aborted_, what, ": the NCCL communicator was aborted by an earlier timeout or error (rank ", rank_,
+                ")");
+    int cur = -1;
+    GDNCP_CUDA_CHECK(cudaGetDevice(&cur));
+    GDNCP_CHECK(cur == device_, what, ": the current device is ", cur, " but the NCCL communicator of rank ", rank_,
+                " is on device ", device_);
+  }
+  static void check_cuda(const Tensor& t, const char* what) {
+    GDNCP_CHECK(t.defined(), what, " is undefined");
+    GDNCP_CHECK(t.device() == Device::cuda, what, " is on ", device_name(t.device()),
+                "; the NCCL communicator takes CUDA tensors (use the MPI communicator for CPU tensors)");
+  }
+
+  [[noreturn]] void abort_and_throw(const std::string& why) {
+    aborted_ = true;
+    ncclCommAbort(comm_);
+    GDNCP_FAIL(why, " (rank ", rank_, " of ", size_, "); the NCCL communicator is aborted");
+  }
+
+  // Enqueues op on the collective stream and waits for it with the deadline.
+  template <typename Op>
+  void run(const char* call, size_t bytes, Op op) {
+    const cudaStream_t cur = static_cast<cudaStream_t>(current_stream());
+    const cudaStream_t s = stream_ ? stream_ : cur;
+    if (s != cur) {  // the collective reads what the current stream wrote
+      GDNCP_CUDA_CHECK(cudaEventRecord(order_, cur));
+      GDNCP_CUDA_CHECK(cudaStreamWaitEvent(s, order_, 0));
+    }
+    const auto deadline = Clock::now() + as_duration(timeout_seconds_);
+    GDNCP_CUDA_CHECK(cudaEventRecord(start_, s));
+    const ncclResult_t r = op(s);
+    if (r != ncclSuccess && r != ncclInProgress)
+      abort_and_throw(std::string("NCCL call ") + call + " failed: " + ncclGetErrorString(r));
+    const ncclResult_t st = settle(comm_, deadline);
+    if (st == ncclInProgress) abort_and_throw(std::string(call) + " could not be enqueued within the timeout");
+    if (st != ncclSuccess) abort_and_throw(std::string(call) + " failed: " + ncclGetErrorString(st));
+    GDNCP_CUDA_CHECK(cudaEventRecord(stop_, s));
+    for (int spins = 0;; ++spins) {
+      const cudaError_t q = cudaEventQuery(stop_);
+      if (q == cudaSuccess) break;
+      if (q != cudaErrorNotReady) {
+        GDNCP_CUDA_CHECK(q);
+      }
+      ncclResult_t async = ncclSuccess;
+      GDNCP_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
+      if (async != ncclSuccess && async != ncclInProgress)
+        abort_and_throw(std::string(call) + " failed asynchronously: " + ncclGetErrorString(async));
+      if (Clock::now() > deadline)
+        abort_and_throw(std::string(call) + " did not complete within " + std::to_string(timeout_seconds_) +
+                        " s (a rank missing or out of step)");
+      pause(spins);
+    }
+    float ms = 0;
+    GDNCP_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+    stats_.calls += 1;
+    stats_.bytes += static_cast<int64_t>(bytes);
+    stats_.seconds += ms * 1e-3;
+    if (s != cur) {
+      GDNCP_CUDA_CHECK(cudaEventRecord(order_, s));
+      GDNCP_CUDA_CHECK(cudaStreamWaitEvent(cur, order_, 0));
+    }
+  }
+
+  ncclComm_t comm_ = nullptr;
+  bool owned_ = false;
+  cudaStream_t stream_ = nullptr;
+  int rank_ = 0, size_ = 1, device_ = 0;
+  bool aborted_ = false;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr, order_ = nullptr;
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_nccl_communicator(ncclComm_t comm, cudaStream_t stream) {
+  GDNCP_CHECK(comm != nullptr, "make_nccl_communicator: comm is null");
+  return std::make_shared<NcclCommunicator>(comm, false, stream, 300.0);
+}
+
+std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm) {
+  int init = 0;
+  MPI_Initialized(&init);
+  GDNCP_CHECK(init, "make_nccl_communicator: MPI is not initialised (call MPI_Init first)");
+  GDNCP_CHECK(comm != MPI_COMM_NULL, "make_nccl_communicator: comm is MPI_COMM_NULL");
+  int rank = 0, size = 1;
+  GDNCP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  GDNCP_MPI_CHECK(MPI_Comm_size(comm, &size));
+  // Agree on the outcome of the local checks before any rank waits on the others.
+  int ndev = 0;
+  const cudaError_t dev_err = cudaGetDeviceCount(&ndev);
+  int ok = (dev_err == cudaSuccess && ndev > 0) ? 1 : 0, all_ok = 0;
+  GDNCP_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm));
+  GDNCP_CHECK(all_ok, "make_nccl_communicator: rank ", rank, " sees ", ndev,
+              " CUDA devices; some rank of the group has none (", cudaGetErrorString(dev_err), ")");
+  const int device = local_rank(comm) % ndev;
+  GDNCP_CUDA_CHECK(cudaSetDevice(device));
+  ncclUniqueId id;
+  if (rank == 0) GDNCP_NCCL_CHECK(ncclGetUniqueId(&id));
+  GDNCP_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, comm));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t nc = nullptr;
+  const ncclResult_t r = ncclCommInitRankConfig(&nc, size, id, rank, &config);
+  GDNCP_CHECK(r == ncclSuccess || r == ncclInProgress, "make_nccl_communicator: ncclCommInitRankConfig failed: ",
+              ncclGetErrorString(r));
+  const double timeout = 300.0;
+  const ncclResult_t st = settle(nc, Clock::now() + as_duration(timeout));
+  if (st != ncclSuccess) {
+    ncclCommAbort(nc);
+    GDNCP_FAIL("make_nccl_communicator: ncclCommInitRankConfig on rank ", rank, " (device ", device, ") ",
+               st == ncclInProgress ? std::string("timed out") : std::string(ncclGetErrorString(st)));
+  }
+  return std::make_shared<NcclCommunicator>(nc, true, nullptr, timeout);
+}
+
+#else  // !GDNCP_WITH_CUDA
+
+std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm) {
+  GDNCP_FAIL("make_nccl_communicator: gdncp was built without CUDA (configure with GDNCP_CUDA=ON)");
+}
+
+#endif
+
+}  // namespace cp
+}  // namespace gdncp

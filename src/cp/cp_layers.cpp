@@ -1,0 +1,284 @@
+// src/cp/cp_layers.cpp — the CP layers of gdncp/cp.h: bigdn_cp (both
+// directions, out = num/(den+eps)) and cp_gdn_raw (one direction, num and den).
+//
+// One autograd node per call over the fused kernel twins (kernels.h) and the
+// scan engine (Note [CP scan]):
+//   forward:  rms_stats → phase_a_fwd (Prep, once) → CP scans (one all-gather)
+//             → phase_c_fwd (Output, once; divide for the layer, raw otherwise)
+//   backward: phase_c_bwd → CP scan backward (one all-gather) → phase_a_bwd
+//             → rms_norm_bwd
+// The bidirectional layer runs the forward scan and the anti-causal scan over
+// the same per-frame transitions: the anti-causal one is the rank-reversed scan
+// of the flipped frames, shifted by one frame. The shift needs no halo
+// exchange: the strictly-later state at a rank's last frame is exactly the
+// state arriving from rank r+1, i.e. the rank's incoming state of the reversed
+// scan, which the merge computes from the gathered composites anyway.
+//
+// Gradients: qkv, beta, decay in their dtypes; the present norm weights in
+// theirs, partial per rank (all_reduce_grads sums them). All fresh tensors.
+#include <memory>
+
+#include "cp/cp_kernels.h"
+#include "cp/scan_engine.h"
+#include "cp/validate_cp.h"
+#include "gdncp/cp.h"
+#include "gdncp/error.h"
+#include "kernels/kernels.h"
+#include "kernels/validate.h"
+
+namespace gdncp {
+namespace cp {
+namespace {
+
+using detail::ScanContext;
+using detail::ScanJob;
+
+enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kNumInputs };
+
+DType compute_dtype(DType t) { return t == DType::f64 ? DType::f64 : DType::f32; }
+
+// Jobs of a layer over P (KV) and Pz (Z): fwd KV, fwd Z [, anti KV, anti Z].
+std::vector<ScanJob> layer_jobs(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz, const Dims& d,
+                                bool bidi, const CpOptions& o, int rank) {
+  std::vector<ScanJob> jobs;
+  auto add = [&](const Tensor& p, const Tensor& u, int64_t E, bool anti) {
+    ScanJob j;
+    j.P = p;
+    j.U = u;
+    j.E = E;
+    j.anti = anti;
+    j.rank_reverse = !anti && o.reverse_rank_order;
+    j.terminal = !anti && o.truncate_to_active > 0;
+    j.active = anti ? d.F : detail::active_frames(o.truncate_to_active, rank, d.F);
+    jobs.push_back(j);
+  };
+  add(P, A, d.D, false);
+  add(Pz, bz, 1, false);
+  if (bidi) {
+    add(P, A, d.D, true);
+    add(Pz, bz, 1, true);
+  }
+  return jobs;
+}
+
+class CpLayerNode : public autograd::Node {
+ public:
+  CpLayerNode(Communicator& comm, const Dims& d, const BigdnOptions& opt, const CpOptions& cpo, MathMode mode,
+              bool bidi)
+      : comm_(comm), d_(d), opt_(opt), cpo_(cpo), mode_(mode), bidi_(bidi) {}
+  const char* name() const override { return bidi_ ? "bigdn_cp" : "cp_gdn_raw"; }
+
+  // Saved after the inputs: rstd, P, Pz, gathered, M, z (what phase C read), then Y, X0 per job.
+  void save_state(const std::vector<Tensor>& in, const Tensor& rstd, const Tensor& P, const Tensor& Pz,
+                  const ScanContext& ctx, const Tensor& M, const Tensor& z, const std::vector<ScanJob>& jobs) {
+    for (const Tensor& t : in) save(t);
+    for (const Tensor* t : {&rstd, &P, &Pz, &ctx.gathered, &M, &z}) save(*t);
+    for (const ScanJob& j : jobs) {
+      save(j.Y);
+      save(j.X0);
+    }
+  }
+
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
+    const auto input = [&](int i) -> const Tensor& { return saved(static_cast<size_t>(i)); };
+    const auto mid = [&](size_t k) -> const Tensor& { return saved(kNumInputs + k); };
+    const Tensor &qkv = input(kQkv), &beta = input(kBeta), &decay = input(kDecay), &qw = input(kQNormW),
+                 &kw = input(kKNormW), &cs = input(kRopeCos), &sn = input(kRopeSin);
+    const Tensor &rstd = mid(0), &P = mid(1), &Pz = mid(2), &gathered = mid(3), &M = mid(4), &z = mid(5);
+    const Dims& d = d_;
+    const Device dev = qkv.device();
+    const DType ct = compute_dtype(qkv.dtype());
+    const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
+
+    // Output (phase C) backward.
+    Tensor dq_hat = Tensor::empty({B, N, H, D}, ct, dev);
+    Tensor dM = Tensor::empty({BH, F, D, D}, ct, dev), dz = Tensor::empty({BH, F, D}, ct, dev);
+    if (bidi_)
+      kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], Tensor(), qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, true, mode_);
+    else
+      kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], grads[1], qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, false,
+                           mode_);
+
+    // CP scan backward (one all-gather).
+    ScanContext ctx{&comm_, BH, F, D, decay, gathered};
+    std::vector<ScanJob> jobs = layer_jobs(P, Tensor(), Pz, Tensor(), d, bidi_, cpo_, comm_.rank());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      jobs[i].Y = mid(6 + 2 * i);
+      jobs[i].X0 = mid(7 + 2 * i);
+    }
+    Tensor dP = Tensor::empty({BH, F, D, D}, ct, dev), dPz = Tensor::empty({BH, F, D, D}, ct, dev);
+    Tensor dg = Tensor::zeros({BH, F}, ct, dev);
+    jobs[0].dY = dM;
+    jobs[0].dP = dP;
+    jobs[1].dY = dz;
+    jobs[1].dP = dPz;
+    if (bidi_) {
+      jobs[2].dY = dM;
+      jobs[2].dP = dP;
+      jobs[3].dY = dz;
+      jobs[3].dP = dPz;
+      jobs[2].dP_accumulate = jobs[3].dP_accumulate = true;
+    } else if (cpo_.truncate_to_active > 0) {
+      jobs[0].dT = grads[2];
+      jobs[1].dT = grads[3];
+    }
+    detail::scan_backward(ctx, jobs, dg);
+    Tensor dA = jobs[0].dU, dbz = jobs[1].dU;
+    if (bidi_) {
+      kern::add(dA, dA, jobs[2].dU);
+      kern::add(dbz, dbz, jobs[3].dU);
+    }
+
+    // Prep (phase A + RMSNorm) backward.
+    Tensor dk_hat = Tensor::empty({B, N, H, D}, ct, dev);
+    Tensor dqkv = Tensor::empty(qkv.shape(), qkv.dtype(), dev);
+    Tensor dbeta = Tensor::empty(beta.shape(), beta.dtype(), dev);
+    kernels::phase_a_bwd(dk_hat, dqkv, dbeta, dP, dA, dPz, dbz, qkv, rstd, kw, cs, sn, beta, d, opt_.k_scale, mode_);
+    Tensor dqw, dkw;
+    if (qw.defined() && needs_input_grad(kQNormW)) dqw = Tensor::empty(qw.shape(), qw.dtype(), dev);
+    if (kw.defined() && needs_input_grad(kKNormW)) dkw = Tensor::empty(kw.shape(), kw.dtype(), dev);
+    kernels::rms_norm_bwd(dqkv, dqw, dkw, dq_hat, dk_hat, qkv, rstd, qw, kw, d);
+
+    std::vector<Tensor> out(kNumInputs);
+    if (needs_input_grad(kQkv)) out[kQkv] = dqkv;
+    if (needs_input_grad(kBeta)) out[kBeta] = dbeta;
+    if (needs_input_grad(kDecay)) out[kDecay] = dg.to(decay.dtype()).reshape(decay.shape());
+    out[kQNormW] = dqw;
+    out[kKNormW] = dkw;
+    return out;
+  }
+
+ private:
+  Communicator& comm_;
+  Dims d_;
+  BigdnOptions opt_;
+  CpOptions cpo_;
+  MathMode mode_;
+  bool bidi_;
+};
+
+// The fused forward on validated inputs; records one CpLayerNode when needed.
+// keep: the gathered composites, reused when set (checkpoint recompute: no
+// collective) and filled otherwise.
+std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>& in, const Dims& d,
+                                  const BigdnOptions& opt, const CpOptions& cpo, bool bidi, Tensor* keep) {
+  const Tensor &qkv = in[kQkv], &beta = in[kBeta], &decay = in[kDecay], &qw = in[kQNormW], &kw = in[kKNormW],
+               &cs = in[kRopeCos], &sn = in[kRopeSin];
+  const Device dev = qkv.device();
+  const DType ct = compute_dtype(qkv.dtype());
+  const MathMode mode = resolve_math_mode(opt.precision, qkv.dtype());
+  const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
+
+  // Prep: RMSNorm statistics and phase A, once for both directions.
+  Tensor rstd = Tensor::empty({B, N, 2}, ct, dev);
+  kernels::rms_stats(rstd, qkv, qw, kw, d, opt.norm_eps);
+  Tensor P = Tensor::empty({BH, F, D, D}, ct, dev), A = Tensor::empty({BH, F, D, D}, ct, dev);
+  Tensor Pz = Tensor::empty({BH, F, D, D}, ct, dev), bz = Tensor::empty({BH, F, D}, ct, dev);
+  kernels::phase_a_fwd(P, A, Pz, bz, qkv, rstd, kw, cs, sn, beta, d, opt.k_scale, mode);
+
+  // The CP scans: every direction's composites in one all-gather.
+  ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor()};
+  std::vector<ScanJob> jobs = layer_jobs(P, A, Pz, bz, d, bidi, cpo, comm.rank());
+  detail::scan_forward(ctx, jobs);
+  if (keep) *keep = ctx.gathered;
+  Tensor M = jobs[0].Y, z = jobs[1].Y;
+  if (bidi) {
+    M = Tensor::empty({BH, F, D, D}, ct, dev);
+    z = Tensor::empty({BH, F, D}, ct, dev);
+    kern::add(M, jobs[0].Y, jobs[2].Y);
+    kern::add(z, jobs[1].Y, jobs[3].Y);
+  }
+
+  // Output: phase C once for both directions.
+  std::vector<Tensor> outputs;
+  Tensor den = Tensor::empty({B, H, N}, ct, dev);
+  if (bidi) {
+    Tensor out = Tensor::empty({B, N, H, D}, qkv.dtype(), dev);
+    kernels::phase_c_fwd(out, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/true, mode);
+    outputs = {out};
+  } else {
+    Tensor num = Tensor::empty({B, N, H, D}, ct, dev);
+    kernels::phase_c_fwd(num, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/false, mode);
+    outputs = {num, den};
+    if (cpo.truncate_to_active > 0) {
+      outputs.push_back(jobs[0].T);
+      outputs.push_back(jobs[1].T);
+    }
+  }
+
+  if (autograd::should_record(in)) {
+    auto node = std::make_shared<CpLayerNode>(comm, d, opt, cpo, mode, bidi);
+    node->save_state(in, rstd, P, Pz, ctx, M, z, jobs);
+    autograd::record(node, in, outputs);
+  }
+  return outputs;
+}
+
+// Local and cross-rank validation of a layer call; returns this rank's dims.
+Dims validate_layer(Communicator& comm, const char* entry, const std::vector<Tensor>& in, int64_t F, int64_t S,
+                    const BigdnOptions& opt, const CpOptions& cpo) {
+  Dims d;
+  detail::CallRecord rec;
+  detail::validate_collective(comm, entry, rec, [&](detail::CallRecord& r) {
+    d = validate_bigdn_inputs(entry, in[kQkv], in[kBeta], in[kDecay], in[kQNormW], in[kKNormW], in[kRopeCos],
+                              in[kRopeSin], F, S, opt);
+    detail::check_cp_options(entry, cpo, comm.size(), F);
+    r.B = d.B;
+    r.H = d.H;
+    r.D = d.D;
+    r.F = d.F;
+    r.S = d.S;
+    r.dtype = static_cast<int64_t>(in[kQkv].dtype());
+    r.device = static_cast<int64_t>(in[kQkv].device());
+    r.has_q_norm = in[kQNormW].defined();
+    r.has_k_norm = in[kKNormW].defined();
+    r.reverse = cpo.reverse_rank_order;
+    r.truncate = cpo.truncate_to_active;
+    r.k_scale = opt.k_scale;
+    r.norm_eps = opt.norm_eps;
+    r.eps = opt.eps;
+  });
+  return d;
+}
+
+// Runs the layer forward directly or under a checkpoint whose recompute
+// reuses the gathered composites of the first run.
+std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in, const Dims& d,
+                              const BigdnOptions& opt, const CpOptions& cpo, bool bidi) {
+  if (!autograd::resolve_checkpoint(opt.checkpoint, in)) return layer_forward(comm, in, d, opt, cpo, bidi, nullptr);
+  auto keep = std::make_shared<Tensor>();
+  Communicator* c = &comm;
+  const autograd::Function fn = [c, d, opt, cpo, bidi, keep](const std::vector<Tensor>& x) {
+    return layer_forward(*c, x, d, opt, cpo, bidi, keep.get());
+  };
+  return autograd::checkpoint(fn, in, Checkpoint::on);
+}
+
+}  // namespace
+
+Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
+                const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
+                int64_t F, int64_t S, const BigdnOptions& options) {
+  const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
+  const Dims d = validate_layer(comm, "bigdn_cp", in, F, S, options, CpOptions());
+  return run_layer(comm, in, d, options, CpOptions(), true).at(0);
+}
+
+RawResult cp_gdn_raw(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
+                     const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
+                     int64_t F, int64_t S, const BigdnOptions& options, const CpOptions& cp_options) {
+  const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
+  const Dims d = validate_layer(comm, "cp_gdn_raw", in, F, S, options, cp_options);
+  const std::vector<Tensor> out = run_layer(comm, in, d, options, cp_options, false);
+  RawResult r;
+  r.num = out[0];
+  r.den = out[1];
+  if (out.size() > 2) {
+    r.terminal_M = out[2];
+    r.terminal_z = out[3];
+  }
+  return r;
+}
+
+}  // namespace cp
+}  // namespace gdncp

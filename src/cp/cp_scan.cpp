@@ -1,0 +1,208 @@
+// src/cp/cp_scan.cpp — the differentiable CP scans of gdncp/cp.h: cp_scan
+// (one direction, KV + Z, with reverse_rank_order and truncate_to_active) and
+// cp_bidi_scan (both directions, SPEC §4 on the global sequence). Each is one
+// autograd node over the scan engine (Note [CP scan], scan_engine.h).
+//
+// Gradients: P, A, Pz, bz in the compute dtype, decay in its dtype; all
+// fresh tensors (activation gradients), summed into the leaves by the engine.
+#include <memory>
+
+#include "cp/cp_kernels.h"
+#include "cp/scan_engine.h"
+#include "cp/validate_cp.h"
+#include "gdncp/cp.h"
+#include "gdncp/error.h"
+
+namespace gdncp {
+namespace cp {
+namespace {
+
+using detail::ScanContext;
+using detail::ScanJob;
+
+enum Input { kP, kA, kPz, kBz, kDecay, kNumInputs };
+
+void check_scan_inputs(const char* entry, const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz,
+                       const Tensor& decay, detail::CallRecord& rec) {
+  GDNCP_CHECK(P.defined() && P.dim() == 4 && P.size(2) == P.size(3), entry,
+              ": P: must be (B·H, F, D, D), got ", P.defined() ? P.str() : "undefined");
+  const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
+  GDNCP_CHECK(BH > 0 && F > 0 && D > 0, entry, ": P: sizes must be > 0, got ", P.str());
+  GDNCP_CHECK(D <= kMaxHeadDim, entry, ": P: D = ", D, " exceeds the supported maximum ", kMaxHeadDim);
+  GDNCP_CHECK(P.dtype() == DType::f32 || P.dtype() == DType::f64, entry, ": P: must be f32 or f64 (compute dtype), got ",
+              dtype_name(P.dtype()));
+  GDNCP_CHECK(P.dtype() == DType::f32 || P.device() == Device::cpu, entry, ": P: f64 is CPU-only");
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{A, "A"}, {Pz, "Pz"}}) {
+    GDNCP_CHECK(t.defined() && t.shape() == P.shape(), entry, ": ", name, ": must be ", shape_str(P.shape()),
+                " like P, got ", t.defined() ? t.str() : "undefined");
+  }
+  GDNCP_CHECK(bz.defined() && bz.shape() == Shape({BH, F, D}), entry, ": bz: must be (", BH, ", ", F, ", ", D,
+              "), got ", bz.defined() ? bz.str() : "undefined");
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{A, "A"}, {Pz, "Pz"}, {bz, "bz"}}) {
+    GDNCP_CHECK(t.dtype() == P.dtype(), entry, ": ", name, ": dtype ", dtype_name(t.dtype()), " != P's ",
+                dtype_name(P.dtype()));
+    GDNCP_CHECK(t.device() == P.device(), entry, ": ", name, ": on ", device_name(t.device()), ", P on ",
+                device_name(P.device()));
+  }
+  GDNCP_CHECK(decay.defined() && decay.dim() == 3 && decay.size(0) * decay.size(1) == BH && decay.size(2) == F, entry,
+              ": decay: must be (B, H, F) with B·H = ", BH, " and F = ", F, ", got ",
+              decay.defined() ? decay.str() : "undefined");
+  GDNCP_CHECK(decay.device() == P.device(), entry, ": decay: on ", device_name(decay.device()), ", P on ",
+              device_name(P.device()));
+  GDNCP_CHECK(decay.dtype() != DType::f64 || P.dtype() == DType::f64, entry, ": decay: f64 needs f64 P");
+  rec.B = decay.size(0);
+  rec.H = decay.size(1);
+  rec.D = D;
+  rec.F = F;
+  rec.S = 0;
+  rec.dtype = static_cast<int64_t>(P.dtype());
+  rec.device = static_cast<int64_t>(P.device());
+}
+
+// Builds the jobs over saved or fresh inputs. Bidirectional: fwd KV, fwd Z,
+// anti KV, anti Z; else KV, Z.
+std::vector<ScanJob> make_jobs(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz, int64_t D,
+                               int64_t F, bool bidi, const CpOptions& o, int rank) {
+  std::vector<ScanJob> jobs;
+  auto add = [&](const Tensor& p, const Tensor& u, int64_t E, bool anti) {
+    ScanJob j;
+    j.P = p;
+    j.U = u;
+    j.E = E;
+    j.anti = anti;
+    j.rank_reverse = !anti && o.reverse_rank_order;
+    j.terminal = !anti && o.truncate_to_active > 0;
+    j.active = anti ? F : detail::active_frames(o.truncate_to_active, rank, F);
+    jobs.push_back(j);
+  };
+  add(P, A, D, false);
+  add(Pz, bz, 1, false);
+  if (bidi) {
+    add(P, A, D, true);
+    add(Pz, bz, 1, true);
+  }
+  return jobs;
+}
+
+class CpScanNode : public autograd::Node {
+ public:
+  CpScanNode(Communicator& comm, bool bidi, const CpOptions& o) : comm_(comm), bidi_(bidi), opt_(o) {}
+  const char* name() const override { return bidi_ ? "cp_bidi_scan" : "cp_scan"; }
+
+  void save_state(const std::vector<Tensor>& in, const std::vector<ScanJob>& jobs, const ScanContext& ctx) {
+    for (const Tensor& t : in) save(t);
+    save(ctx.gathered);
+    for (const ScanJob& j : jobs) {
+      save(j.Y);
+      save(j.X0);
+    }
+    n_jobs_ = jobs.size();
+  }
+
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
+    const Tensor &P = saved(kP), &A = saved(kA), &Pz = saved(kPz), &bz = saved(kBz), &decay = saved(kDecay);
+    const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
+    ScanContext ctx{&comm_, BH, F, D, decay, saved(kNumInputs)};
+    std::vector<ScanJob> jobs = make_jobs(P, A, Pz, bz, D, F, bidi_, opt_, comm_.rank());
+    for (size_t i = 0; i < n_jobs_; ++i) {
+      jobs[i].Y = saved(kNumInputs + 1 + 2 * i);
+      jobs[i].X0 = saved(kNumInputs + 2 + 2 * i);
+    }
+    const DType ct = P.dtype();
+    Tensor dP = Tensor::empty(P.shape(), ct, P.device()), dPz = Tensor::empty(Pz.shape(), ct, P.device());
+    Tensor dg = Tensor::zeros({BH, F}, ct, P.device());
+    jobs[0].dY = grads[0];
+    jobs[1].dY = grads[1];
+    jobs[0].dP = dP;
+    jobs[1].dP = dPz;
+    if (bidi_) {
+      jobs[2].dY = grads[0];
+      jobs[3].dY = grads[1];
+      jobs[2].dP = dP;
+      jobs[3].dP = dPz;
+      jobs[2].dP_accumulate = jobs[3].dP_accumulate = true;
+    } else if (opt_.truncate_to_active > 0) {
+      jobs[0].dT = grads[2];
+      jobs[1].dT = grads[3];
+    }
+    detail::scan_backward(ctx, jobs, dg);
+    Tensor dA = jobs[0].dU, dbz = jobs[1].dU;
+    if (bidi_) {
+      kern::add(dA, dA, jobs[2].dU);
+      kern::add(dbz, dbz, jobs[3].dU);
+    }
+    std::vector<Tensor> out(kNumInputs);
+    out[kP] = dP;
+    out[kA] = dA;
+    out[kPz] = dPz;
+    out[kBz] = dbz;
+    if (needs_input_grad(kDecay)) out[kDecay] = dg.to(decay.dtype()).reshape(decay.shape());
+    return out;
+  }
+
+ private:
+  Communicator& comm_;
+  bool bidi_;
+  CpOptions opt_;
+  size_t n_jobs_ = 0;
+};
+
+std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor& P, const Tensor& A, const Tensor& Pz,
+                             const Tensor& bz, const Tensor& decay, bool bidi, const CpOptions& o) {
+  detail::CallRecord rec;
+  detail::validate_collective(comm, entry, rec, [&](detail::CallRecord& r) {
+    check_scan_inputs(entry, P, A, Pz, bz, decay, r);
+    detail::check_cp_options(entry, o, comm.size(), P.size(1));
+    r.reverse = o.reverse_rank_order;
+    r.truncate = o.truncate_to_active;
+  });
+  const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
+  ScanContext ctx{&comm, BH, F, D, decay, Tensor()};
+  std::vector<ScanJob> jobs = make_jobs(P, A, Pz, bz, D, F, bidi, o, comm.rank());
+  detail::scan_forward(ctx, jobs);
+
+  std::vector<Tensor> outputs;
+  if (bidi) {
+    Tensor M = Tensor::empty(jobs[0].Y.shape(), jobs[0].Y.dtype(), jobs[0].Y.device());
+    Tensor z = Tensor::empty(jobs[1].Y.shape(), jobs[1].Y.dtype(), jobs[1].Y.device());
+    kern::add(M, jobs[0].Y, jobs[2].Y);
+    kern::add(z, jobs[1].Y, jobs[3].Y);
+    outputs = {M, z};
+  } else {
+    outputs = {jobs[0].Y, jobs[1].Y};
+    if (o.truncate_to_active > 0) {
+      outputs.push_back(jobs[0].T);
+      outputs.push_back(jobs[1].T);
+    }
+  }
+  const std::vector<Tensor> in = {P, A, Pz, bz, decay};
+  if (autograd::should_record(in)) {
+    auto node = std::make_shared<CpScanNode>(comm, bidi, o);
+    node->save_state(in, jobs, ctx);
+    autograd::record(node, in, outputs);
+  }
+  return outputs;
+}
+
+}  // namespace
+
+ScanResult cp_scan(Communicator& comm, const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz,
+                   const Tensor& decay, const CpOptions& options) {
+  const std::vector<Tensor> out = run_scan(comm, "cp_scan", P, A, Pz, bz, decay, false, options);
+  ScanResult r;
+  r.M = out[0];
+  r.z = out[1];
+  if (out.size() > 2) {
+    r.terminal_M = out[2];
+    r.terminal_z = out[3];
+  }
+  return r;
+}
+
+std::vector<Tensor> cp_bidi_scan(Communicator& comm, const Tensor& P, const Tensor& A, const Tensor& Pz,
+                                 const Tensor& bz, const Tensor& decay) {
+  return run_scan(comm, "cp_bidi_scan", P, A, Pz, bz, decay, true, CpOptions());
+}
+
+}  // namespace cp
+}  // namespace gdncp

@@ -1,0 +1,135 @@
+// tests/mpi_cp_fixtures.h — shared pieces of the CP tests (tests/mpi_test_cp_*.cpp).
+//
+// Every rank regenerates the full global input from a seed, computes the
+// one-rank reference itself (over a communicator of MPI_COMM_SELF, or with the
+// single-rank layer), and compares its own slice. Pass/fail is reduced over
+// the ranks so every rank exits with the same code. One communicator per
+// binary: made once in run_mpi_tests(), shared by every test.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gdncp/cp.h"
+#include "gdncp/gdncp.h"
+#include "util/test_util.h"
+
+namespace gdncp {
+namespace test {
+
+// The CP group (MPI_COMM_WORLD) and a one-rank group (MPI_COMM_SELF) for the references.
+inline std::shared_ptr<cp::Communicator>& world() {
+  static std::shared_ptr<cp::Communicator> c;
+  return c;
+}
+inline std::shared_ptr<cp::Communicator>& self() {
+  static std::shared_ptr<cp::Communicator> c;
+  return c;
+}
+inline int rank() { return world()->rank(); }
+inline int nranks() { return world()->size(); }
+
+// Rows [lo, hi) of axis `axis` of t, as a new CPU tensor of t's dtype.
+inline Tensor slice(const Tensor& t, int axis, int64_t lo, int64_t hi) {
+  const Shape& s = t.shape();
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < axis; ++i) outer *= s[static_cast<size_t>(i)];
+  for (size_t i = static_cast<size_t>(axis) + 1; i < s.size(); ++i) inner *= s[i];
+  const int64_t n = s[static_cast<size_t>(axis)];
+  const std::vector<double> v = t.to(Device::cpu).to_vector();
+  std::vector<double> out;
+  out.reserve(static_cast<size_t>(outer * (hi - lo) * inner));
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = lo; i < hi; ++i)
+      for (int64_t k = 0; k < inner; ++k) out.push_back(v[static_cast<size_t>((o * n + i) * inner + k)]);
+  Shape shape = s;
+  shape[static_cast<size_t>(axis)] = hi - lo;
+  return Tensor::from_vector(out, shape, t.dtype());
+}
+
+// Frame block of `rank` (F frames each along axis; `per` elements per frame along it).
+inline Tensor rank_block(const Tensor& t, int axis, int64_t per_rank, int block) {
+  return slice(t, axis, block * per_rank, (block + 1) * per_rank);
+}
+
+// A leaf copy that requires grad.
+inline Tensor leaf(const Tensor& t) {
+  if (!t.defined()) return Tensor();
+  Tensor x = t.clone();
+  x.requires_grad_(true);
+  return x;
+}
+
+// Backward of Σ_k ⟨w_k, out_k⟩ over the outputs that require grad.
+inline void backward_weighted(const std::vector<Tensor>& outs, const std::vector<Tensor>& w) {
+  std::vector<Tensor> roots, grads;
+  for (size_t k = 0; k < outs.size(); ++k)
+    if (outs[k].defined() && outs[k].requires_grad()) {
+      roots.push_back(outs[k]);
+      grads.push_back(w[k].dtype() == outs[k].dtype() ? w[k] : w[k].to(outs[k].dtype()));
+    }
+  autograd::backward(roots, grads);
+}
+
+// Tolerances (relative L2), SPEC/issue 4: f64 1e-12; f32 1e-6 forward, 1e-5 gradients; bf16 2e-2.
+inline double tol_fwd(DType t) { return t == DType::f64 ? 1e-12 : t == DType::f32 ? 1e-6 : 2e-2; }
+inline double tol_grad(DType t) { return t == DType::f64 ? 1e-12 : t == DType::f32 ? 1e-5 : 2e-2; }
+
+// Prints failures of non-zero ranks with a rank prefix (rank 0 prints the usual report).
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::fprintf(stderr, "[rank %d] %s:%d: failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
+                   r.line_number(), r.summary());
+  }
+  void OnTestEnd(const ::testing::TestInfo& info) override {
+    if (info.result()->Failed())
+      std::fprintf(stderr, "[rank %d] FAILED %s.%s\n", rank_, info.test_suite_name(), info.name());
+  }
+
+ private:
+  int rank_;
+};
+
+// main() of an MPI test binary: MPI_Init, the communicators, RUN_ALL_TESTS,
+// the worst result over ranks as every rank's exit code.
+inline int run_mpi_tests(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  if (r != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new RankFailurePrinter(r));
+  }
+  int rc = 1;
+  try {
+    world() = cp::make_mpi_communicator(MPI_COMM_WORLD);
+    self() = cp::make_mpi_communicator(MPI_COMM_SELF);
+    // A hung collective in a broken test becomes an error, not a stuck job.
+    world()->set_timeout_seconds(120);
+    rc = RUN_ALL_TESTS();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[rank %d] uncaught: %s\n", r, e.what());
+    rc = 1;
+  }
+  world().reset();
+  self().reset();
+  int worst = 0;
+  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (r == 0 && worst != 0 && rc == 0) std::fprintf(stderr, "some rank failed (see the [rank k] lines)\n");
+  MPI_Finalize();
+  return worst;
+}
+
+}  // namespace test
+}  // namespace gdncp
