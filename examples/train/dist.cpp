@@ -28,15 +28,11 @@ Dist::Dist(MPI_Comm world, int cp, Device device) : world_(world), device_(devic
   cp_rank_ = rank_ % cp;
   dp_rank_ = rank_ / cp;
   GDNCP_MPI_CHECK(MPI_Comm_split(world, dp_rank_, cp_rank_, &cp_mpi_));
-#ifdef GDNCP_TRAIN_CP_STUB  // TEMPORARY until src/cp lands: CP = 1, gradients summed with plain MPI
-  GDNCP_CHECK(cp_size_ == 1 && device == Device::cpu, "this build has no src/cp: only --cp 1 on cpu");
-#else
   auto make = [&](MPI_Comm c) {
     return device == Device::cuda ? gdncp::cp::make_nccl_communicator(c) : gdncp::cp::make_mpi_communicator(c);
   };
   if (cp_size_ > 1) cp_comm_ = make(cp_mpi_);
   if (size_ > 1) grad_comm_ = cp_size_ == size_ ? cp_comm_ : make(world);
-#endif
 }
 
 Dist::~Dist() {
@@ -51,23 +47,11 @@ Tensor Dist::layer(const Tensor& qkv, const Tensor& beta, const Tensor& decay, c
                    const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
                    const gdncp::BigdnOptions& options) {
   if (!cp_comm_) return gdncp::bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
-#ifdef GDNCP_TRAIN_CP_STUB
-  GDNCP_FAIL("no src/cp");
-#else
   return gdncp::cp::bigdn_cp(*cp_comm_, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
-#endif
 }
 
 void Dist::reduce_grads(const std::vector<Tensor>& params) {
-#ifdef GDNCP_TRAIN_CP_STUB
-  for (const Tensor& p : params) {
-    Tensor g = p.grad();
-    if (!g.defined() || size_ == 1) continue;
-    GDNCP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, g.data(), static_cast<int>(g.numel()), MPI_FLOAT, MPI_SUM, world_));
-  }
-#else
   if (grad_comm_) gdncp::cp::all_reduce_grads(*grad_comm_, params);
-#endif
 }
 
 double Dist::sum(double v) const {
