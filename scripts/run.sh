@@ -5,12 +5,13 @@
 # Without a GPU: 2 CPU ranks, one context-parallel group (each video's frames
 # split over the 2 ranks). With GPUs: one rank per GPU, all in one CP group.
 # Writes out/train/log.jsonl (JSON lines) and out/train/loss.svg (the loss curve).
-# Environment: BUILD_DIR (default build), JOBS, NP (ranks), OUT (default out/train).
+# Environment: BUILD_DIR, JOBS, NP (ranks), OUT (default out/train), CMAKE_ARGS.
+# Without a GPU the build is CPU-only (build-cpu/: no nvcc time spent on kernels
+# nothing would run); with GPUs it builds the CUDA kernels (build/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
-BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
 OUT=${OUT:-out/train}
 GEN=()
@@ -22,18 +23,27 @@ export NCCL_NVLS_ENABLE=0
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
 
+if [ "$gpus" -gt 0 ]; then
+  BUILD_DIR=${BUILD_DIR:-build}
+  cuda=AUTO
+else
+  BUILD_DIR=${BUILD_DIR:-build-cpu}
+  cuda=OFF
+fi
+
 start=$(date +%s)
-cmake -S . -B "$BUILD_DIR" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release ${CMAKE_ARGS:-} >/dev/null
+cmake -S . -B "$BUILD_DIR" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DGDNCP_CUDA=$cuda -DGDNCP_BUILD_TESTS=OFF \
+  ${CMAKE_ARGS:-} >/dev/null
 cmake --build "$BUILD_DIR" -j "$JOBS" --target gdncp_train
 echo "run.sh: built in $(( $(date +%s) - start )) s"
 
 if [ "$gpus" -gt 0 ]; then
   NP=${NP:-$gpus}
-  args=(--device cuda --cp "$NP" --frames $((2 * NP)) --tokens 64 --heads 4 --head-dim 32 --steps 100)
+  args=(--device cuda --cp "$NP" --frames $((2 * NP)) --tokens 64 --heads 4 --head-dim 32 --steps 200 --print-every 10)
   echo "run.sh: $gpus GPU(s): $NP ranks, one per GPU, CP=$NP"
 else
   NP=${NP:-2}
-  args=(--device cpu --cp "$NP" --frames $((2 * NP)) --steps 60)
+  args=(--device cpu --cp "$NP" --frames $((2 * NP)) --steps 120 --print-every 10)
   echo "run.sh: no GPU: $NP CPU ranks, CP=$NP"
 fi
 mkdir -p "$OUT"

@@ -99,7 +99,7 @@ std::string loss_curve_svg(const std::vector<double>& losses_in, int64_t first_s
     o << (i ? " " : "") << px(x0 + static_cast<double>(i)) << "," << py(v);
   }
   o << "\"/>\n";
-  o << "<text x=\"" << W - R << "\" y=\"" << T - 6 << "\" text-anchor=\"end\" fill=\"#555\">first " << fmt(losses.front())
+  o << "<text x=\"" << W - R - 6 << "\" y=\"" << T + 16 << "\" text-anchor=\"end\" fill=\"#555\">first " << fmt(losses.front())
     << ", last " << fmt(losses.back()) << "</text>\n";
   o << "</svg>\n";
   return o.str();
