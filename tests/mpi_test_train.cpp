@@ -20,6 +20,9 @@
 #include <vector>
 
 #if __has_include("trainer.h")  // examples/ built (GDNCP_BUILD_EXAMPLES): it links the trainer in
+#include <gdncp/error.h>
+
+#include "dist.h"
 #include "trainer.h"
 #define GDNCP_HAVE_TRAINER 1
 #endif
@@ -259,6 +262,23 @@ TEST_F(TrainTest, ActivationCheckpointingGivesBitwiseTheSameTraining) {
   ASSERT_EQ(on.losses.size(), 4u);
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(on.losses[i], off.losses[i]) << "step " << i + 1;
   EXPECT_EQ(on.param_hash, off.param_hash);
+}
+
+TEST_F(TrainTest, ParameterCheckCatchesOneUlpOnOneRank) {
+  NEEDS_FOUR_RANKS();
+  train::Dist dist(MPI_COMM_WORLD, 2, gdncp::Device::cpu);
+  gdncp::Tensor p = gdncp::Tensor::randn({5, 7}, gdncp::DType::f32, gdncp::Device::cpu, 99);
+  EXPECT_NO_THROW(dist.check_identical(train::hash_tensors({p}), "same"));
+  if (world_rank() == 3) {
+    float* v = p.data_ptr<float>();
+    v[17] = std::nextafter(v[17], 1e30f);
+  }
+  try {
+    dist.check_identical(train::hash_tensors({p}), "params");
+    ADD_FAILURE() << "a one-ulp difference on rank 3 went unnoticed";
+  } catch (const gdncp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks 3 differ"), std::string::npos) << e.what();
+  }
 }
 
 TEST_F(TrainTest, BadCheckpointsAreUsageErrorsOnEveryRank) {

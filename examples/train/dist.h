@@ -58,7 +58,7 @@ class Dist {
   std::shared_ptr<gdncp::cp::Communicator> grad_comm_;  // over the world; null when size == 1
 };
 
-// FNV-1a over the bytes of the tensors (host copies), in order.
+// A 64-bit hash of the tensors' bytes (host copies), in order; any one differing word changes it.
 uint64_t hash_tensors(const std::vector<gdncp::Tensor>& tensors);
 
 }  // namespace train
