@@ -23,17 +23,16 @@ export NCCL_NVLS_ENABLE=0
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
 
-if [ "$gpus" -gt 0 ]; then
+if [ "$gpus" -gt 0 ]; then  # shares build/ (CUDA on) with scripts/test.sh and gpu_check.sh
   BUILD_DIR=${BUILD_DIR:-build}
-  cuda=AUTO
+  config=(-DGDNCP_CUDA=AUTO)
 else
   BUILD_DIR=${BUILD_DIR:-build-cpu}
-  cuda=OFF
+  config=(-DGDNCP_CUDA=OFF -DGDNCP_BUILD_TESTS=OFF)
 fi
 
 start=$(date +%s)
-cmake -S . -B "$BUILD_DIR" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DGDNCP_CUDA=$cuda -DGDNCP_BUILD_TESTS=OFF \
-  ${CMAKE_ARGS:-} >/dev/null
+cmake -S . -B "$BUILD_DIR" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release "${config[@]}" ${CMAKE_ARGS:-} >/dev/null
 cmake --build "$BUILD_DIR" -j "$JOBS" --target gdncp_train
 echo "run.sh: built in $(( $(date +%s) - start )) s"
 
@@ -49,6 +48,4 @@ fi
 mkdir -p "$OUT"
 mpirun -np "$NP" --bind-to none "$BUILD_DIR/examples/gdncp_train" "${args[@]}" \
   --log "$OUT/log.jsonl" --plot "$OUT/loss.svg" "$@"
-echo "run.sh: finished in $(( $(date +%s) - start )) s"
-echo "run.sh: log  $OUT/log.jsonl"
-echo "run.sh: plot $OUT/loss.svg"
+echo "run.sh: finished in $(( $(date +%s) - start )) s (build included); the log and the plot are listed above"
