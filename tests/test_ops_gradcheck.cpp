@@ -57,9 +57,10 @@ TEST(OpsGradcheck, RmsNorm) {
       const Tensor qw = uniform({d.C()}, ++seed, 0.5, 1.5);
       const Tensor kw = weights == 0 ? uniform({d.C()}, ++seed, 0.5, 1.5) : Tensor();
       const Tensor q = weights < 2 ? qw : Tensor();
-      expect_gradcheck("ops::rms_norm w" + std::to_string(weights) + " " + dims_str(d),
-                       [](const std::vector<Tensor>& x) { return std::vector<Tensor>{ops::rms_norm(x[0], x[1], x[2], 1e-5)}; },
-                       {qkv, q, kw});
+      expect_gradcheck(
+          "ops::rms_norm w" + std::to_string(weights) + " " + dims_str(d),
+          [](const std::vector<Tensor>& x) { return std::vector<Tensor>{ops::rms_norm(x[0], x[1], x[2], 1e-5)}; },
+          {qkv, q, kw});
     }
 }
 
@@ -145,7 +146,8 @@ class FnNode : public autograd::Node {
 
 std::vector<Tensor> with_backward(const char* name, const std::vector<Tensor>& inputs,
                                   const std::vector<Tensor>& outputs, Fn bwd) {
-  if (autograd::should_record(inputs)) autograd::record(std::make_shared<FnNode>(name, std::move(bwd)), inputs, outputs);
+  if (autograd::should_record(inputs))
+    autograd::record(std::make_shared<FnNode>(name, std::move(bwd)), inputs, outputs);
   return outputs;
 }
 
@@ -191,7 +193,8 @@ std::vector<Tensor> twin_scan(const std::vector<Tensor>& x, const Dims& d) {
 // prep of q + phase C: (qkv, M, z, q_norm_w) -> out (divide) or (num, den) (raw).
 std::vector<Tensor> twin_phase_c(const std::vector<Tensor>& x, const Dims& d, const Tensor& cs, const Tensor& sn,
                                  bool divide) {
-  const Tensor qkv = x[0].detach(), M = x[1].detach(), z = x[2].detach(), qw = x[3].defined() ? x[3].detach() : Tensor();
+  const Tensor qkv = x[0].detach(), M = x[1].detach(), z = x[2].detach(),
+               qw = x[3].defined() ? x[3].detach() : Tensor();
   const double eps = 1e-6;
   Tensor none;
   Tensor rstd = empty({d.B, d.N(), 2});
@@ -233,8 +236,8 @@ TEST(TwinGradcheck, ScanBidi) {
     const Tensor P = randn({BH, F, D, D}, ++seed, s), A = randn({BH, F, D, D}, ++seed);
     const Tensor Pz = randn({BH, F, D, D}, ++seed, s), bz = randn({BH, F, D}, ++seed);
     const Tensor decay = uniform({d.B, d.H, F}, ++seed, 0.5, 0.99);
-    expect_gradcheck("twin scan_bidi " + dims_str(d),
-                     [d](const std::vector<Tensor>& x) { return twin_scan(x, d); }, {P, A, Pz, bz, decay});
+    expect_gradcheck("twin scan_bidi " + dims_str(d), [d](const std::vector<Tensor>& x) { return twin_scan(x, d); },
+                     {P, A, Pz, bz, decay});
   }
 }
 
@@ -249,10 +252,9 @@ TEST(TwinGradcheck, PrepPhaseC) {
         const Tensor z = uniform({d.BH(), d.F, d.D}, ++seed, 0.2, 1.0);  // den > 0: away from the pole
         const Tensor qw = norm ? in.q_norm_w.clone().requires_grad_() : Tensor();
         const Tensor cs = in.rope_cos, sn = in.rope_sin;
-        expect_gradcheck(std::string("twin prep+phase_c ") + (divide ? "divide " : "raw ") + (norm ? "norm " : "") +
-                             dims_str(d),
-                         [=](const std::vector<Tensor>& x) { return twin_phase_c(x, d, cs, sn, divide); },
-                         {qkv, M, z, qw});
+        expect_gradcheck(
+            std::string("twin prep+phase_c ") + (divide ? "divide " : "raw ") + (norm ? "norm " : "") + dims_str(d),
+            [=](const std::vector<Tensor>& x) { return twin_phase_c(x, d, cs, sn, divide); }, {qkv, M, z, qw});
       }
 }
 
@@ -260,8 +262,9 @@ TEST(TwinGradcheck, PrepPhaseC) {
 
 void check_layer(const std::string& what, LayerInputs in) {
   require_grads(in);
-  expect_gradcheck(what + " " + dims_str(in.d), [in](const std::vector<Tensor>& x) { return std::vector<Tensor>{in.run(x)}; },
-                   in.list());
+  expect_gradcheck(
+      what + " " + dims_str(in.d), [in](const std::vector<Tensor>& x) { return std::vector<Tensor>{in.run(x)}; },
+      in.list());
 }
 
 std::vector<Dims> layer_shapes() {
@@ -298,8 +301,9 @@ TEST(BigdnGradcheck, Unfused) {
   for (const Dims& d : {dims(2, 1, 12, 3, 2), dims(1, 2, 24, 1, 3)}) {
     LayerInputs in = make_layer_inputs(d, f64, ++seed);
     require_grads(in);
-    expect_gradcheck("bigdn_unfused " + dims_str(d),
-                     [in](const std::vector<Tensor>& x) { return std::vector<Tensor>{in.run(x, false)}; }, in.list());
+    expect_gradcheck(
+        "bigdn_unfused " + dims_str(d),
+        [in](const std::vector<Tensor>& x) { return std::vector<Tensor>{in.run(x, false)}; }, in.list());
   }
 }
 

@@ -10,11 +10,12 @@
 // Gradients: qkv, beta, decay in their own dtypes, present norm weights in
 // theirs; the rope tables and absent weights get none. The node returns fresh
 // gradients; the engine sums them into the leaves.
+#include "gdncp/bigdn.h"
+
 #include <cmath>
 #include <memory>
 #include <utility>
 
-#include "gdncp/bigdn.h"
 #include "gdncp/error.h"
 #include "gdncp/ops.h"
 #include "kernels/kernels.h"
@@ -158,9 +159,8 @@ Tensor run_maybe_checkpointed(const autograd::Function& fn, const std::vector<Te
 
 }  // namespace
 
-Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
-             const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
-             const BigdnOptions& options) {
+Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w, const Tensor& k_norm_w,
+             const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options) {
   const Dims d =
       validate_bigdn_inputs("bigdn", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
   // Per stream, as SPEC §1 says ("absent ⇒ no RMSNorm"): the seed normalises both when either weight is given.
@@ -183,8 +183,7 @@ Tensor bigdn_unfused(const Tensor& qkv, const Tensor& beta, const Tensor& decay,
   return run_maybe_checkpointed(fn, in, options.checkpoint);
 }
 
-std::pair<Tensor, Tensor> rope_tables(int64_t N, int64_t D, DType dtype, Device device, int64_t offset,
-                                      double base) {
+std::pair<Tensor, Tensor> rope_tables(int64_t N, int64_t D, DType dtype, Device device, int64_t offset, double base) {
   GDNCP_CHECK(N > 0, "rope_tables: N: must be > 0, got ", N);
   GDNCP_CHECK(D >= 2 && D % 2 == 0, "rope_tables: D: must be even and >= 2, got ", D);
   GDNCP_CHECK(dtype == DType::f32 || dtype == DType::f64, "rope_tables: dtype: must be f32 or f64, got ",
@@ -196,7 +195,7 @@ std::pair<Tensor, Tensor> rope_tables(int64_t N, int64_t D, DType dtype, Device 
       const double theta = static_cast<double>(n + offset) * std::pow(base, -2.0 * static_cast<double>(i) / D);
       const size_t e = static_cast<size_t>(n * D + 2 * i);
       c[e] = c[e + 1] = std::cos(theta);
-      s[e] = -std::sin(theta);  // rope(x)[2i]   = x[2i]·cos − x[2i+1]·sin
+      s[e] = -std::sin(theta);     // rope(x)[2i]   = x[2i]·cos − x[2i+1]·sin
       s[e + 1] = std::sin(theta);  // rope(x)[2i+1] = x[2i+1]·cos + x[2i]·sin
     }
   return {Tensor::from_vector(c, {N, D}, dtype, device), Tensor::from_vector(s, {N, D}, dtype, device)};

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "gdncp/error.h"
@@ -20,18 +21,30 @@ namespace detail {
 
 // --- element conversion ---------------------------------------------------
 template <typename T>
-inline T to_compute(float x) { return static_cast<T>(x); }
+inline T to_compute(float x) {
+  return static_cast<T>(x);
+}
 template <typename T>
-inline T to_compute(double x) { return static_cast<T>(x); }
+inline T to_compute(double x) {
+  return static_cast<T>(x);
+}
 template <typename T>
-inline T to_compute(bf16 x) { return static_cast<T>(bf16_to_float(x)); }
+inline T to_compute(bf16 x) {
+  return static_cast<T>(bf16_to_float(x));
+}
 
 template <typename T>
-inline void from_compute(float* p, int64_t i, T v) { p[i] = static_cast<float>(v); }
+inline void from_compute(float* p, int64_t i, T v) {
+  p[i] = static_cast<float>(v);
+}
 template <typename T>
-inline void from_compute(double* p, int64_t i, T v) { p[i] = static_cast<double>(v); }
+inline void from_compute(double* p, int64_t i, T v) {
+  p[i] = static_cast<double>(v);
+}
 template <typename T>
-inline void from_compute(bf16* p, int64_t i, T v) { p[i] = float_to_bf16(static_cast<float>(v)); }
+inline void from_compute(bf16* p, int64_t i, T v) {
+  p[i] = float_to_bf16(static_cast<float>(v));
+}
 
 // Calls fn(ptr) with t's data as float*, double* or bf16*.
 template <typename Fn>
@@ -54,7 +67,9 @@ void visit_mut(Tensor& t, Fn&& fn) {
 }
 
 template <typename T>
-constexpr DType compute_dtype_of() { return dtype_of<T>::value; }
+constexpr DType compute_dtype_of() {
+  return dtype_of<T>::value;
+}
 
 // Read-only view of a CPU tensor in T. An undefined tensor gives data() == nullptr.
 template <typename T>
@@ -148,6 +163,16 @@ inline void require_cpu(const Tensor& t, const char* op, const char* arg) {
   GDNCP_CHECK(!t.is_cuda(), op, ": ", arg, " is a CUDA tensor; this op runs on the CPU only (use gdncp::bigdn)");
 }
 
+// Cheap guard at the twin entries: a shape that does not match the Dims would
+// make the loops read or write out of bounds.
+inline void check_shape(const Tensor& t, const Shape& shape, const char* op, const char* name) {
+  GDNCP_CHECK(t.defined(), op, ": ", name, " is undefined");
+  GDNCP_CHECK(t.shape() == shape, op, ": ", name, " must be ", shape_str(shape), ", got ", t.str());
+}
+inline void check_shape_if_defined(const Tensor& t, const Shape& shape, const char* op, const char* name) {
+  if (t.defined()) check_shape(t, shape, op, name);
+}
+
 // --- the qkv layout (B, N, 3, H, D) -----------------------------------------
 // Offset of channel c, head 0, dim 0 of token n of batch b.
 inline int64_t qkv_offset(int64_t b, int64_t n, int64_t c, int64_t N, int64_t C) { return ((b * N + n) * 3 + c) * C; }
@@ -194,69 +219,87 @@ inline void relu_scale_bwd(T* dxhat, const T* dxplus, const T* xhat, T scale, in
 }
 
 // --- small dense matrices (row-major D×D) ----------------------------------
+// Inner loops are written as y[j] += a·x[j] (axpy) over contiguous rows, the
+// form the compiler vectorises without reassociating sums (so results stay
+// bitwise reproducible).
+
+// y[0..n) += a·x[0..n)
+template <typename T>
+inline void axpy(T* __restrict y, T a, const T* __restrict x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
+}
+
+// out = aᵀ (out must not alias a).
+template <typename T>
+inline void transpose(T* __restrict out, const T* __restrict a, int64_t D) {
+  for (int64_t i = 0; i < D; ++i)
+    for (int64_t j = 0; j < D; ++j) out[j * D + i] = a[i * D + j];
+}
+
 // out = a·b (out must not alias a or b).
 template <typename T>
 inline void matmul(T* out, const T* a, const T* b, int64_t D) {
   for (int64_t i = 0; i < D * D; ++i) out[i] = T(0);
-  for (int64_t i = 0; i < D; ++i) {
-    T* o = out + i * D;
-    for (int64_t k = 0; k < D; ++k) {
-      const T aik = a[i * D + k];
-      const T* bk = b + k * D;
-      for (int64_t j = 0; j < D; ++j) o[j] += aik * bk[j];
-    }
-  }
+  for (int64_t i = 0; i < D; ++i)
+    for (int64_t k = 0; k < D; ++k) axpy(out + i * D, a[i * D + k], b + k * D, D);
 }
 
 // out = aᵀ·b (out must not alias a or b).
 template <typename T>
 inline void matmul_tn(T* out, const T* a, const T* b, int64_t D) {
   for (int64_t i = 0; i < D * D; ++i) out[i] = T(0);
-  for (int64_t k = 0; k < D; ++k) {
-    const T* ak = a + k * D;
-    const T* bk = b + k * D;
-    for (int64_t i = 0; i < D; ++i) {
-      const T aki = ak[i];
-      T* o = out + i * D;
-      for (int64_t j = 0; j < D; ++j) o[j] += aki * bk[j];
-    }
-  }
+  for (int64_t k = 0; k < D; ++k)
+    for (int64_t i = 0; i < D; ++i) axpy(out + i * D, a[k * D + i], b + k * D, D);
 }
 
-// out = a·bᵀ (out must not alias a or b).
+// out = a·bᵀ (out must not alias a or b; bt: D×D scratch).
 template <typename T>
-inline void matmul_nt(T* out, const T* a, const T* b, int64_t D) {
-  for (int64_t i = 0; i < D; ++i) {
-    const T* ai = a + i * D;
-    for (int64_t j = 0; j < D; ++j) {
-      const T* bj = b + j * D;
-      T s = T(0);
-      for (int64_t k = 0; k < D; ++k) s += ai[k] * bj[k];
-      out[i * D + j] = s;
-    }
-  }
+inline void matmul_nt(T* out, const T* a, const T* b, int64_t D, T* bt) {
+  transpose(bt, b, D);
+  matmul(out, a, bt, D);
 }
 
-// out = a·x for a D×D matrix and D-vector.
+// out = aᵀ·x (out must not alias a or x).
+template <typename T>
+inline void matvec_t(T* out, const T* a, const T* x, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) out[i] = T(0);
+  for (int64_t k = 0; k < D; ++k) axpy(out, x[k], a + k * D, D);
+}
+
+// out = a·x in dot form (for the cheap D² paths).
 template <typename T>
 inline void matvec(T* out, const T* a, const T* x, int64_t D) {
   for (int64_t i = 0; i < D; ++i) {
-    const T* ai = a + i * D;
     T s = T(0);
-    for (int64_t k = 0; k < D; ++k) s += ai[k] * x[k];
+    for (int64_t k = 0; k < D; ++k) s += a[i * D + k] * x[k];
     out[i] = s;
   }
 }
 
-// out = aᵀ·x.
+// out = a·x given at = aᵀ (out must not alias at or x).
 template <typename T>
-inline void matvec_t(T* out, const T* a, const T* x, int64_t D) {
-  for (int64_t i = 0; i < D; ++i) out[i] = T(0);
-  for (int64_t k = 0; k < D; ++k) {
-    const T xk = x[k];
-    const T* ak = a + k * D;
-    for (int64_t i = 0; i < D; ++i) out[i] += ak[i] * xk;
-  }
+inline void matvec_from_t(T* out, const T* at, const T* x, int64_t D) {
+  matvec_t(out, at, x, D);
+}
+
+// Accumulator of long reductions with cancellation (the decay gradient sums D²
+// terms of both signs): double for float, long double for double.
+template <typename T>
+struct Wider;
+template <>
+struct Wider<float> {
+  using type = double;
+};
+template <>
+struct Wider<double> {
+  using type = long double;
+};
+
+template <typename T>
+inline T dot_wide(const T* a, const T* b, int64_t n) {
+  typename Wider<T>::type s = 0;
+  for (int64_t i = 0; i < n; ++i) s += static_cast<typename Wider<T>::type>(a[i]) * b[i];
+  return static_cast<T>(s);
 }
 
 template <typename T>

@@ -30,12 +30,12 @@ bool on_cuda(const Tensor& t, const char* op) {
 }  // namespace
 
 #if GDNCP_WITH_CUDA
-#define GDNCP_DISPATCH(op, first, ...)         \
-  do {                                         \
-    if (on_cuda(first, #op))                   \
-      cuda::op(__VA_ARGS__);                   \
-    else                                       \
-      cpu::op(__VA_ARGS__);                    \
+#define GDNCP_DISPATCH(op, first, ...) \
+  do {                                 \
+    if (on_cuda(first, #op))           \
+      cuda::op(__VA_ARGS__);           \
+    else                               \
+      cpu::op(__VA_ARGS__);            \
   } while (0)
 #else
 #define GDNCP_DISPATCH(op, first, ...) \
@@ -60,8 +60,8 @@ void phase_a_bwd(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor& dP, 
                  const Tensor& dbz, const Tensor& qkv, const Tensor& rstd, const Tensor& k_norm_w,
                  const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta, const Dims& d, double k_scale,
                  MathMode mode) {
-  GDNCP_DISPATCH(phase_a_bwd, qkv, dk_hat, dqkv, dbeta, dP, dA, dPz, dbz, qkv, rstd, k_norm_w, rope_cos, rope_sin,
-                 beta, d, k_scale, mode);
+  GDNCP_DISPATCH(phase_a_bwd, qkv, dk_hat, dqkv, dbeta, dP, dA, dPz, dbz, qkv, rstd, k_norm_w, rope_cos, rope_sin, beta,
+                 d, k_scale, mode);
 }
 
 void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,

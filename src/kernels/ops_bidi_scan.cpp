@@ -79,7 +79,11 @@ struct Chain {
   std::vector<T> trans, X, Y;  // F·D·D, F·D·m, F·D·m
 
   Chain(const T* P, const T* U, const T* g, int64_t F_, int64_t D_, int64_t m_)
-      : F(F_), D(D_), m(m_), trans(static_cast<size_t>(F_ * D_ * D_)), X(static_cast<size_t>(F_ * D_ * m_), T(0)),
+      : F(F_),
+        D(D_),
+        m(m_),
+        trans(static_cast<size_t>(F_ * D_ * D_)),
+        X(static_cast<size_t>(F_ * D_ * m_), T(0)),
         Y(X) {
     const int64_t DD = D * D, Dm = D * m;
     for (int64_t f = 0; f < F; ++f)
@@ -122,14 +126,17 @@ struct Chain {
       tmul_add(next.data(), &trans[static_cast<size_t>((f + 1) * DD)], G.data(), D, m);
       G.swap(next);
     }
-    // T_f = g_f (I − P_f)
-    for (int64_t f = 0; f < F; ++f)
+    // T_f = g_f (I − P_f); dg sums D² terms of both signs, so it accumulates wider.
+    for (int64_t f = 0; f < F; ++f) {
+      typename Wider<T>::type s = 0;
       for (int64_t i = 0; i < D; ++i)
         for (int64_t j = 0; j < D; ++j) {
           const int64_t e = f * DD + i * D + j;
           dP[e] = -g[f] * dT[static_cast<size_t>(e)];
-          dg[f] += dT[static_cast<size_t>(e)] * ((i == j ? T(1) : T(0)) - P[e]);
+          s += static_cast<typename Wider<T>::type>(dT[static_cast<size_t>(e)]) * ((i == j ? T(1) : T(0)) - P[e]);
         }
+      dg[f] += static_cast<T>(s);
+    }
   }
 };
 
@@ -173,7 +180,8 @@ class BidiScanNode : public autograd::Node {
     const std::vector<T> dM = values<T>(grads[0], P_t.numel()), dz = values<T>(grads[1], b_t.numel());
     std::vector<T> dP(P.size()), dA(A.size()), dPz(Pz.size()), db(b.size()), dg(gd.size(), T(0));
     for (int64_t bh = 0; bh < g.BH; ++bh) {
-      const size_t m0 = static_cast<size_t>(bh * FDD), v0 = static_cast<size_t>(bh * FD), g0 = static_cast<size_t>(bh * F);
+      const size_t m0 = static_cast<size_t>(bh * FDD), v0 = static_cast<size_t>(bh * FD),
+                   g0 = static_cast<size_t>(bh * F);
       const Chain<T> kv(&P[m0], &A[m0], &gd[g0], F, D, D);
       const Chain<T> zc(&Pz[m0], &b[v0], &gd[g0], F, D, 1);
       kv.backward(&dM[m0], &P[m0], &gd[g0], &dP[m0], &dA[m0], &dg[g0]);

@@ -27,8 +27,7 @@ struct Geometry {
   int64_t B, N, H, D, F, S;
 };
 
-Geometry geometry(const Tensor& kr, const Tensor& kp, const Tensor& qkv_hat, const Tensor& beta, int64_t F,
-                  int64_t S) {
+Geometry geometry(const Tensor& kr, const Tensor& kp, const Tensor& qkv_hat, const Tensor& beta, int64_t F, int64_t S) {
   const char* op = "ops::phase_a";
   require_cpu(kr, op, "kr");
   require_cpu(kp, op, "kp");

@@ -53,7 +53,8 @@ std::vector<Tensor> phase_c_forward(const Tensor& qr_t, const Tensor& qp_t, cons
         const size_t r = static_cast<size_t>(((b * g.N + n) * g.H + h) * D);
         for (int64_t j = 0; j < D; ++j)
           for (int64_t i = 0; i < D; ++i)
-            num[r + static_cast<size_t>(j)] += qr[r + static_cast<size_t>(i)] * M[static_cast<size_t>((bhf * D + i) * D + j)];
+            num[r + static_cast<size_t>(j)] +=
+                qr[r + static_cast<size_t>(i)] * M[static_cast<size_t>((bhf * D + i) * D + j)];
         T dn = T(0);
         for (int64_t i = 0; i < D; ++i) dn += qp[r + static_cast<size_t>(i)] * z[static_cast<size_t>(bhf * D + i)];
         den[static_cast<size_t>((b * g.H + h) * g.N + n)] = dn;

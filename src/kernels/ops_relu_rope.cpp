@@ -29,8 +29,7 @@ Geometry geometry(const Tensor& qkv_hat, const Tensor& cos, const Tensor& sin) {
   require_cpu(qkv_hat, op, "qkv_hat");
   require_cpu(cos, op, "rope_cos");
   require_cpu(sin, op, "rope_sin");
-  GDNCP_CHECK(qkv_hat.dim() == 5 && qkv_hat.size(2) == 3, op, ": qkv_hat must be (B, N, 3, H, D), got ",
-              qkv_hat.str());
+  GDNCP_CHECK(qkv_hat.dim() == 5 && qkv_hat.size(2) == 3, op, ": qkv_hat must be (B, N, 3, H, D), got ", qkv_hat.str());
   const Geometry g{qkv_hat.size(0), qkv_hat.size(1), qkv_hat.size(3), qkv_hat.size(4)};
   GDNCP_CHECK(g.D % 2 == 0, op, ": qkv_hat: D must be even, got ", g.D);
   GDNCP_CHECK(cos.shape() == Shape({g.N, g.D}), op, ": rope_cos must be (N, D), got ", cos.str());
@@ -108,8 +107,8 @@ class ReluRopeNode : public autograd::Node {
             for (int64_t d = 0; d < g.D; ++d) {
               const size_t t = static_cast<size_t>(n * g.D + d), tp = static_cast<size_t>(n * g.D + (d ^ 1));
               const T gr = grot[c][o + static_cast<size_t>(d)];
-              const T dplus = gplus[c][o + static_cast<size_t>(d)] + gr * cs[t] +
-                              grot[c][o + static_cast<size_t>(d ^ 1)] * sn[tp];
+              const T dplus =
+                  gplus[c][o + static_cast<size_t>(d)] + gr * cs[t] + grot[c][o + static_cast<size_t>(d ^ 1)] * sn[tp];
               dx[in + static_cast<size_t>(d)] = x[in + static_cast<size_t>(d)] > T(0) ? dplus * scale[c] : T(0);
               dcos[t] += gr * plus(d);
               dsin[t] += gr * plus(d ^ 1);

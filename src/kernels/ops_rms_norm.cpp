@@ -53,7 +53,8 @@ Tensor rms_norm_forward(const Tensor& qkv, const Tensor& qw, const Tensor& kw, d
       if (wv[c].empty()) continue;
       const int64_t o = (t * 3 + c) * q.C;
       const T r = inv_rms(&x[static_cast<size_t>(o)], q.C, eps);
-      for (int64_t i = 0; i < q.C; ++i) y[static_cast<size_t>(o + i)] = x[static_cast<size_t>(o + i)] * r * wv[c][static_cast<size_t>(i)];
+      for (int64_t i = 0; i < q.C; ++i)
+        y[static_cast<size_t>(o + i)] = x[static_cast<size_t>(o + i)] * r * wv[c][static_cast<size_t>(i)];
     }
   return tensor_from(y, qkv.shape(), dtype_of<T>::value);
 }
@@ -93,7 +94,8 @@ class RmsNormNode : public autograd::Node {
           dw[static_cast<size_t>(j)] += g[e] * x[e] * r;
         }
       }
-      if (needs_input_grad(static_cast<size_t>(1 + c))) out[static_cast<size_t>(1 + c)] = tensor_from(dw, wt.shape(), wt.dtype());
+      if (needs_input_grad(static_cast<size_t>(1 + c)))
+        out[static_cast<size_t>(1 + c)] = tensor_from(dw, wt.shape(), wt.dtype());
     }
     if (needs_input_grad(0)) out[0] = tensor_from(dx, qkv.shape(), qkv.dtype());
     return out;

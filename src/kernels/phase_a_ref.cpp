@@ -21,9 +21,9 @@ using namespace detail;
 // The inputs of one (b, h) pair that every frame reads.
 template <typename T>
 struct KPrep {
-  const T* x;     // qkv
-  const T* r;     // rstd
-  const T* w;     // k_norm_w or null
+  const T* x;  // qkv
+  const T* r;  // rstd
+  const T* w;  // k_norm_w or null
   const T* cos;
   const T* sin;
   int64_t N, C, D;
@@ -47,34 +47,34 @@ void phase_a_fwd_impl(Tensor& P, Tensor& A, Tensor& Pz, Tensor& bz, const Tensor
   In<T> x(qkv), r(rstd), w(k_norm_w), cs(rope_cos), sn(rope_sin), bt(beta);
   Out<T> oP(P), oA(A), oPz(Pz), ob(bz);
   const KPrep<T> prep{x.data(), r.data(), w.data(), cs.data(), sn.data(), d.N(), d.C(), D, static_cast<T>(k_scale)};
-  std::vector<T> kp(static_cast<size_t>(D)), kr(static_cast<size_t>(D)), v(static_cast<size_t>(D)), scratch(kp);
+  // The frame's S rows of k⁺, kʳ, v, loaded once; each output row i then
+  // accumulates Σ_s over rows that stay in cache.
+  const size_t SD = static_cast<size_t>(S * D);
+  std::vector<T> Kp(SD), Kr(SD), V(SD), bs(static_cast<size_t>(S)), scratch(static_cast<size_t>(D));
 
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.H; ++h) {
       const int64_t bh = b * d.H + h;
       for (int64_t f = 0; f < F; ++f) {
+        for (int64_t s = 0; s < S; ++s) {
+          prep.load(b, f * S + s, h, nullptr, &Kp[s * D], &Kr[s * D], &V[s * D], scratch.data());
+          bs[s] = bt[(bh * F + f) * S + s];
+        }
         T* Pf = oP.data() + (bh * F + f) * DD;
         T* Af = oA.data() + (bh * F + f) * DD;
         T* Pzf = oPz.data() + (bh * F + f) * DD;
         T* bf = ob.data() + (bh * F + f) * D;
         for (int64_t i = 0; i < DD; ++i) Pf[i] = Af[i] = Pzf[i] = T(0);
-        for (int64_t i = 0; i < D; ++i) bf[i] = T(0);
-        for (int64_t s = 0; s < S; ++s) {
-          const int64_t n = f * S + s;
-          prep.load(b, n, h, nullptr, kp.data(), kr.data(), v.data(), scratch.data());
-          const T beta_s = bt[(bh * F + f) * S + s];
-          for (int64_t i = 0; i < D; ++i) {
-            const T bkr = beta_s * kr[i], bkp = beta_s * kp[i];
-            T* Pi = Pf + i * D;
-            T* Ai = Af + i * D;
-            T* Pzi = Pzf + i * D;
-            for (int64_t j = 0; j < D; ++j) {
-              Pi[j] += bkr * kr[j];
-              Ai[j] += bkr * v[j];
-              Pzi[j] += bkp * kp[j];
-            }
-            bf[i] += bkp;
+        for (int64_t i = 0; i < D; ++i) {
+          T bsum = T(0);
+          for (int64_t s = 0; s < S; ++s) {
+            const T bkr = bs[s] * Kr[s * D + i], bkp = bs[s] * Kp[s * D + i];
+            axpy(Pf + i * D, bkr, &Kr[s * D], D);
+            axpy(Af + i * D, bkr, &V[s * D], D);
+            axpy(Pzf + i * D, bkp, &Kp[s * D], D);
+            bsum += bkp;
           }
+          bf[i] = bsum;
         }
       }
     }
@@ -98,7 +98,7 @@ void phase_a_bwd_impl(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor&
   const auto vec = [D] { return std::vector<T>(static_cast<size_t>(D)); };
   std::vector<T> kh = vec(), kp = vec(), kr = vec(), v = vec(), scratch = vec();
   std::vector<T> u = vec(), av = vec(), uz = vec(), dkr = vec(), dkp = vec();
-  std::vector<T> Ps(static_cast<size_t>(DD)), Pzs(static_cast<size_t>(DD));
+  std::vector<T> Ps(static_cast<size_t>(DD)), Pzs(static_cast<size_t>(DD)), dAt(static_cast<size_t>(DD));
 
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < H; ++h) {
@@ -113,13 +113,14 @@ void phase_a_bwd_impl(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor&
             Ps[i * D + j] = dPf[i * D + j] + dPf[j * D + i];
             Pzs[i * D + j] = dPzf[i * D + j] + dPzf[j * D + i];
           }
+        transpose(dAt.data(), dAf, D);
         for (int64_t s = 0; s < S; ++s) {
           const int64_t n = f * S + s;
           prep.load(b, n, h, kh.data(), kp.data(), kr.data(), v.data(), scratch.data());
           const T beta_s = bt[(bh * F + f) * S + s];
-          matvec(u.data(), Ps.data(), kr.data(), D);    // Ps kʳ
-          matvec(av.data(), dAf, v.data(), D);          // dA v
-          matvec(uz.data(), Pzs.data(), kp.data(), D);  // Pzs k⁺
+          matvec_t(u.data(), Ps.data(), kr.data(), D);        // Ps kʳ (Ps is symmetric)
+          matvec_from_t(av.data(), dAt.data(), v.data(), D);  // dA v
+          matvec_t(uz.data(), Pzs.data(), kp.data(), D);      // Pzs k⁺
           T* dvs = dv.data() + (b * N + n) * C + h * D;
           matvec_t(dvs, dAf, kr.data(), D);  // dAᵀ kʳ
           for (int64_t i = 0; i < D; ++i) {
@@ -144,6 +145,18 @@ void phase_a_bwd_impl(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor&
 void phase_a_fwd(Tensor& P, Tensor& A, Tensor& Pz, Tensor& bz, const Tensor& qkv, const Tensor& rstd,
                  const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta,
                  const Dims& d, double k_scale, MathMode mode) {
+  const char* op = "cpu::phase_a_fwd";
+  const Shape qkv_s = {d.B, d.N(), 3, d.H, d.D}, row_s = {d.B, d.N(), d.H, d.D}, rope_s = {d.N(), d.D};
+  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D}, c_s = {d.C()};
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&P, &A, &Pz}) check_shape(*t, mat_s, op, "P/A/Pz");
+  check_shape(bz, vec_s, op, "bz");
+  check_shape(qkv, qkv_s, op, "qkv");
+  check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
+  check_shape_if_defined(k_norm_w, c_s, op, "k_norm_w");
+  check_shape(rope_cos, rope_s, op, "rope_cos");
+  check_shape(rope_sin, rope_s, op, "rope_sin");
+  check_shape(beta, {d.B, d.H, d.F, d.S}, op, "beta");
+  (void)row_s;
   (void)mode;  // the CPU computes exactly in the compute dtype
   if (qkv.dtype() == DType::f64)
     phase_a_fwd_impl<double>(P, A, Pz, bz, qkv, rstd, k_norm_w, rope_cos, rope_sin, beta, d, k_scale);
@@ -155,6 +168,20 @@ void phase_a_bwd(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor& dP, 
                  const Tensor& dbz, const Tensor& qkv, const Tensor& rstd, const Tensor& k_norm_w,
                  const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta, const Dims& d, double k_scale,
                  MathMode mode) {
+  const char* op = "cpu::phase_a_bwd";
+  const Shape qkv_s = {d.B, d.N(), 3, d.H, d.D}, row_s = {d.B, d.N(), d.H, d.D}, rope_s = {d.N(), d.D};
+  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D}, c_s = {d.C()};
+  check_shape(dk_hat, row_s, op, "dk_hat");
+  check_shape(dqkv, qkv_s, op, "dqkv");
+  check_shape(dbeta, {d.B, d.H, d.F, d.S}, op, "dbeta");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dP, &dA, &dPz}) check_shape(*t, mat_s, op, "dP/dA/dPz");
+  check_shape(dbz, vec_s, op, "dbz");
+  check_shape(qkv, qkv_s, op, "qkv");
+  check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
+  check_shape_if_defined(k_norm_w, c_s, op, "k_norm_w");
+  check_shape(rope_cos, rope_s, op, "rope_cos");
+  check_shape(rope_sin, rope_s, op, "rope_sin");
+  check_shape(beta, {d.B, d.H, d.F, d.S}, op, "beta");
   (void)mode;
   if (qkv.dtype() == DType::f64)
     phase_a_bwd_impl<double>(dk_hat, dqkv, dbeta, dP, dA, dPz, dbz, qkv, rstd, k_norm_w, rope_cos, rope_sin, beta, d,

@@ -77,10 +77,9 @@ void phase_c_fwd_impl(Tensor& out, Tensor& den, const Tensor& qkv, const Tensor&
 }
 
 template <typename T>
-void phase_c_bwd_impl(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, const Tensor& dden,
-                      const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& rope_cos,
-                      const Tensor& rope_sin, const Tensor& M, const Tensor& z, const Dims& d, double eps,
-                      bool divide) {
+void phase_c_bwd_impl(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, const Tensor& dden, const Tensor& qkv,
+                      const Tensor& rstd, const Tensor& q_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
+                      const Tensor& M, const Tensor& z, const Dims& d, double eps, bool divide) {
   const int64_t D = d.D, S = d.S, F = d.F, N = d.N(), C = d.C(), H = d.H, DD = D * D;
   In<T> x(qkv), r(rstd), w(q_norm_w), cs(rope_cos), sn(rope_sin), iM(M), iz(z), go(dout), gden(dden);
   GDNCP_CHECK(!divide || go.defined(), "phase_c_bwd: divide mode needs dout");
@@ -88,6 +87,7 @@ void phase_c_bwd_impl(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout
   const QPrep<T> prep{x.data(), r.data(), w.data(), cs.data(), sn.data(), N, C, D};
   const auto vec = [D] { return std::vector<T>(static_cast<size_t>(D)); };
   std::vector<T> qh = vec(), qp = vec(), qr = vec(), num = vec(), dnum = vec(), dqr = vec(), dqp = vec();
+  std::vector<T> Mt(static_cast<size_t>(DD));
 
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < H; ++h) {
@@ -99,6 +99,7 @@ void phase_c_bwd_impl(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout
         T* dzf = odz.data() + (bh * F + f) * D;
         std::fill(dMf, dMf + DD, T(0));
         std::fill(dzf, dzf + D, T(0));
+        transpose(Mt.data(), Mf, D);
         for (int64_t s = 0; s < S; ++s) {
           const int64_t n = f * S + s;
           const int64_t row = (b * N + n) * C + h * D;
@@ -114,11 +115,9 @@ void phase_c_bwd_impl(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout
             for (int64_t j = 0; j < D; ++j) dnum[j] = go.defined() ? go[row + j] : T(0);
             if (gden.defined()) dden_s = gden[bh * N + n];
           }
-          matvec(dqr.data(), Mf, dnum.data(), D);
+          matvec_from_t(dqr.data(), Mt.data(), dnum.data(), D);  // M dnum
           for (int64_t i = 0; i < D; ++i) {
-            const T qi = qr[i];
-            T* dMi = dMf + i * D;
-            for (int64_t j = 0; j < D; ++j) dMi[j] += qi * dnum[j];
+            axpy(dMf + i * D, qr[i], dnum.data(), D);
             dzf[i] += dden_s * qp[i];
             dqp[i] = dden_s * zf[i];
           }
@@ -137,6 +136,18 @@ void phase_c_bwd_impl(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout
 void phase_c_fwd(Tensor& out, Tensor& den, const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w,
                  const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& M, const Tensor& z, const Dims& d,
                  double eps, bool divide, MathMode mode) {
+  const char* op = "cpu::phase_c_fwd";
+  const Shape qkv_s = {d.B, d.N(), 3, d.H, d.D}, row_s = {d.B, d.N(), d.H, d.D}, rope_s = {d.N(), d.D};
+  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D}, c_s = {d.C()};
+  check_shape(out, row_s, op, "out");
+  check_shape(den, {d.B, d.H, d.N()}, op, "den");
+  check_shape(qkv, qkv_s, op, "qkv");
+  check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
+  check_shape_if_defined(q_norm_w, c_s, op, "q_norm_w");
+  check_shape(rope_cos, rope_s, op, "rope_cos");
+  check_shape(rope_sin, rope_s, op, "rope_sin");
+  check_shape(M, mat_s, op, "M");
+  check_shape(z, vec_s, op, "z");
   (void)mode;  // the CPU computes exactly in the compute dtype
   if (qkv.dtype() == DType::f64)
     phase_c_fwd_impl<double>(out, den, qkv, rstd, q_norm_w, rope_cos, rope_sin, M, z, d, eps, divide);
@@ -147,13 +158,26 @@ void phase_c_fwd(Tensor& out, Tensor& den, const Tensor& qkv, const Tensor& rstd
 void phase_c_bwd(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, const Tensor& dden, const Tensor& qkv,
                  const Tensor& rstd, const Tensor& q_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
                  const Tensor& M, const Tensor& z, const Dims& d, double eps, bool divide, MathMode mode) {
+  const char* op = "cpu::phase_c_bwd";
+  const Shape qkv_s = {d.B, d.N(), 3, d.H, d.D}, row_s = {d.B, d.N(), d.H, d.D}, rope_s = {d.N(), d.D};
+  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D}, c_s = {d.C()};
+  check_shape(dq_hat, row_s, op, "dq_hat");
+  check_shape(dM, mat_s, op, "dM");
+  check_shape(dz, vec_s, op, "dz");
+  check_shape_if_defined(dout, row_s, op, "dout");
+  check_shape_if_defined(dden, {d.B, d.H, d.N()}, op, "dden");
+  check_shape(qkv, qkv_s, op, "qkv");
+  check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
+  check_shape_if_defined(q_norm_w, c_s, op, "q_norm_w");
+  check_shape(rope_cos, rope_s, op, "rope_cos");
+  check_shape(rope_sin, rope_s, op, "rope_sin");
+  check_shape(M, mat_s, op, "M");
+  check_shape(z, vec_s, op, "z");
   (void)mode;
   if (qkv.dtype() == DType::f64)
-    phase_c_bwd_impl<double>(dq_hat, dM, dz, dout, dden, qkv, rstd, q_norm_w, rope_cos, rope_sin, M, z, d, eps,
-                             divide);
+    phase_c_bwd_impl<double>(dq_hat, dM, dz, dout, dden, qkv, rstd, q_norm_w, rope_cos, rope_sin, M, z, d, eps, divide);
   else
-    phase_c_bwd_impl<float>(dq_hat, dM, dz, dout, dden, qkv, rstd, q_norm_w, rope_cos, rope_sin, M, z, d, eps,
-                            divide);
+    phase_c_bwd_impl<float>(dq_hat, dM, dz, dout, dden, qkv, rstd, q_norm_w, rope_cos, rope_sin, M, z, d, eps, divide);
 }
 
 }  // namespace cpu

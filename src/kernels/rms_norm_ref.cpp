@@ -75,8 +75,7 @@ void rms_norm_bwd_impl(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const
     store_qkv_channel(dqkv, c, dx, d.B, N, C);
     Tensor& dwt = *dw_out[c];
     if (w && dwt.defined()) {
-      GDNCP_CHECK(dwt.numel() == C, "rms_norm_bwd: norm weight gradient must have ", C, " elements, got ",
-                  dwt.str());
+      GDNCP_CHECK(dwt.numel() == C, "rms_norm_bwd: norm weight gradient must have ", C, " elements, got ", dwt.str());
       Out<T> o(dwt);
       for (int64_t i = 0; i < C; ++i) o[i] = static_cast<T>(dw[static_cast<size_t>(i)]);
       o.commit();
@@ -88,6 +87,11 @@ void rms_norm_bwd_impl(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const
 
 void rms_stats(Tensor& rstd, const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_norm_w, const Dims& d,
                double norm_eps) {
+  const char* op = "cpu::rms_stats";
+  check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
+  check_shape(qkv, {d.B, d.N(), 3, d.H, d.D}, op, "qkv");
+  check_shape_if_defined(q_norm_w, {d.C()}, op, "q_norm_w");
+  check_shape_if_defined(k_norm_w, {d.C()}, op, "k_norm_w");
   if (qkv.dtype() == DType::f64)
     rms_stats_impl<double>(rstd, qkv, q_norm_w, k_norm_w, d, norm_eps);
   else
@@ -97,6 +101,15 @@ void rms_stats(Tensor& rstd, const Tensor& qkv, const Tensor& q_norm_w, const Te
 void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tensor& dq_hat, const Tensor& dk_hat,
                   const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& k_norm_w,
                   const Dims& d) {
+  const char* op = "cpu::rms_norm_bwd";
+  const Shape qkv_s = {d.B, d.N(), 3, d.H, d.D}, row_s = {d.B, d.N(), d.H, d.D};
+  check_shape(dqkv, qkv_s, op, "dqkv");
+  check_shape(qkv, qkv_s, op, "qkv");
+  check_shape(dq_hat, row_s, op, "dq_hat");
+  check_shape(dk_hat, row_s, op, "dk_hat");
+  check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dq_norm_w, &dk_norm_w, &q_norm_w, &k_norm_w})
+    check_shape_if_defined(*t, {d.C()}, op, "norm weight");
   if (qkv.dtype() == DType::f64)
     rms_norm_bwd_impl<double>(dqkv, dq_norm_w, dk_norm_w, dq_hat, dk_hat, qkv, rstd, q_norm_w, k_norm_w, d);
   else

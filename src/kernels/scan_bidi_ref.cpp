@@ -9,7 +9,8 @@
 //   dU += G,  dP += −g G X_prevᵀ,  dg += ⟨(I − P)ᵀ G, X_prev⟩,  dL/dX_prev += g (I − P)ᵀ G.
 // The forward chain is walked from the last frame back, the reverse chain from
 // the first frame on; frame f's transition feeds Mf_f and Mr_{f−1}.
-// Gradient rule: dP, dA, dPz, dbz, ddecay are overwritten.
+// Gradient rule: dP, dA, dPz, dbz, ddecay are overwritten. The decay gradient
+// (a sum of D² terms of both signs) accumulates in a wider type.
 #include "kernels/cpu_common.h"
 #include "kernels/kernels.h"
 
@@ -72,16 +73,16 @@ void scan_bidi_fwd_impl(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor
 }
 
 // Backward of X = g (I − P) X_prev + U (D×D): dU += G, dP += −g G X_prevᵀ,
-// W = (I − P)ᵀ G; returns ⟨W, X_prev⟩ = dL/dg. tmp: D×D scratch.
+// W = (I − P)ᵀ G; returns ⟨W, X_prev⟩ = dL/dg. tmp, tmp2: D×D scratch.
 template <typename T>
-T step_mat_bwd(T* dU, T* dP, T* W, const T* G, const T* P, const T* X_prev, T g, int64_t D, T* tmp) {
+T step_mat_bwd(T* dU, T* dP, T* W, const T* G, const T* P, const T* X_prev, T g, int64_t D, T* tmp, T* tmp2) {
   const int64_t DD = D * D;
   for (int64_t i = 0; i < DD; ++i) dU[i] += G[i];
-  matmul_nt(tmp, G, X_prev, D);
+  matmul_nt(tmp, G, X_prev, D, tmp2);
   for (int64_t i = 0; i < DD; ++i) dP[i] -= g * tmp[i];
   matmul_tn(tmp, P, G, D);
   for (int64_t i = 0; i < DD; ++i) W[i] = G[i] - tmp[i];
-  return dot(W, X_prev, DD);
+  return dot_wide(W, X_prev, DD);
 }
 
 template <typename T>
@@ -93,7 +94,7 @@ T step_vec_bwd(T* du, T* dP, T* w, const T* G, const T* P, const T* x_prev, T g,
   }
   matvec_t(tmp, P, G, D);
   for (int64_t i = 0; i < D; ++i) w[i] = G[i] - tmp[i];
-  return dot(w, x_prev, D);
+  return dot_wide(w, x_prev, D);
 }
 
 template <typename T>
@@ -104,7 +105,7 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
   In<T> gM(dMsum), gz(dzsum), iP(P), iPz(Pz), ig(decay), iMf(Mf), iMr(Mr), izf(zf), izr(zr);
   Out<T> odP(dP), odA(dA), odPz(dPz), odb(dbz), odg(ddecay);
   const auto buf = [](int64_t n) { return std::vector<T>(static_cast<size_t>(n)); };
-  std::vector<T> G = buf(DD), W = buf(DD), tmp = buf(DD), Gz = buf(D), Wz = buf(D);
+  std::vector<T> G = buf(DD), W = buf(DD), tmp = buf(DD), tmp2 = buf(DD), Gz = buf(D), Wz = buf(D);
 
   for (int64_t bh = 0; bh < d.BH(); ++bh) {
     const auto mat = [&](auto& t, int64_t f) { return t.data() + (bh * F + f) * DD; };
@@ -121,10 +122,10 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
     std::copy(mat(gM, F - 1), mat(gM, F - 1) + DD, G.begin());
     std::copy(vec(gz, F - 1), vec(gz, F - 1) + D, Gz.begin());
     for (int64_t f = F - 1; f >= 1; --f) {
-      odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMf, f - 1),
+      odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMf, f - 1), g(f),
+                                      D, tmp.data(), tmp2.data());
+      odg[bh * F + f] += step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f), vec(izf, f - 1),
                                       g(f), D, tmp.data());
-      odg[bh * F + f] += step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f),
-                                      vec(izf, f - 1), g(f), D, tmp.data());
       for (int64_t i = 0; i < DD; ++i) G[i] = mat(gM, f - 1)[i] + g(f) * W[i];
       for (int64_t i = 0; i < D; ++i) Gz[i] = vec(gz, f - 1)[i] + g(f) * Wz[i];
     }
@@ -134,10 +135,10 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
     std::copy(mat(gM, 0), mat(gM, 0) + DD, G.begin());
     std::copy(vec(gz, 0), vec(gz, 0) + D, Gz.begin());
     for (int64_t f = 1; f < F; ++f) {
-      odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMr, f), g(f),
-                                      D, tmp.data());
-      odg[bh * F + f] += step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f), vec(izr, f),
-                                      g(f), D, tmp.data());
+      odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMr, f), g(f), D,
+                                      tmp.data(), tmp2.data());
+      odg[bh * F + f] +=
+          step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f), vec(izr, f), g(f), D, tmp.data());
       if (f + 1 < F) {
         for (int64_t i = 0; i < DD; ++i) G[i] = mat(gM, f)[i] + g(f) * W[i];
         for (int64_t i = 0; i < D; ++i) Gz[i] = vec(gz, f)[i] + g(f) * Wz[i];
@@ -155,6 +156,13 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
 
 void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,
                    const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Dims& d) {
+  const char* op = "cpu::scan_bidi_fwd";
+  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&Mf, &Mr, &Msum, &P, &A, &Pz})
+    check_shape(*t, mat_s, op, "a (BH, F, D, D) tensor");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&zf, &zr, &zsum, &bz})
+    check_shape(*t, vec_s, op, "a (BH, F, D) tensor");
+  check_shape(decay, {d.B, d.H, d.F}, op, "decay");
   if (P.dtype() == DType::f64)
     scan_bidi_fwd_impl<double>(Mf, Mr, Msum, zf, zr, zsum, P, A, Pz, bz, decay, d);
   else
@@ -164,6 +172,14 @@ void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr,
 void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& ddecay, const Tensor& dMsum,
                    const Tensor& dzsum, const Tensor& P, const Tensor& Pz, const Tensor& decay, const Tensor& Mf,
                    const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Dims& d) {
+  const char* op = "cpu::scan_bidi_bwd";
+  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dP, &dA, &dPz, &dMsum, &P, &Pz, &Mf, &Mr})
+    check_shape(*t, mat_s, op, "a (BH, F, D, D) tensor");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dbz, &dzsum, &zf, &zr})
+    check_shape(*t, vec_s, op, "a (BH, F, D) tensor");
+  check_shape(ddecay, {d.B, d.H, d.F}, op, "ddecay");
+  check_shape(decay, {d.B, d.H, d.F}, op, "decay");
   if (P.dtype() == DType::f64)
     scan_bidi_bwd_impl<double>(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, d);
   else

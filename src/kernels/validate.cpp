@@ -19,16 +19,15 @@ void require_defined(const Arg& a, const Tensor& t) {
 }
 
 void require_shape(const Arg& a, const Tensor& t, const Shape& expected, const char* layout) {
-  GDNCP_CHECK(t.dim() == static_cast<int64_t>(expected.size()), a.entry, ": ", a.name, ": expected ",
-              expected.size(), " dims ", layout, " = ", shape_str(expected), ", got ", t.dim(), " dims ",
-              shape_str(t.shape()));
+  GDNCP_CHECK(t.dim() == static_cast<int64_t>(expected.size()), a.entry, ": ", a.name, ": expected ", expected.size(),
+              " dims ", layout, " = ", shape_str(expected), ", got ", t.dim(), " dims ", shape_str(t.shape()));
   GDNCP_CHECK(t.shape() == expected, a.entry, ": ", a.name, ": expected shape ", layout, " = ", shape_str(expected),
               ", got ", shape_str(t.shape()));
 }
 
 void require_device(const Arg& a, const Tensor& t, Device device) {
-  GDNCP_CHECK(t.device() == device, a.entry, ": ", a.name, ": is on ", device_name(t.device()),
-              " but qkv is on ", device_name(device), " (all tensors must be on one device)");
+  GDNCP_CHECK(t.device() == device, a.entry, ": ", a.name, ": is on ", device_name(t.device()), " but qkv is on ",
+              device_name(device), " (all tensors must be on one device)");
 }
 
 // qkv, beta, decay: f32/bf16, or f64 when qkv is f64 (all or none).
@@ -69,10 +68,10 @@ Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& b
   GDNCP_CHECK(qkv.size(2) == 3, entry, ": qkv: dim 2 must be 3 (q, k, v), got ", shape_str(qkv.shape()));
   GDNCP_CHECK(d.B > 0, entry, ": qkv: batch B (dim 0) must be > 0, got ", shape_str(qkv.shape()));
   GDNCP_CHECK(d.H > 0, entry, ": qkv: heads H (dim 3) must be > 0, got ", shape_str(qkv.shape()));
-  GDNCP_CHECK(qkv.size(1) == F * S, entry, ": qkv: dim 1 (N = ", qkv.size(1), ") must equal F·S = ", F, "·", S,
-              " = ", F * S);
-  GDNCP_CHECK(d.D >= 2 && d.D <= kMaxHeadDim && d.D % 2 == 0, entry, ": qkv: head dim D (dim 4) must be even and in 2..",
-              kMaxHeadDim, ", got ", d.D);
+  GDNCP_CHECK(qkv.size(1) == F * S, entry, ": qkv: dim 1 (N = ", qkv.size(1), ") must equal F·S = ", F, "·", S, " = ",
+              F * S);
+  GDNCP_CHECK(d.D >= 2 && d.D <= kMaxHeadDim && d.D % 2 == 0, entry,
+              ": qkv: head dim D (dim 4) must be even and in 2..", kMaxHeadDim, ", got ", d.D);
 
   // Shapes.
   const Arg ab{entry, "beta"}, ag{entry, "decay"}, aqw{entry, "q_norm_w"}, akw{entry, "k_norm_w"},

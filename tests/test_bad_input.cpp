@@ -1,0 +1,248 @@
+// Bad input to the single-rank layer (SPEC §9): every case must throw
+// gdncp::Error whose message names the wrong argument ("bigdn: <arg>: why"),
+// before any work is done (nothing recorded, nothing saved).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "bigdn_fixtures.h"
+#include "util/test_util.h"
+
+namespace gdncp {
+namespace test {
+namespace {
+
+const Dims kDims = dims(2, 2, 8, 3, 4);  // N = 12, C = 16
+
+LayerInputs good(DType dtype = DType::f32) {
+  LayerInputs in = make_layer_inputs(kDims, dtype, 4242);
+  require_grads(in);
+  return in;
+}
+
+constexpr int64_t kKeep = std::numeric_limits<int64_t>::min();  // "use the inputs' F or S"
+
+// Calls bigdn (or bigdn_unfused) on in with F, S; expects gdncp::Error naming arg
+// and, when given, containing why. Also checks that nothing was recorded or saved.
+void expect_bad(const LayerInputs& in, const std::string& arg, const std::string& why = "", int64_t F = kKeep,
+                int64_t S = kKeep, bool fused = true) {
+  const int64_t f = F == kKeep ? in.d.F : F, s = S == kKeep ? in.d.S : S;
+  const std::string entry = fused ? "bigdn" : "bigdn_unfused";
+  const size_t tape_before = autograd::tape_size(), saved_before = autograd::saved_bytes();
+  try {
+    if (fused)
+      bigdn(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, f, s, in.opt);
+    else
+      bigdn_unfused(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, f, s, in.opt);
+    ADD_FAILURE() << "no error for bad " << arg;
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(entry + ": " + arg + ":"), std::string::npos) << "message does not name " << arg << ": " << msg;
+    if (!why.empty()) {
+      EXPECT_NE(msg.find(why), std::string::npos) << "message does not say '" << why << "': " << msg;
+    }
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "bad " << arg << " threw a non-gdncp exception: " << e.what();
+  }
+  EXPECT_EQ(autograd::tape_size(), tape_before) << "work was recorded before the error";
+  EXPECT_EQ(autograd::saved_bytes(), saved_before);
+}
+
+Tensor f32(const Shape& s) { return Tensor::uniform(s, DType::f32, Device::cpu, 9, 0.5, 1.5); }
+
+TEST(BadInput, GoodInputRuns) {
+  const LayerInputs in = good();
+  EXPECT_NO_THROW(in.run());
+  autograd::clear_tape();
+}
+
+// --- sizes -----------------------------------------------------------------------------------------
+
+TEST(BadInput, FramesNotPositive) { expect_bad(good(), "F", "> 0", 0); }
+TEST(BadInput, TokensPerFrameNegative) { expect_bad(good(), "S", "> 0", 3, -1); }
+TEST(BadInput, TokensNotFramesTimesS) { expect_bad(good(), "qkv", "F·S", 2, 4); }
+
+TEST(BadInput, QkvWrongRank) {
+  LayerInputs in = good();
+  in.qkv = in.qkv.detach().reshape({2, 12, 3, 16});
+  expect_bad(in, "qkv", "5 dims");
+}
+
+TEST(BadInput, QkvDim2Not3) {
+  LayerInputs in = good();
+  in.qkv = Tensor::randn({2, 12, 2, 2, 8}, DType::f32, Device::cpu, 1);
+  expect_bad(in, "qkv", "dim 2");
+}
+
+TEST(BadInput, HeadDimOdd) {
+  LayerInputs in = good();
+  in.qkv = Tensor::randn({2, 12, 3, 2, 7}, DType::f32, Device::cpu, 1);
+  expect_bad(in, "qkv", "even");
+}
+
+TEST(BadInput, HeadDimTooLarge) {
+  LayerInputs in = good();
+  in.qkv = Tensor::randn({1, 12, 3, 1, kMaxHeadDim + 2}, DType::f32, Device::cpu, 1);
+  expect_bad(in, "qkv", "2..128");
+}
+
+TEST(BadInput, BatchZero) {
+  LayerInputs in = good();
+  in.qkv = Tensor::empty({0, 12, 3, 2, 8}, DType::f32);
+  expect_bad(in, "qkv", "B");
+}
+
+TEST(BadInput, HeadsZero) {
+  LayerInputs in = good();
+  in.qkv = Tensor::empty({2, 12, 3, 0, 8}, DType::f32);
+  expect_bad(in, "qkv", "H");
+}
+
+TEST(BadInput, QkvUndefined) {
+  LayerInputs in = good();
+  in.qkv = Tensor();
+  expect_bad(in, "qkv", "undefined");
+}
+
+TEST(BadInput, BetaWrongShape) {
+  LayerInputs in = good();
+  in.beta = f32({2, 2, 3});
+  expect_bad(in, "beta", "(B, H, F, S)");
+}
+
+TEST(BadInput, BetaSwappedFS) {
+  LayerInputs in = good();
+  in.beta = f32({2, 2, 4, 3});
+  expect_bad(in, "beta", "[2, 2, 3, 4]");
+}
+
+TEST(BadInput, BetaUndefined) {
+  LayerInputs in = good();
+  in.beta = Tensor();
+  expect_bad(in, "beta", "undefined");
+}
+
+TEST(BadInput, DecayWrongFrames) {
+  LayerInputs in = good();
+  in.decay = f32({2, 2, 4});
+  expect_bad(in, "decay", "(B, H, F)");
+}
+
+TEST(BadInput, DecayPerToken) {
+  LayerInputs in = good();
+  in.decay = f32({2, 2, 3, 4});
+  expect_bad(in, "decay", "3 dims");
+}
+
+TEST(BadInput, QNormWeightWrongLength) {
+  LayerInputs in = good();
+  in.q_norm_w = f32({17});
+  expect_bad(in, "q_norm_w", "C = H·D");
+}
+
+TEST(BadInput, KNormWeightPerHead) {
+  LayerInputs in = good();
+  in.k_norm_w = f32({2, 8});
+  expect_bad(in, "k_norm_w", "1 dims");
+}
+
+TEST(BadInput, RopeMissingRows) {
+  LayerInputs in = good();
+  in.rope_cos = f32({11, 8});
+  expect_bad(in, "rope_cos", "(N, D)");
+}
+
+TEST(BadInput, RopeWrongHeadDim) {
+  LayerInputs in = good();
+  in.rope_sin = f32({12, 4});
+  expect_bad(in, "rope_sin", "(N, D)");
+}
+
+TEST(BadInput, RopeUndefined) {
+  LayerInputs in = good();
+  in.rope_cos = Tensor();
+  expect_bad(in, "rope_cos", "undefined");
+}
+
+// --- dtypes ----------------------------------------------------------------------------------------
+
+TEST(BadInput, NormWeightBf16) {
+  LayerInputs in = good();
+  in.q_norm_w = in.q_norm_w.detach().to(DType::bf16);
+  expect_bad(in, "q_norm_w", "must be f32");
+}
+
+TEST(BadInput, RopeF64WithF32Qkv) {
+  LayerInputs in = good();
+  in.rope_sin = in.rope_sin.to(DType::f64);
+  expect_bad(in, "rope_sin", "must be f32");
+}
+
+TEST(BadInput, BetaF64WithF32Qkv) {
+  LayerInputs in = good();
+  in.beta = in.beta.detach().to(DType::f64);
+  expect_bad(in, "beta", "f64");
+}
+
+TEST(BadInput, DecayF32WithF64Qkv) {
+  LayerInputs in = good(DType::f64);
+  in.decay = in.decay.detach().to(DType::f32);
+  expect_bad(in, "decay", "f64");
+}
+
+TEST(BadInput, NormWeightF32WithF64Qkv) {
+  LayerInputs in = good(DType::f64);
+  in.k_norm_w = in.k_norm_w.detach().to(DType::f32);
+  expect_bad(in, "k_norm_w", "must be f64");
+}
+
+// --- scalars ---------------------------------------------------------------------------------------
+
+TEST(BadInput, KScaleNotFinite) {
+  LayerInputs in = good();
+  in.opt.k_scale = std::numeric_limits<double>::quiet_NaN();
+  expect_bad(in, "k_scale", "finite");
+}
+
+TEST(BadInput, EpsNegative) {
+  LayerInputs in = good();
+  in.opt.eps = -1e-6;
+  expect_bad(in, "eps", ">= 0");
+}
+
+TEST(BadInput, NormEpsInfinite) {
+  LayerInputs in = good();
+  in.opt.norm_eps = std::numeric_limits<double>::infinity();
+  expect_bad(in, "norm_eps", "finite");
+}
+
+// --- the unfused layer validates the same way ----------------------------------------------------
+
+TEST(BadInput, UnfusedTokensNotFramesTimesS) { expect_bad(good(), "qkv", "F·S", 4, 4, /*fused=*/false); }
+
+TEST(BadInput, UnfusedBetaWrongShape) {
+  LayerInputs in = good();
+  in.beta = f32({2, 2, 12});
+  expect_bad(in, "beta", "", kKeep, kKeep, /*fused=*/false);
+}
+
+// --- devices (needs a GPU) -----------------------------------------------------------------------
+
+TEST(BadInput, DeviceMismatchAndF64OnCuda) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  LayerInputs in = good();
+  in.decay = in.decay.detach().to(Device::cuda);
+  expect_bad(in, "decay", "one device");
+  LayerInputs all_cuda = good(DType::f64);
+  for (Tensor* t : {&all_cuda.qkv, &all_cuda.beta, &all_cuda.decay, &all_cuda.q_norm_w, &all_cuda.k_norm_w,
+                    &all_cuda.rope_cos, &all_cuda.rope_sin})
+    *t = t->detach().to(Device::cuda);
+  expect_bad(all_cuda, "qkv", "CPU only");
+}
+
+}  // namespace
+}  // namespace test
+}  // namespace gdncp

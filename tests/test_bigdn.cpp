@@ -1,0 +1,516 @@
+// Tests of the single-rank layer bigdn() (fused CPU twins) beyond the gradchecks:
+// hand-checked tiny cases, three independent codings of SPEC §2-5 (bigdn,
+// bigdn_unfused and a naive loop written here), precision (f32, bf16 against
+// f64 on the same values), checkpointing, poisoned twin outputs, determinism.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "bigdn_fixtures.h"
+#include "kernels/kernels.h"
+#include "util/test_util.h"
+
+namespace gdncp {
+namespace test {
+namespace {
+
+const Device kCpu = Device::cpu;
+
+Tensor f64_tensor(const std::vector<double>& v, const Shape& s) { return Tensor::from_vector(v, s, DType::f64); }
+
+// --- hand-checked cases ----------------------------------------------------------------------
+
+// D = 2, H = 1, B = 1, S = 1, F = 2, no norm weights (identity norm), k_scale = 1.
+// token 0 (frame 0): q = (1, 2),  k = (1, −3), v = (3, 4),  β = 0.5, g = 0.9, rope angle 0
+// token 1 (frame 1): q = (2, −1), k = (0.5, 1), v = (1, −2), β = 0.25, g = 0.8, rope angle 90°
+//   (cos = (0, 0), sin = (−1, +1): rope(x) = (−x1, x0))
+// k⁺0 = (1, 0) = kʳ0;  k⁺1 = (0.5, 1), kʳ1 = (−1, 0.5)
+// P0 = Pz0 = [[.5, 0], [0, 0]], A0 = [[1.5, 2], [0, 0]], b0 = (.5, 0)
+// P1 = [[.25, −.125], [−.125, .0625]], A1 = .25·kʳ1 v1ᵀ = [[−.25, .5], [.125, −.25]]
+// Pz1 = [[.0625, .125], [.125, .25]], b1 = (.125, .25)
+// forward:  M0 = A0, z0 = b0;  M1 = .8·(I − P1)·M0 + A1 = [[.9, 1.2], [.15, .2]] + A1 = [[.65, 1.7], [.275, −.05]]
+//           z1 = .8·(I − Pz1)·z0 + b1 = (.375, −.05) + b1 = (.5, .2)
+// reverse:  M̃1 = 0, M̃0 = A1, z̃0 = b1  =>  Msum0 = [[1.25, 2.5], [.125, −.25]], zsum0 = (.625, .25)
+// token 0: q⁺ = qʳ = (1, 2): num = (1.25 + .25, 2.5 − .5) = (1.5, 2), den = .625 + .5 = 1.125
+// token 1: q⁺ = (2, 0), qʳ = (0, 2): num = (2·.275, 2·(−.05)) = (.55, −.1), den = 2·.5 = 1
+TEST(BigdnHand, TwoFramesWithRopeAndReverseState) {
+  const Tensor qkv = f64_tensor({1, 2, 1, -3, 3, 4, /*token 1*/ 2, -1, 0.5, 1, 1, -2}, {1, 2, 3, 1, 2});
+  const Tensor beta = f64_tensor({0.5, 0.25}, {1, 1, 2, 1});
+  const Tensor decay = f64_tensor({0.9, 0.8}, {1, 1, 2});
+  const Tensor cs = f64_tensor({1, 1, 0, 0}, {2, 2}), sn = f64_tensor({0, 0, -1, 1}, {2, 2});
+  BigdnOptions opt;
+  opt.k_scale = 1.0;
+  const double e = opt.eps;
+  const std::vector<double> expected = {1.5 / (1.125 + e), 2.0 / (1.125 + e), 0.55 / (1 + e), -0.1 / (1 + e)};
+  for (bool fused : {true, false}) {
+    const Tensor out = fused ? bigdn(qkv, beta, decay, Tensor(), Tensor(), cs, sn, 2, 1, opt)
+                             : bigdn_unfused(qkv, beta, decay, Tensor(), Tensor(), cs, sn, 2, 1, opt);
+    ASSERT_EQ(out.shape(), Shape({1, 2, 1, 2}));
+    const std::vector<double> got = out.to_vector();
+    for (size_t i = 0; i < expected.size(); ++i)
+      EXPECT_NEAR(got[i], expected[i], 1e-14) << "fused " << fused << " i " << i;
+  }
+}
+
+// D = 2, H = 1, S = 2, F = 1, norm weights w_q = (1.5, .5), w_k = (2, 1), norm_eps = 0, eps = 0,
+// k_scale = .5, identity rope. With F = 1 the state is A (P, g never act).
+// q0 = (2, 2): r = 1/2, q̂ = w_q = (1.5, .5) = q⁺      q1 = (−1, 1): r = 1, q̂ = (−1.5, .5), q⁺ = (0, .5)
+// k0 = (−3, 3): r = 1/3, k̂ = (−2, 1), k⁺ = (0, .5)    k1 = (4, 4): r = 1/4, k̂ = (2, 1), k⁺ = (1, .5)
+// v0 = (1, 0), v1 = (0, 2), β = (.5, 1)
+// A = .5·(0, .5)ᵀ(1, 0) + (1, .5)ᵀ(0, 2) = [[0, 2], [.25, 1]],  b = .5·(0, .5) + (1, .5) = (1, .75)
+// token 0: num = (1.5·0 + .5·.25, 1.5·2 + .5·1) = (.125, 3.5), den = 1.5 + .375 = 1.875
+// token 1: num = (.5·.25, .5·1) = (.125, .5), den = .5·.75 = .375
+TEST(BigdnHand, OneFrameWithNormAndKScale) {
+  const Tensor qkv = f64_tensor({2, 2, -3, 3, 1, 0, /*token 1*/ -1, 1, 4, 4, 0, 2}, {1, 2, 3, 1, 2});
+  const Tensor beta = f64_tensor({0.5, 1}, {1, 1, 1, 2});
+  const Tensor decay = f64_tensor({0.7}, {1, 1, 1});
+  const Tensor qw = f64_tensor({1.5, 0.5}, {2}), kw = f64_tensor({2, 1}, {2});
+  const Tensor cs = f64_tensor({1, 1, 1, 1}, {2, 2}), sn = f64_tensor({0, 0, 0, 0}, {2, 2});
+  BigdnOptions opt;
+  opt.k_scale = 0.5;
+  opt.norm_eps = 0;
+  opt.eps = 0;
+  const std::vector<double> expected = {0.125 / 1.875, 3.5 / 1.875, 0.125 / 0.375, 0.5 / 0.375};
+  for (bool fused : {true, false}) {
+    const Tensor out = fused ? bigdn(qkv, beta, decay, qw, kw, cs, sn, 1, 2, opt)
+                             : bigdn_unfused(qkv, beta, decay, qw, kw, cs, sn, 1, 2, opt);
+    const std::vector<double> got = out.to_vector();
+    for (size_t i = 0; i < expected.size(); ++i)
+      EXPECT_NEAR(got[i], expected[i], 1e-14) << "fused " << fused << " i " << i;
+  }
+}
+
+// --- a third, naive coding of SPEC §2-5 ------------------------------------------------------
+
+using Mat = std::vector<double>;  // D×D row-major
+
+std::vector<double> naive_bigdn(const LayerInputs& in) {
+  const Dims& d = in.d;
+  const int64_t B = d.B, H = d.H, D = d.D, F = d.F, S = d.S, N = d.N(), C = d.C();
+  const std::vector<double> x = in.qkv.to_vector(), be = in.beta.to_vector(), g = in.decay.to_vector();
+  const std::vector<double> cs = in.rope_cos.to_vector(), sn = in.rope_sin.to_vector();
+  const std::vector<double> w[2] = {in.q_norm_w.defined() ? in.q_norm_w.to_vector() : std::vector<double>(),
+                                    in.k_norm_w.defined() ? in.k_norm_w.to_vector() : std::vector<double>()};
+  const auto X = [&](int64_t b, int64_t n, int64_t c, int64_t h, int64_t i) {
+    return x[static_cast<size_t>((((b * N + n) * 3 + c) * H + h) * D + i)];
+  };
+  // prep: plus[c], rot[c] indexed (b, n, h, i)
+  std::vector<double> plus[2], rot[2];
+  for (int c = 0; c < 2; ++c) {
+    plus[c].assign(static_cast<size_t>(B * N * H * D), 0);
+    rot[c] = plus[c];
+  }
+  const auto at = [&](int64_t b, int64_t n, int64_t h, int64_t i) {
+    return static_cast<size_t>(((b * N + n) * H + h) * D + i);
+  };
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t n = 0; n < N; ++n)
+      for (int c = 0; c < 2; ++c) {
+        double r = 1;
+        if (!w[c].empty()) {
+          double ss = 0;
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < D; ++i) ss += X(b, n, c, h, i) * X(b, n, c, h, i);
+          r = 1 / std::sqrt(ss / C + in.opt.norm_eps);
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          for (int64_t i = 0; i < D; ++i) {
+            const double xh = X(b, n, c, h, i) * r * (w[c].empty() ? 1.0 : w[c][static_cast<size_t>(h * D + i)]);
+            plus[c][at(b, n, h, i)] = std::max(xh, 0.0) * (c == 1 ? in.opt.k_scale : 1.0);
+          }
+          for (int64_t i = 0; i < D; i += 2) {  // rotate each pair (2p, 2p+1)
+            const size_t t = static_cast<size_t>(n * D + i);
+            const double a = plus[c][at(b, n, h, i)], bb = plus[c][at(b, n, h, i + 1)];
+            rot[c][at(b, n, h, i)] = a * cs[t] + bb * sn[t];
+            rot[c][at(b, n, h, i + 1)] = bb * cs[t + 1] + a * sn[t + 1];
+          }
+        }
+      }
+  std::vector<double> out(static_cast<size_t>(B * N * H * D));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<Mat> P(F, Mat(D * D, 0)), A(P), Pz(P);
+      std::vector<std::vector<double>> bz(F, std::vector<double>(D, 0));
+      for (int64_t f = 0; f < F; ++f)
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t n = f * S + s;
+          const double bs = be[static_cast<size_t>(((b * H + h) * F + f) * S + s)];
+          for (int64_t i = 0; i < D; ++i) {
+            bz[f][i] += bs * plus[1][at(b, n, h, i)];
+            for (int64_t j = 0; j < D; ++j) {
+              P[f][i * D + j] += bs * rot[1][at(b, n, h, i)] * rot[1][at(b, n, h, j)];
+              A[f][i * D + j] += bs * rot[1][at(b, n, h, i)] * X(b, n, 2, h, j);
+              Pz[f][i * D + j] += bs * plus[1][at(b, n, h, i)] * plus[1][at(b, n, h, j)];
+            }
+          }
+        }
+      // next = g (I − P) prev + U, for a D×m block
+      const auto step = [&](const std::vector<double>& prev, const Mat& Pm, const std::vector<double>& U, double gf,
+                            int64_t m) {
+        std::vector<double> next(U);
+        for (int64_t i = 0; i < D; ++i)
+          for (int64_t j = 0; j < m; ++j) {
+            double t = prev[i * m + j];
+            for (int64_t k = 0; k < D; ++k) t -= Pm[i * D + k] * prev[k * m + j];
+            next[i * m + j] += gf * t;
+          }
+        return next;
+      };
+      const auto gd = [&](int64_t f) { return g[static_cast<size_t>((b * H + h) * F + f)]; };
+      std::vector<Mat> Mf(F), Mr(F, Mat(D * D, 0));
+      std::vector<std::vector<double>> zf(F), zr(F, std::vector<double>(D, 0));
+      for (int64_t f = 0; f < F; ++f) {
+        Mf[f] = step(f ? Mf[f - 1] : Mat(D * D, 0), P[f], A[f], gd(f), D);
+        zf[f] = step(f ? zf[f - 1] : std::vector<double>(D, 0), Pz[f], bz[f], gd(f), 1);
+      }
+      for (int64_t f = F - 2; f >= 0; --f) {
+        Mr[f] = step(Mr[f + 1], P[f + 1], A[f + 1], gd(f + 1), D);
+        zr[f] = step(zr[f + 1], Pz[f + 1], bz[f + 1], gd(f + 1), 1);
+      }
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t f = n / S;
+        double den = 0;
+        for (int64_t i = 0; i < D; ++i) den += plus[0][at(b, n, h, i)] * (zf[f][i] + zr[f][i]);
+        for (int64_t j = 0; j < D; ++j) {
+          double num = 0;
+          for (int64_t i = 0; i < D; ++i) num += rot[0][at(b, n, h, i)] * (Mf[f][i * D + j] + Mr[f][i * D + j]);
+          out[at(b, n, h, j)] = num / (den + in.opt.eps);
+        }
+      }
+    }
+  return out;
+}
+
+struct LayerRun {
+  Tensor out;
+  std::vector<Tensor> grads;  // qkv, beta, decay, q_norm_w, k_norm_w (undefined where absent)
+};
+
+// Forward + backward with L = Σ w·out on fresh leaves.
+LayerRun run_layer(const LayerInputs& base, const Tensor& w, bool fused = true) {
+  LayerInputs in = base;
+  for (Tensor* t : {&in.qkv, &in.beta, &in.decay, &in.q_norm_w, &in.k_norm_w})
+    if (t->defined()) *t = t->clone().requires_grad_();
+  LayerRun r;
+  r.out = in.run(fused);
+  backward(r.out, w.to(r.out.dtype()));
+  for (const Tensor* t : {&in.qkv, &in.beta, &in.decay, &in.q_norm_w, &in.k_norm_w})
+    r.grads.push_back(t->defined() ? t->grad() : Tensor());
+  return r;
+}
+
+const char* kGradNames[] = {"dqkv", "dbeta", "ddecay", "dq_norm_w", "dk_norm_w"};
+
+std::vector<Dims> agreement_shapes() {
+  return {dims(2, 1, 12, 3, 2), dims(1, 2, 24, 2, 3), dims(1, 1, 112, 2, 2), dims(1, 3, 4, 1, 5), dims(2, 2, 4, 4, 3)};
+}
+
+double weighted(const std::vector<double>& out, const std::vector<double>& w) {
+  double s = 0;
+  for (size_t i = 0; i < out.size(); ++i) s += out[i] * w[i];
+  return s;
+}
+
+TEST(BigdnAgreement, FusedUnfusedNaiveF64) {
+  uint64_t seed = 10;
+  double worst_out = 0, worst_grad = 0, worst_dir = 0;
+  for (const Dims& d : agreement_shapes())
+    for (int norms = 0; norms < 3; ++norms) {  // both, q only, none
+      const LayerInputs in = make_layer_inputs(d, DType::f64, ++seed, norms < 2, norms == 0);
+      const std::string what = dims_str(d) + " norms " + std::to_string(norms);
+      const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, DType::f64, kCpu, ++seed);
+      const LayerRun fused = run_layer(in, w, true), unfused = run_layer(in, w, false);
+      const Tensor naive = f64_tensor(naive_bigdn(in), fused.out.shape());
+      EXPECT_TRUE(close_rel(fused.out, naive, 1e-12, "out fused vs naive " + what));
+      EXPECT_TRUE(close_rel(unfused.out, naive, 1e-12, "out unfused vs naive " + what));
+      worst_out = std::max({worst_out, rel_l2(fused.out, naive), rel_l2(unfused.out, naive)});
+      for (size_t i = 0; i < fused.grads.size(); ++i) {
+        ASSERT_EQ(fused.grads[i].defined(), unfused.grads[i].defined()) << kGradNames[i];
+        if (!fused.grads[i].defined()) continue;
+        EXPECT_TRUE(close_rel(fused.grads[i], unfused.grads[i], 1e-12, std::string(kGradNames[i]) + " " + what));
+        worst_grad = std::max(worst_grad, rel_l2(fused.grads[i], unfused.grads[i]));
+      }
+      // Gradients against the naive coding: the directional derivative along a random δ,
+      // by central differences of the naive forward (h = 1e-6: error ~1e-10 relative).
+      const double h = 1e-6;
+      LayerInputs plus = in, minus = in;
+      double analytic = 0;
+      Tensor* p[5] = {&plus.qkv, &plus.beta, &plus.decay, &plus.q_norm_w, &plus.k_norm_w};
+      Tensor* m[5] = {&minus.qkv, &minus.beta, &minus.decay, &minus.q_norm_w, &minus.k_norm_w};
+      for (size_t i = 0; i < 5; ++i) {
+        if (!p[i]->defined()) continue;
+        const std::vector<double> dir = Tensor::randn(p[i]->shape(), DType::f64, kCpu, 77 + i).to_vector();
+        const std::vector<double> base = p[i]->to_vector(), grad = fused.grads[i].to_vector();
+        std::vector<double> vp(base), vm(base);
+        for (size_t e = 0; e < base.size(); ++e) {
+          vp[e] += h * dir[e];
+          vm[e] -= h * dir[e];
+          analytic += grad[e] * dir[e];
+        }
+        *p[i] = f64_tensor(vp, p[i]->shape());
+        *m[i] = f64_tensor(vm, m[i]->shape());
+      }
+      const std::vector<double> wv = w.to_vector();
+      const double numeric = (weighted(naive_bigdn(plus), wv) - weighted(naive_bigdn(minus), wv)) / (2 * h);
+      EXPECT_NEAR(analytic, numeric, 1e-7 * std::fabs(numeric)) << what;
+      worst_dir = std::max(worst_dir, std::fabs(analytic - numeric) / std::fabs(numeric));
+    }
+  std::printf("[agreement] worst rel L2: out %.2e, fused vs unfused grads %.2e; directional derivative vs naive %.2e\n",
+              worst_out, worst_grad, worst_dir);
+}
+
+// --- precision ---------------------------------------------------------------------------------
+
+// Runs the layer in `dtype` and in f64 on the same values (inputs drawn in dtype, converted
+// exactly to f64) and compares out and every gradient.
+void compare_to_f64(DType dtype, double tol, uint64_t seed) {
+  for (const Dims& d : {dims(2, 2, 16, 3, 4), dims(1, 2, 112, 2, 8)}) {
+    const LayerInputs low = make_layer_inputs(d, dtype, seed++);
+    const LayerInputs high = convert(low, DType::f64);
+    const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, dtype, kCpu, seed++);
+    const LayerRun a = run_layer(low, w), b = run_layer(high, w.to(DType::f64));
+    const std::string what = std::string(dtype_name(dtype)) + " vs f64 " + dims_str(d);
+    EXPECT_EQ(a.out.dtype(), dtype);
+    EXPECT_TRUE(close_rel(a.out, b.out, tol, "out " + what));
+    std::printf("[precision] %-36s out rel %.2e", what.c_str(), rel_l2(a.out, b.out));
+    for (size_t i = 0; i < a.grads.size(); ++i) {
+      ASSERT_TRUE(a.grads[i].defined()) << kGradNames[i];
+      const Tensor input = std::vector<Tensor>{low.qkv, low.beta, low.decay, low.q_norm_w, low.k_norm_w}[i];
+      EXPECT_EQ(a.grads[i].dtype(), input.dtype()) << kGradNames[i];
+      EXPECT_TRUE(close_rel(a.grads[i], b.grads[i], tol, std::string(kGradNames[i]) + " " + what));
+      std::printf(" %s %.2e", kGradNames[i], rel_l2(a.grads[i], b.grads[i]));
+    }
+    std::printf("\n");
+  }
+}
+
+// f32 arithmetic over sums of ≤ a few hundred terms: ~1e-6 relative; the bar is 1e-5.
+TEST(BigdnPrecision, F32MatchesF64) { compare_to_f64(DType::f32, 1e-5, 500); }
+
+// bf16 storage rounds out and the gradients to 8 bits (~4e-3 relative per element).
+TEST(BigdnPrecision, Bf16WithinOnePercentOfF64) { compare_to_f64(DType::bf16, 1e-2, 600); }
+
+TEST(BigdnPrecision, MixedBf16QkvWithF32Gates) {
+  const Dims d = dims(1, 2, 16, 2, 3);
+  LayerInputs in = make_layer_inputs(d, DType::bf16, 700);
+  in.beta = in.beta.to(DType::f32);
+  in.decay = in.decay.to(DType::f32);
+  const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, DType::bf16, kCpu, 701);
+  const LayerRun a = run_layer(in, w);
+  EXPECT_EQ(a.out.dtype(), DType::bf16);
+  EXPECT_EQ(a.grads[0].dtype(), DType::bf16);
+  EXPECT_EQ(a.grads[1].dtype(), DType::f32);
+  EXPECT_EQ(a.grads[2].dtype(), DType::f32);
+  const LayerRun b = run_layer(convert(in, DType::f64), w.to(DType::f64));
+  EXPECT_TRUE(close_rel(a.out, b.out, 1e-2, "out"));
+  for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_TRUE(close_rel(a.grads[i], b.grads[i], 1e-2, kGradNames[i]));
+}
+
+TEST(BigdnPrecision, PrecisionModesAreExactOnCpu) {
+  EXPECT_EQ(resolve_math_mode(Precision::automatic, DType::bf16), MathMode::bf16);
+  EXPECT_EQ(resolve_math_mode(Precision::automatic, DType::f32), MathMode::ieee);
+  EXPECT_EQ(resolve_math_mode(Precision::tf32, DType::f32), MathMode::tf32);
+  EXPECT_EQ(resolve_math_mode(Precision::bf16, DType::f64), MathMode::ieee);
+  EXPECT_STREQ(precision_name(Precision::tf32), "tf32");
+  const LayerInputs in = make_layer_inputs(dims(1, 2, 8, 2, 3), DType::f32, 800);
+  LayerInputs tf = in;
+  tf.opt.precision = Precision::tf32;
+  EXPECT_TRUE(bitwise_equal(in.run(), tf.run()));
+}
+
+// --- autograd behaviour ------------------------------------------------------------------------
+
+TEST(BigdnAutograd, CheckpointGivesBitwiseEqualGradsAndSavesLess) {
+  for (DType dt : {DType::f32, DType::f64}) {
+    const Dims d = dims(2, 2, 16, 3, 4);
+    const LayerInputs off = make_layer_inputs(d, dt, 900);
+    LayerInputs on = off;
+    on.opt.checkpoint = Checkpoint::on;
+    const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, dt, kCpu, 901);
+    ASSERT_EQ(autograd::saved_bytes(), 0u);
+    // saved bytes right after the forward
+    size_t saved[2];
+    for (int k = 0; k < 2; ++k) {
+      LayerInputs in = k ? on : off;
+      in.qkv = in.qkv.clone().requires_grad_();
+      const Tensor out = in.run();
+      saved[k] = autograd::saved_bytes();
+      autograd::clear_tape();
+    }
+    EXPECT_LT(saved[1], saved[0]) << "checkpoint on should keep fewer bytes";
+    EXPECT_GT(saved[1], 0u);
+    std::printf("[checkpoint] %s saved bytes: off %zu, on %zu\n", dtype_name(dt), saved[0], saved[1]);
+    const LayerRun a = run_layer(off, w), b = run_layer(on, w);
+    EXPECT_TRUE(bitwise_equal(a.out, b.out));
+    for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_TRUE(bitwise_equal(a.grads[i], b.grads[i])) << kGradNames[i];
+    EXPECT_EQ(autograd::saved_bytes(), 0u) << "saved tensors must be freed after backward";
+  }
+}
+
+TEST(BigdnAutograd, AutomaticCheckpointFollowsGradMode) {
+  LayerInputs in = make_layer_inputs(dims(1, 2, 8, 2, 3), DType::f32, 950);
+  in.opt.checkpoint = Checkpoint::automatic;
+  {
+    NoGradGuard no_grad;
+    in.qkv.requires_grad_();
+    const Tensor out = in.run();
+    EXPECT_EQ(autograd::tape_size(), 0u);
+    EXPECT_EQ(autograd::saved_bytes(), 0u);
+    EXPECT_FALSE(out.requires_grad());
+  }
+  const Tensor out = in.run();
+  EXPECT_TRUE(out.requires_grad());
+  EXPECT_EQ(std::string(out.grad_fn()->name()), "checkpoint");
+  autograd::clear_tape();
+}
+
+TEST(BigdnAutograd, NoGradRecordsNothing) {
+  LayerInputs in = make_layer_inputs(dims(1, 2, 8, 2, 3), DType::f64, 960);
+  require_grads(in);
+  NoGradGuard no_grad;
+  in.run(true);
+  in.run(false);
+  EXPECT_EQ(autograd::tape_size(), 0u);
+  EXPECT_EQ(autograd::saved_bytes(), 0u);
+}
+
+TEST(BigdnAutograd, AbsentWeightAndRopeGetNoGradient) {
+  const Dims d = dims(1, 2, 8, 2, 3);
+  LayerInputs in = make_layer_inputs(d, DType::f64, 970, /*norm_q=*/true, /*norm_k=*/false);
+  require_grads(in);
+  in.rope_cos.requires_grad_();
+  const Tensor out = in.run();
+  backward(out, Tensor::randn(out.shape(), DType::f64, kCpu, 971));
+  EXPECT_TRUE(in.q_norm_w.grad().defined());
+  EXPECT_FALSE(in.rope_cos.grad().defined());
+  EXPECT_FALSE(in.k_norm_w.defined());
+}
+
+TEST(BigdnAutograd, DeterministicTwoRuns) {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const Dims d = dims(2, 2, 24, 3, 5);
+    const LayerInputs in = make_layer_inputs(d, dt, 980);
+    const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, dt, kCpu, 981);
+    const LayerRun a = run_layer(in, w), b = run_layer(in, w);
+    EXPECT_TRUE(bitwise_equal(a.out, b.out));
+    for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_TRUE(bitwise_equal(a.grads[i], b.grads[i])) << kGradNames[i];
+  }
+}
+
+// --- the twins overwrite every element of their outputs ----------------------------------------
+
+Tensor poisoned(const Shape& s, DType dt) {
+  Tensor t = Tensor::empty(s, dt, kCpu);
+  poison(t);
+  return t;
+}
+
+TEST(BigdnTwins, OverwriteEveryPoisonedOutput) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f64}) {
+    const Dims d = dims(2, 2, 12, 3, 2);
+    const LayerInputs in = make_layer_inputs(d, dt, 990);
+    const DType ct = dt == DType::f64 ? DType::f64 : DType::f32;
+    const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
+    const double ks = in.opt.k_scale;
+    const MathMode mode = MathMode::ieee;
+    const std::string what = dtype_name(dt);
+
+    Tensor rstd = poisoned({B, N, 2}, ct);
+    cpu::rms_stats(rstd, in.qkv, in.q_norm_w, in.k_norm_w, d, 1e-5);
+    EXPECT_FALSE(has_nonfinite(rstd)) << what;
+
+    Tensor P = poisoned({BH, F, D, D}, ct), A = poisoned({BH, F, D, D}, ct), Pz = poisoned({BH, F, D, D}, ct),
+           bz = poisoned({BH, F, D}, ct);
+    cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, ks, mode);
+    for (const Tensor* t : {&P, &A, &Pz, &bz}) EXPECT_FALSE(has_nonfinite(*t)) << what;
+
+    Tensor Mf = poisoned({BH, F, D, D}, ct), Mr = poisoned({BH, F, D, D}, ct), Ms = poisoned({BH, F, D, D}, ct);
+    Tensor zf = poisoned({BH, F, D}, ct), zr = poisoned({BH, F, D}, ct), zs = poisoned({BH, F, D}, ct);
+    cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, d);
+    for (const Tensor* t : {&Mf, &Mr, &Ms, &zf, &zr, &zs}) EXPECT_FALSE(has_nonfinite(*t)) << what;
+
+    for (bool divide : {true, false}) {
+      Tensor out = poisoned({B, N, H, D}, divide ? dt : ct), den = poisoned({B, H, N}, ct);
+      cpu::phase_c_fwd(out, den, in.qkv, rstd, in.q_norm_w, in.rope_cos, in.rope_sin, Ms, zs, d, 1e-6, divide, mode);
+      EXPECT_FALSE(has_nonfinite(out)) << what;
+      EXPECT_FALSE(has_nonfinite(den)) << what;
+    }
+
+    const Tensor dout = Tensor::randn({B, N, H, D}, dt, kCpu, 991);
+    const Tensor dden = Tensor::randn({B, H, N}, ct, kCpu, 992);
+    Tensor dq_hat = poisoned({B, N, H, D}, ct), dM = poisoned({BH, F, D, D}, ct), dz = poisoned({BH, F, D}, ct);
+    cpu::phase_c_bwd(dq_hat, dM, dz, dout, dden, in.qkv, rstd, in.q_norm_w, in.rope_cos, in.rope_sin, Ms, zs, d, 1e-6,
+                     /*divide=*/false, mode);
+    for (const Tensor* t : {&dq_hat, &dM, &dz}) EXPECT_FALSE(has_nonfinite(*t)) << what;
+    poison(dq_hat);
+    poison(dM);
+    poison(dz);
+    cpu::phase_c_bwd(dq_hat, dM, dz, dout, Tensor(), in.qkv, rstd, in.q_norm_w, in.rope_cos, in.rope_sin, Ms, zs, d,
+                     1e-6, /*divide=*/true, mode);
+    for (const Tensor* t : {&dq_hat, &dM, &dz}) EXPECT_FALSE(has_nonfinite(*t)) << what;
+
+    Tensor dP = poisoned({BH, F, D, D}, ct), dA = poisoned({BH, F, D, D}, ct), dPz = poisoned({BH, F, D, D}, ct),
+           dbz = poisoned({BH, F, D}, ct), ddecay = poisoned(in.decay.shape(), dt);
+    cpu::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dM, dz, P, Pz, in.decay, Mf, Mr, zf, zr, d);
+    for (const Tensor* t : {&dP, &dA, &dPz, &dbz, &ddecay}) EXPECT_FALSE(has_nonfinite(*t)) << what;
+
+    // phase_a_bwd writes only the v channel of dqkv; rms_norm_bwd then writes q and k.
+    Tensor dk_hat = poisoned({B, N, H, D}, ct), dqkv = poisoned(in.qkv.shape(), dt),
+           dbeta = poisoned(in.beta.shape(), dt);
+    cpu::phase_a_bwd(dk_hat, dqkv, dbeta, dP, dA, dPz, dbz, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin,
+                     in.beta, d, ks, mode);
+    EXPECT_FALSE(has_nonfinite(dk_hat)) << what;
+    EXPECT_FALSE(has_nonfinite(dbeta)) << what;
+    const std::vector<double> v = dqkv.to_vector();
+    for (size_t e = 0; e < v.size(); ++e) {
+      const bool v_channel = (e / static_cast<size_t>(H * D)) % 3 == 2;
+      ASSERT_EQ(std::isfinite(v[e]), v_channel) << what << " element " << e;
+    }
+    Tensor dqw = poisoned({d.C()}, in.q_norm_w.dtype()), dkw = poisoned({d.C()}, in.k_norm_w.dtype());
+    cpu::rms_norm_bwd(dqkv, dqw, dkw, dq_hat, dk_hat, in.qkv, rstd, in.q_norm_w, in.k_norm_w, d);
+    for (const Tensor* t : {&dqkv, &dqw, &dkw}) EXPECT_FALSE(has_nonfinite(*t)) << what;
+  }
+}
+
+TEST(BigdnTwins, RejectShapesThatDoNotMatchDims) {
+  const Dims d = dims(1, 2, 8, 2, 3);
+  const LayerInputs in = make_layer_inputs(d, DType::f32, 995);
+  Tensor rstd = Tensor::empty({d.B, d.N(), 2}, DType::f32);
+  cpu::rms_stats(rstd, in.qkv, in.q_norm_w, in.k_norm_w, d, 1e-5);
+  Tensor P = Tensor::empty({d.BH(), d.F, d.D, d.D + 1}, DType::f32),
+         A = Tensor::empty({d.BH(), d.F, d.D, d.D}, DType::f32);
+  Tensor Pz = A.clone(), bz = Tensor::empty({d.BH(), d.F, d.D}, DType::f32);
+  EXPECT_THROW(cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, 1.0,
+                                MathMode::ieee),
+               Error);
+  Dims wrong = d;
+  wrong.F = 3;  // qkv holds F·S = 6 tokens, not 9
+  EXPECT_THROW(cpu::rms_stats(rstd, in.qkv, in.q_norm_w, in.k_norm_w, wrong, 1e-5), Error);
+}
+
+// --- rope tables ---------------------------------------------------------------------------------
+
+TEST(RopeTables, PairLayoutWithSignedSin) {
+  const int64_t N = 5, D = 8, offset = 3;
+  const auto t = rope_tables(N, D, DType::f64, kCpu, offset, 100.0);
+  const std::vector<double> c = t.first.to_vector(), s = t.second.to_vector();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < D / 2; ++i) {
+      const double theta = static_cast<double>(n + offset) * std::pow(100.0, -2.0 * i / D);
+      const size_t e = static_cast<size_t>(n * D + 2 * i);
+      EXPECT_NEAR(c[e], std::cos(theta), 1e-15);
+      EXPECT_EQ(c[e], c[e + 1]);
+      EXPECT_NEAR(s[e + 1], std::sin(theta), 1e-15);
+      EXPECT_EQ(s[e], -s[e + 1]);
+    }
+  const auto f = rope_tables(N, D, DType::f32, kCpu);
+  EXPECT_EQ(f.first.dtype(), DType::f32);
+  EXPECT_THROW(rope_tables(N, 7, DType::f32, kCpu), Error);
+  EXPECT_THROW(rope_tables(N, D, DType::bf16, kCpu), Error);
+}
+
+}  // namespace
+}  // namespace test
+}  // namespace gdncp
