@@ -148,7 +148,8 @@ TEST_F(TrainTest, CpTwoMatchesCpOneForTheFirstFiveSteps) {
   ASSERT_EQ(cp1.size(), 5u);
   // f32 throughout; the two runs differ only in summation order (the CP scan's
   // prefix merge, the split loss and gradient sums): 1e-5 relative.
-  for (size_t i = 0; i < 5; ++i) EXPECT_LE(rel(cp2[i], cp1[i]), 1e-5) << "step " << i + 1 << ": " << cp2[i] << " vs " << cp1[i];
+  for (size_t i = 0; i < 5; ++i)
+    EXPECT_LE(rel(cp2[i], cp1[i]), 1e-5) << "step " << i + 1 << ": " << cp2[i] << " vs " << cp1[i];
 }
 
 TEST_F(TrainTest, DataTimesContextParallelMatchesOneRankAndKeepsParametersIdentical) {

@@ -41,7 +41,8 @@ TEST_P(NnCuda, GemmAllTransposesMatchCpu) {
       Tensor c = poisoned({M, N}, dt);
       cuda::gemm(c, a.to(Device::cuda), b.to(Device::cuda), ta, tb, M, N, K);
       EXPECT_FALSE(test::has_nonfinite(c));
-      EXPECT_TRUE(test::close_rel(c, c_cpu, tol_for(dt), "gemm ta=" + std::to_string(ta) + " tb=" + std::to_string(tb)));
+      EXPECT_TRUE(
+          test::close_rel(c, c_cpu, tol_for(dt), "gemm ta=" + std::to_string(ta) + " tb=" + std::to_string(tb)));
     }
 }
 

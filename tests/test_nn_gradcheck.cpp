@@ -76,8 +76,8 @@ TEST(NnGradcheck, MseLossGradcheck) {
   expect_gradcheck([](const std::vector<Tensor>& in) { return std::vector<Tensor>{nn::mse_loss(in[0], in[1])}; },
                    {p, t});
   // A shard with the global count.
-  expect_gradcheck(
-      [](const std::vector<Tensor>& in) { return std::vector<Tensor>{nn::mse_loss(in[0], in[1], 100)}; }, {p, t});
+  expect_gradcheck([](const std::vector<Tensor>& in) { return std::vector<Tensor>{nn::mse_loss(in[0], in[1], 100)}; },
+                   {p, t});
 }
 
 // The trainer's gate path: per-token beta and per-frame decay from the latents,
@@ -122,8 +122,8 @@ TEST(NnOps, MatmulMatchesNaiveLoopF32AndBf16) {
     ASSERT_EQ(y.dtype(), dt);
     // f32: accumulation rounding ~K·2^-24; bf16: one output rounding 2^-9.
     const double tol = dt == DType::f32 ? 1e-6 : 8e-3;
-    EXPECT_TRUE(test::close_rel(y.to(DType::f64), Tensor::from_vector(ref, {2, 3, N}, DType::f64), tol,
-                                dtype_name(dt)));
+    EXPECT_TRUE(
+        test::close_rel(y.to(DType::f64), Tensor::from_vector(ref, {2, 3, N}, DType::f64), tol, dtype_name(dt)));
   }
 }
 

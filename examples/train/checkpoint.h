@@ -9,12 +9,12 @@
 // the real name.
 #pragma once
 
+#include <gdncp/tensor.h>
+
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <gdncp/tensor.h>
 
 namespace train {
 

@@ -9,10 +9,10 @@
 // parameters identical.
 #include "dist.h"
 
+#include <gdncp/error.h>
+
 #include <cstring>
 #include <string>
-
-#include <gdncp/error.h>
 
 namespace train {
 

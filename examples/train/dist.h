@@ -3,15 +3,14 @@
 // the parameter-identity check and byte broadcasts.
 #pragma once
 
+#include <gdncp/bigdn.h>
+#include <gdncp/cp.h>
+#include <gdncp/tensor.h>
 #include <mpi.h>
 
 #include <cstdint>
 #include <memory>
 #include <vector>
-
-#include <gdncp/bigdn.h>
-#include <gdncp/cp.h>
-#include <gdncp/tensor.h>
 
 namespace train {
 

@@ -2,9 +2,9 @@
 // written only with the public ops (gdncp/nn.h) and the layer.
 #include "model.h"
 
-#include <cmath>
-
 #include <gdncp/nn.h>
+
+#include <cmath>
 
 namespace train {
 
@@ -37,8 +37,10 @@ Model init_model(const ModelShape& shape, uint64_t seed, gdncp::Device device, b
     p.w_qkv = Tensor::randn({C, 3 * C}, DType::f32, device, ++s, std_in);
     p.w_beta = Tensor::randn({C, H}, DType::f32, device, ++s, std_in);
     p.w_gate = Tensor::randn({C, H}, DType::f32, device, ++s, std_in);
-    p.q_norm = teacher ? Tensor::uniform({C}, DType::f32, device, ++s, 0.5, 1.5) : Tensor::full({C}, 1.0, DType::f32, device);
-    p.k_norm = teacher ? Tensor::uniform({C}, DType::f32, device, ++s, 0.5, 1.5) : Tensor::full({C}, 1.0, DType::f32, device);
+    p.q_norm =
+        teacher ? Tensor::uniform({C}, DType::f32, device, ++s, 0.5, 1.5) : Tensor::full({C}, 1.0, DType::f32, device);
+    p.k_norm =
+        teacher ? Tensor::uniform({C}, DType::f32, device, ++s, 0.5, 1.5) : Tensor::full({C}, 1.0, DType::f32, device);
     p.w_out = Tensor::randn({C, C}, DType::f32, device, ++s, std_in);
     m.layers.push_back(p);
   }

@@ -2,12 +2,12 @@
 // for the math): parameters, seeded initialisation, forward.
 #pragma once
 
+#include <gdncp/bigdn.h>
+#include <gdncp/tensor.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
-
-#include <gdncp/bigdn.h>
-#include <gdncp/tensor.h>
 
 #include "dist.h"
 
@@ -45,8 +45,8 @@ Model init_model(const ModelShape& shape, uint64_t seed, gdncp::Device device, b
 // its tokens, and the layer options.
 struct ForwardContext {
   Dist* dist = nullptr;
-  int64_t frames = 0;  // F, this rank's frames
-  int64_t tokens = 0;  // S
+  int64_t frames = 0;                      // F, this rank's frames
+  int64_t tokens = 0;                      // S
   gdncp::DType dtype = gdncp::DType::f32;  // activation dtype
   gdncp::Tensor rope_cos, rope_sin;        // (F·S, D) rows of this rank's tokens
   gdncp::BigdnOptions options;

@@ -18,10 +18,14 @@ std::string fmt(double v) {
 std::string escape(const std::string& s) {
   std::string o;
   for (char c : s) {
-    if (c == '&') o += "&amp;";
-    else if (c == '<') o += "&lt;";
-    else if (c == '>') o += "&gt;";
-    else o += c;
+    if (c == '&')
+      o += "&amp;";
+    else if (c == '<')
+      o += "&lt;";
+    else if (c == '>')
+      o += "&gt;";
+    else
+      o += c;
   }
   return o;
 }
@@ -79,9 +83,11 @@ std::string loss_curve_svg(const std::vector<double>& losses_in, int64_t first_s
   } else {
     yt = nice_ticks(y0, y1, 6);
   }
-  for (double v : yt) o << "<line x1=\"" << L << "\" x2=\"" << W - R << "\" y1=\"" << py(v) << "\" y2=\"" << py(v) << "\"/>\n";
+  for (double v : yt)
+    o << "<line x1=\"" << L << "\" x2=\"" << W - R << "\" y1=\"" << py(v) << "\" y2=\"" << py(v) << "\"/>\n";
   const std::vector<double> xt = nice_ticks(x0, x1, 8);
-  for (double s : xt) o << "<line x1=\"" << px(s) << "\" x2=\"" << px(s) << "\" y1=\"" << T << "\" y2=\"" << H - B << "\"/>\n";
+  for (double s : xt)
+    o << "<line x1=\"" << px(s) << "\" x2=\"" << px(s) << "\" y1=\"" << T << "\" y2=\"" << H - B << "\"/>\n";
   o << "</g>\n";
   for (double v : yt)
     o << "<text x=\"" << L - 6 << "\" y=\"" << py(v) + 4 << "\" text-anchor=\"end\">" << fmt(v) << "</text>\n";
@@ -99,8 +105,8 @@ std::string loss_curve_svg(const std::vector<double>& losses_in, int64_t first_s
     o << (i ? " " : "") << px(x0 + static_cast<double>(i)) << "," << py(v);
   }
   o << "\"/>\n";
-  o << "<text x=\"" << W - R - 6 << "\" y=\"" << T + 16 << "\" text-anchor=\"end\" fill=\"#555\">first " << fmt(losses.front())
-    << ", last " << fmt(losses.back()) << "</text>\n";
+  o << "<text x=\"" << W - R - 6 << "\" y=\"" << T + 16 << "\" text-anchor=\"end\" fill=\"#555\">first "
+    << fmt(losses.front()) << ", last " << fmt(losses.back()) << "</text>\n";
   o << "</svg>\n";
   return o.str();
 }

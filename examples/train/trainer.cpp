@@ -11,6 +11,10 @@
 // would have drawn.
 #include "trainer.h"
 
+#include <gdncp/gdncp.h>
+#include <gdncp/nn.h>
+#include <gdncp/optim.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -18,11 +22,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
-
-#include <gdncp/gdncp.h>
-#include <gdncp/nn.h>
-#include <gdncp/optim.h>
 
 #include "checkpoint.h"
 #include "dist.h"
@@ -55,65 +56,6 @@ uint64_t mix(uint64_t a, uint64_t b, uint64_t c) {
 
 // --- flags -----------------------------------------------------------------------------
 
-struct Flag {
-  const char* name;
-  const char* help;
-};
-
-const Flag kFlags[] = {
-    {"steps", "total training steps (a resumed run continues up to it)"},
-    {"layers", "BiGDN layers"},
-    {"heads", "heads H"},
-    {"head-dim", "head dimension D (even, 2..128)"},
-    {"frames", "frames per video, global (split over the CP group: a multiple of --cp)"},
-    {"tokens", "tokens per frame S"},
-    {"batch", "videos per step per data-parallel group"},
-    {"pool", "distinct batches per data-parallel group (the data set)"},
-    {"lr", "peak learning rate of AdamW"},
-    {"warmup", "linear learning-rate warm-up steps"},
-    {"weight-decay", "AdamW decoupled weight decay"},
-    {"device", "cpu | cuda (one GPU per rank: local rank mod device count)"},
-    {"dtype", "activation dtype f32 | bf16 (parameters and optimizer state stay f32)"},
-    {"checkpointing", "activation checkpointing of the layer: on | off | auto"},
-    {"seed", "seed of the student's init and of the data (the teacher's is fixed)"},
-    {"cp", "context-parallel group size; data-parallel groups = ranks / cp"},
-    {"log", "JSON-lines log path (rank 0), '' for none"},
-    {"plot", "SVG loss curve path (default: loss.svg beside the log)"},
-    {"save-dir", "directory for checkpoints (none when empty)"},
-    {"save-every", "checkpoint period in steps (0: only at the end)"},
-    {"resume", "checkpoint file, or a directory (its latest step_*.ckpt), to continue from"},
-    {"check-every", "period of the bitwise parameter-identity check across ranks"},
-    {"print-every", "progress line period on rank 0 (0: silent)"},
-};
-
-std::string default_of(const Config& c, const std::string& n) {
-  std::ostringstream o;
-  if (n == "steps") o << c.steps;
-  else if (n == "layers") o << c.layers;
-  else if (n == "heads") o << c.heads;
-  else if (n == "head-dim") o << c.head_dim;
-  else if (n == "frames") o << c.frames;
-  else if (n == "tokens") o << c.tokens;
-  else if (n == "batch") o << c.batch;
-  else if (n == "pool") o << c.pool;
-  else if (n == "lr") o << c.lr;
-  else if (n == "warmup") o << c.warmup;
-  else if (n == "weight-decay") o << c.weight_decay;
-  else if (n == "device") o << c.device;
-  else if (n == "dtype") o << c.dtype;
-  else if (n == "checkpointing") o << c.checkpointing;
-  else if (n == "seed") o << c.seed;
-  else if (n == "cp") o << c.cp;
-  else if (n == "log") o << "'" << c.log_path << "'";
-  else if (n == "plot") o << "'" << c.plot_path << "'";
-  else if (n == "save-dir") o << "'" << c.save_dir << "'";
-  else if (n == "save-every") o << c.save_every;
-  else if (n == "resume") o << "'" << c.resume << "'";
-  else if (n == "check-every") o << c.check_every;
-  else if (n == "print-every") o << c.print_every;
-  return o.str();
-}
-
 int64_t parse_int(const std::string& flag, const std::string& v, int64_t lo, int64_t hi) {
   size_t used = 0;
   long long x = 0;
@@ -138,49 +80,91 @@ double parse_double(const std::string& flag, const std::string& v, double lo, do
   return x;
 }
 
-std::string parse_choice(const std::string& flag, const std::string& v, std::initializer_list<const char*> ok) {
-  std::string list;
-  for (const char* o : ok) {
-    if (v == o) return v;
-    list += (list.empty() ? "" : " | ") + std::string(o);
-  }
-  throw UsageError("--" + flag + ": expected " + list + ", got '" + v + "'");
+// One command-line flag: its name, help, how it parses into Config, and how
+// its current value prints (for --help's defaults).
+struct Flag {
+  std::string name, help;
+  std::function<void(Config&, const std::string&)> set;
+  std::function<std::string(const Config&)> get;
+};
+
+Flag int_flag(const std::string& name, const std::string& help, int64_t Config::*field, int64_t lo, int64_t hi) {
+  return {name, help, [=](Config& c, const std::string& v) { c.*field = parse_int(name, v, lo, hi); },
+          [=](const Config& c) { return std::to_string(c.*field); }};
 }
 
-void set_flag(Config& c, const std::string& n, const std::string& v) {
+Flag real_flag(const std::string& name, const std::string& help, double Config::*field, double lo, double hi) {
+  return {name, help, [=](Config& c, const std::string& v) { c.*field = parse_double(name, v, lo, hi); },
+          [=](const Config& c) {
+            std::ostringstream o;
+            o << c.*field;
+            return o.str();
+          }};
+}
+
+Flag text_flag(const std::string& name, const std::string& help, std::string Config::*field,
+               const std::vector<std::string>& choices = {}) {
+  std::string list;
+  for (const std::string& ch : choices) list += (list.empty() ? "" : " | ") + ch;
+  return {name, choices.empty() ? help : list + ": " + help,
+          [=](Config& c, const std::string& v) {
+            if (!choices.empty() && std::find(choices.begin(), choices.end(), v) == choices.end())
+              throw UsageError("--" + name + ": expected " + list + ", got '" + v + "'");
+            c.*field = v;
+          },
+          [=](const Config& c) { return choices.empty() ? "'" + c.*field + "'" : c.*field; }};
+}
+
+const std::vector<Flag>& flags() {
   const int64_t big = int64_t(1) << 40;
-  if (n == "steps") c.steps = parse_int(n, v, 1, big);
-  else if (n == "layers") c.layers = parse_int(n, v, 1, 1024);
-  else if (n == "heads") c.heads = parse_int(n, v, 1, 4096);
-  else if (n == "head-dim") c.head_dim = parse_int(n, v, 2, gdncp::kMaxHeadDim);
-  else if (n == "frames") c.frames = parse_int(n, v, 1, big);
-  else if (n == "tokens") c.tokens = parse_int(n, v, 1, big);
-  else if (n == "batch") c.batch = parse_int(n, v, 1, big);
-  else if (n == "pool") c.pool = parse_int(n, v, 1, 1 << 20);
-  else if (n == "lr") c.lr = parse_double(n, v, 0, 10);
-  else if (n == "warmup") c.warmup = parse_int(n, v, 0, big);
-  else if (n == "weight-decay") c.weight_decay = parse_double(n, v, 0, 10);
-  else if (n == "device") c.device = parse_choice(n, v, {"cpu", "cuda"});
-  else if (n == "dtype") c.dtype = parse_choice(n, v, {"f32", "bf16"});
-  else if (n == "checkpointing") c.checkpointing = parse_choice(n, v, {"on", "off", "auto"});
-  else if (n == "seed") c.seed = static_cast<uint64_t>(parse_int(n, v, 0, INT64_MAX));
-  else if (n == "cp") c.cp = parse_int(n, v, 1, 1 << 20);
-  else if (n == "log") c.log_path = v;
-  else if (n == "plot") c.plot_path = v;
-  else if (n == "save-dir") c.save_dir = v;
-  else if (n == "save-every") c.save_every = parse_int(n, v, 0, big);
-  else if (n == "resume") c.resume = v;
-  else if (n == "check-every") c.check_every = parse_int(n, v, 0, big);
-  else if (n == "print-every") c.print_every = parse_int(n, v, 0, big);
-  else throw UsageError("unknown flag --" + n + " (see --help)");
+  static const std::vector<Flag> f = {
+      int_flag("steps", "total training steps (a resumed run continues up to it)", &Config::steps, 1, big),
+      int_flag("layers", "BiGDN layers", &Config::layers, 1, 1024),
+      int_flag("heads", "heads H", &Config::heads, 1, 4096),
+      int_flag("head-dim", "head dimension D (even, 2..128)", &Config::head_dim, 2, gdncp::kMaxHeadDim),
+      int_flag("frames", "frames per video, global (split over the CP group: a multiple of --cp)", &Config::frames, 1,
+               big),
+      int_flag("tokens", "tokens per frame S", &Config::tokens, 1, big),
+      int_flag("batch", "videos per step per data-parallel group", &Config::batch, 1, big),
+      int_flag("pool", "distinct batches per data-parallel group (the data set)", &Config::pool, 1, 1 << 20),
+      real_flag("lr", "peak learning rate of AdamW", &Config::lr, 0, 10),
+      int_flag("warmup", "linear learning-rate warm-up steps", &Config::warmup, 0, big),
+      real_flag("weight-decay", "AdamW decoupled weight decay", &Config::weight_decay, 0, 10),
+      text_flag("device", "one GPU per rank (local rank mod device count), or CPU ranks", &Config::device,
+                {"cpu", "cuda"}),
+      text_flag("dtype", "activation dtype (parameters and optimizer state stay f32)", &Config::dtype, {"f32", "bf16"}),
+      text_flag("checkpointing", "activation checkpointing of the layer", &Config::checkpointing,
+                {"on", "off", "auto"}),
+      {"seed", "seed of the student's init and of the data (the teacher's is fixed)",
+       [](Config& c, const std::string& v) { c.seed = static_cast<uint64_t>(parse_int("seed", v, 0, INT64_MAX)); },
+       [](const Config& c) { return std::to_string(c.seed); }},
+      int_flag("cp", "context-parallel group size; data-parallel groups = ranks / cp", &Config::cp, 1, 1 << 20),
+      text_flag("log", "JSON-lines log path (rank 0), '' for none", &Config::log_path),
+      text_flag("plot", "SVG loss curve path (default: loss.svg beside the log)", &Config::plot_path),
+      text_flag("save-dir", "directory for checkpoints (none when empty)", &Config::save_dir),
+      int_flag("save-every", "checkpoint period in steps (0: only at the end)", &Config::save_every, 0, big),
+      text_flag("resume", "checkpoint file, or a directory (its latest step_*.ckpt), to continue from",
+                &Config::resume),
+      int_flag("check-every", "period of the bitwise parameter-identity check across ranks", &Config::check_every, 0,
+               big),
+      int_flag("print-every", "progress line period on rank 0 (0: silent)", &Config::print_every, 0, big),
+  };
+  return f;
+}
+
+const Flag* find_flag(const std::string& name) {
+  for (const Flag& f : flags())
+    if (f.name == name) return &f;
+  return nullptr;
 }
 
 // Checks that need more than one flag, or the world.
 void validate(const Config& c, int world_size) {
-  if (c.head_dim % 2 != 0) throw UsageError("--head-dim: must be even (RoPE pairs channels), got " + std::to_string(c.head_dim));
+  if (c.head_dim % 2 != 0)
+    throw UsageError("--head-dim: must be even (RoPE pairs channels), got " + std::to_string(c.head_dim));
   if (world_size % c.cp != 0)
-    throw UsageError("--cp " + std::to_string(c.cp) + " must divide the number of ranks (" + std::to_string(world_size) +
-                     ")");
+    throw UsageError("--cp " + std::to_string(c.cp) + " must divide the number of ranks (" +
+                     std::to_string(world_size) + ")");
   if (c.frames % c.cp != 0)
     throw UsageError("--frames " + std::to_string(c.frames) + " must be a multiple of --cp " + std::to_string(c.cp) +
                      " (each CP rank holds frames/cp frames)");
@@ -203,16 +187,21 @@ std::string json_escape(const std::string& s) {
 std::string hms(double seconds) {
   const long s = static_cast<long>(std::max(0.0, seconds) + 0.5);
   char b[32];
-  if (s >= 3600) std::snprintf(b, sizeof b, "%ld:%02ld:%02ld", s / 3600, (s / 60) % 60, s % 60);
-  else std::snprintf(b, sizeof b, "%ld:%02ld", s / 60, s % 60);
+  if (s >= 3600)
+    std::snprintf(b, sizeof b, "%ld:%02ld:%02ld", s / 3600, (s / 60) % 60, s % 60);
+  else
+    std::snprintf(b, sizeof b, "%ld:%02ld", s / 60, s % 60);
   return b;
 }
 
 std::string si(double v) {
   char b[32];
-  if (v >= 1e6) std::snprintf(b, sizeof b, "%.2fM", v / 1e6);
-  else if (v >= 1e3) std::snprintf(b, sizeof b, "%.1fk", v / 1e3);
-  else std::snprintf(b, sizeof b, "%.0f", v);
+  if (v >= 1e6)
+    std::snprintf(b, sizeof b, "%.2fM", v / 1e6);
+  else if (v >= 1e3)
+    std::snprintf(b, sizeof b, "%.1fk", v / 1e3);
+  else
+    std::snprintf(b, sizeof b, "%.0f", v);
   return b;
 }
 
@@ -243,11 +232,17 @@ Tensor make_latents(const Config& c, const Dist& dist, int64_t k, int64_t F, Dev
 // --- checkpoints -----------------------------------------------------------------------
 
 std::vector<std::pair<std::string, std::string>> run_identity(const Config& c, const Dist& d) {
-  return {{"layers", std::to_string(c.layers)}, {"heads", std::to_string(c.heads)},
-          {"head-dim", std::to_string(c.head_dim)}, {"frames", std::to_string(c.frames)},
-          {"tokens", std::to_string(c.tokens)}, {"batch", std::to_string(c.batch)},
-          {"pool", std::to_string(c.pool)}, {"seed", std::to_string(c.seed)},
-          {"dtype", c.dtype}, {"cp", std::to_string(d.cp_size())}, {"dp", std::to_string(d.dp_size())}};
+  return {{"layers", std::to_string(c.layers)},
+          {"heads", std::to_string(c.heads)},
+          {"head-dim", std::to_string(c.head_dim)},
+          {"frames", std::to_string(c.frames)},
+          {"tokens", std::to_string(c.tokens)},
+          {"batch", std::to_string(c.batch)},
+          {"pool", std::to_string(c.pool)},
+          {"seed", std::to_string(c.seed)},
+          {"dtype", c.dtype},
+          {"cp", std::to_string(d.cp_size())},
+          {"dp", std::to_string(d.dp_size())}};
 }
 
 struct TrainState {
@@ -287,8 +282,10 @@ int64_t load_checkpoint(const Config& c, const Dist& dist, const TrainState& st)
   if (dist.rank() == 0) {
     std::string why;
     path = resolve_checkpoint(c.resume, &why);
-    if (path.empty()) why = "--resume " + c.resume + ": " + why;
-    else why = read_file(path, bytes);
+    if (path.empty())
+      why = "--resume " + c.resume + ": " + why;
+    else
+      why = read_file(path, bytes);
     status.assign(why.begin(), why.end());
   }
   dist.broadcast_bytes(status);
@@ -309,15 +306,15 @@ int64_t load_checkpoint(const Config& c, const Dist& dist, const TrainState& st)
                        ", this run " + kv.second);
   }
   if (ck.step >= c.steps)
-    throw UsageError("checkpoint " + path + " already completed step " + std::to_string(ck.step) +
-                     "; --steps " + std::to_string(c.steps) + " leaves nothing to do");
+    throw UsageError("checkpoint " + path + " already completed step " + std::to_string(ck.step) + "; --steps " +
+                     std::to_string(c.steps) + " leaves nothing to do");
   if (ck.step < 0 || ck.optimizer_steps < 0 || static_cast<int64_t>(ck.losses.size()) != ck.step)
     throw UsageError("checkpoint " + path + ": corrupt (inconsistent step counters)");
   const std::vector<Tensor> params = st.student->params();
   const std::vector<std::string> names = st.student->param_names();
   if (ck.tensors.size() != 3 * params.size())
-    throw UsageError("checkpoint " + path + ": holds " + std::to_string(ck.tensors.size()) + " tensors, this model needs " +
-                     std::to_string(3 * params.size()));
+    throw UsageError("checkpoint " + path + ": holds " + std::to_string(ck.tensors.size()) +
+                     " tensors, this model needs " + std::to_string(3 * params.size()));
   for (size_t i = 0; i < params.size(); ++i) {
     const std::string expect[3] = {names[i], "adam.m." + names[i], "adam.v." + names[i]};
     for (size_t j = 0; j < 3; ++j) {
@@ -352,10 +349,10 @@ std::string usage() {
        "usage: mpirun -np <ranks> gdncp_train [--flag value | --flag=value]...\n"
        "  ranks = DP x CP: consecutive ranks form a context-parallel group (--cp) that splits each\n"
        "  video's frames; the groups are data-parallel replicas training on different videos.\n\n";
-  for (const Flag& f : kFlags) {
+  for (const Flag& f : flags()) {
     char line[64];
-    std::snprintf(line, sizeof line, "  --%-15s", f.name);
-    o << line << f.help << " [" << default_of(d, f.name) << "]\n";
+    std::snprintf(line, sizeof line, "  --%-15s", f.name.c_str());
+    o << line << f.help << " [" << f.get(d) << "]\n";
   }
   o << "  --help           this text\n";
   return o.str();
@@ -365,7 +362,8 @@ bool parse_args(int argc, char** argv, Config& cfg) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") return false;
-    if (a.rfind("--", 0) != 0) throw UsageError("unexpected argument '" + a + "' (flags look like --steps 60; see --help)");
+    if (a.rfind("--", 0) != 0)
+      throw UsageError("unexpected argument '" + a + "' (flags look like --steps 60; see --help)");
     a = a.substr(2);
     std::string value;
     const size_t eq = a.find('=');
@@ -373,13 +371,13 @@ bool parse_args(int argc, char** argv, Config& cfg) {
       value = a.substr(eq + 1);
       a = a.substr(0, eq);
     } else {
-      bool known = false;
-      for (const Flag& f : kFlags) known |= a == f.name;
-      if (!known) throw UsageError("unknown flag --" + a + " (see --help)");
+      if (!find_flag(a)) throw UsageError("unknown flag --" + a + " (see --help)");
       if (i + 1 >= argc) throw UsageError("--" + a + ": missing value");
       value = argv[++i];
     }
-    set_flag(cfg, a, value);
+    const Flag* f = find_flag(a);
+    if (!f) throw UsageError("unknown flag --" + a + " (see --help)");
+    f->set(cfg, value);
   }
   return true;
 }
@@ -435,20 +433,21 @@ Result train(const Config& cfg, MPI_Comm world) {
     if (!dir.empty()) std::filesystem::create_directories(dir, ec);
     log.open(cfg.log_path, start > 0 ? std::ios::app : std::ios::trunc);
     if (!log) std::fprintf(stderr, "gdncp_train: warning: cannot write the log %s\n", cfg.log_path.c_str());
-    log << "{\"event\":\"" << (start > 0 ? "resume" : "start") << "\",\"step\":" << start << ",\"ranks\":" << dist.size()
-        << ",\"dp\":" << dist.dp_size() << ",\"cp\":" << dist.cp_size() << ",\"device\":\"" << cfg.device
-        << "\",\"dtype\":\"" << cfg.dtype << "\",\"layers\":" << cfg.layers << ",\"heads\":" << cfg.heads
-        << ",\"head_dim\":" << cfg.head_dim << ",\"frames\":" << cfg.frames << ",\"tokens\":" << cfg.tokens
-        << ",\"batch\":" << cfg.batch << ",\"lr\":" << cfg.lr << ",\"checkpointing\":\"" << cfg.checkpointing
-        << "\",\"seed\":" << cfg.seed << "}\n";
+    log << "{\"event\":\"" << (start > 0 ? "resume" : "start") << "\",\"step\":" << start
+        << ",\"ranks\":" << dist.size() << ",\"dp\":" << dist.dp_size() << ",\"cp\":" << dist.cp_size()
+        << ",\"device\":\"" << cfg.device << "\",\"dtype\":\"" << cfg.dtype << "\",\"layers\":" << cfg.layers
+        << ",\"heads\":" << cfg.heads << ",\"head_dim\":" << cfg.head_dim << ",\"frames\":" << cfg.frames
+        << ",\"tokens\":" << cfg.tokens << ",\"batch\":" << cfg.batch << ",\"lr\":" << cfg.lr << ",\"checkpointing\":\""
+        << cfg.checkpointing << "\",\"seed\":" << cfg.seed << "}\n";
     log.flush();
   }
   if (lead && cfg.print_every > 0)
-    std::printf("gdncp_train: %d ranks = %d DP x %d CP on %s, %s; model L=%lld H=%lld D=%lld; video %lld frames x %lld "
-                "tokens (%lld frames per CP rank), batch %lld per DP group; steps %lld..%lld\n",
-                dist.size(), dist.dp_size(), dist.cp_size(), cfg.device.c_str(), cfg.dtype.c_str(),
-                (long long)cfg.layers, (long long)cfg.heads, (long long)cfg.head_dim, (long long)cfg.frames,
-                (long long)cfg.tokens, (long long)F, (long long)cfg.batch, (long long)start + 1, (long long)cfg.steps);
+    std::printf(
+        "gdncp_train: %d ranks = %d DP x %d CP on %s, %s; model L=%lld H=%lld D=%lld; video %lld frames x %lld "
+        "tokens (%lld frames per CP rank), batch %lld per DP group; steps %lld..%lld\n",
+        dist.size(), dist.dp_size(), dist.cp_size(), cfg.device.c_str(), cfg.dtype.c_str(), (long long)cfg.layers,
+        (long long)cfg.heads, (long long)cfg.head_dim, (long long)cfg.frames, (long long)cfg.tokens, (long long)F,
+        (long long)cfg.batch, (long long)start + 1, (long long)cfg.steps);
 
   Result res;
   res.first_step = start + 1;
@@ -491,9 +490,10 @@ Result train(const Config& cfg, MPI_Comm world) {
       }
       if (log.is_open()) {
         char line[256];
-        std::snprintf(line, sizeof line,
-                      "{\"step\":%lld,\"loss\":%.9g,\"lr\":%.6g,\"ms\":%.3f,\"tokens_per_s\":%.1f,\"batch_index\":%lld}\n",
-                      (long long)step, global, lr, ms, tok_s, (long long)k);
+        std::snprintf(
+            line, sizeof line,
+            "{\"step\":%lld,\"loss\":%.9g,\"lr\":%.6g,\"ms\":%.3f,\"tokens_per_s\":%.1f,\"batch_index\":%lld}\n",
+            (long long)step, global, lr, ms, tok_s, (long long)k);
         log << line;
         log.flush();
       }
@@ -502,7 +502,8 @@ Result train(const Config& cfg, MPI_Comm world) {
       const std::string path = checkpoint_path(cfg.save_dir, step);
       save_checkpoint(cfg, dist, state, step, path);
       if (lead && cfg.print_every > 0) std::printf("saved %s\n", path.c_str());
-      if (lead && log.is_open()) log << "{\"event\":\"checkpoint\",\"step\":" << step << ",\"path\":\"" << json_escape(path) << "\"}\n";
+      if (lead && log.is_open())
+        log << "{\"event\":\"checkpoint\",\"step\":" << step << ",\"path\":\"" << json_escape(path) << "\"}\n";
     }
   }
   res.seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
@@ -515,7 +516,8 @@ Result train(const Config& cfg, MPI_Comm world) {
     }
     if (!plot_path.empty()) {
       char title[256];
-      std::snprintf(title, sizeof title, "gdncp_train: L=%lld H=%lld D=%lld, %lld frames x %lld tokens, %d DP x %d CP, %s %s",
+      std::snprintf(title, sizeof title,
+                    "gdncp_train: L=%lld H=%lld D=%lld, %lld frames x %lld tokens, %d DP x %d CP, %s %s",
                     (long long)cfg.layers, (long long)cfg.heads, (long long)cfg.head_dim, (long long)cfg.frames,
                     (long long)cfg.tokens, dist.dp_size(), dist.cp_size(), cfg.device.c_str(), cfg.dtype.c_str());
       const std::string why = write_atomic(plot_path, [&] {

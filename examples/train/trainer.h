@@ -27,29 +27,29 @@
 namespace train {
 
 struct Config {
-  int64_t steps = 60;        // total steps of the run (a resumed run continues to this step)
+  int64_t steps = 60;  // total steps of the run (a resumed run continues to this step)
   int64_t layers = 2;
-  int64_t heads = 2;         // H
-  int64_t head_dim = 16;     // D (even, 2..128)
-  int64_t frames = 4;        // frames per video, global (split over the CP group)
-  int64_t tokens = 16;       // tokens per frame, S
-  int64_t batch = 4;         // videos per step per data-parallel group
-  int64_t pool = 8;          // distinct batches per data-parallel group (the data set)
+  int64_t heads = 2;      // H
+  int64_t head_dim = 16;  // D (even, 2..128)
+  int64_t frames = 4;     // frames per video, global (split over the CP group)
+  int64_t tokens = 16;    // tokens per frame, S
+  int64_t batch = 4;      // videos per step per data-parallel group
+  int64_t pool = 8;       // distinct batches per data-parallel group (the data set)
   double lr = 2e-2;
-  int64_t warmup = 5;        // linear learning-rate warm-up steps
+  int64_t warmup = 5;  // linear learning-rate warm-up steps
   double weight_decay = 0.01;
-  std::string device = "cpu";          // cpu | cuda
-  std::string dtype = "f32";           // f32 | bf16 (parameters and optimizer stay f32)
-  std::string checkpointing = "auto";  // on | off | auto (the layer's activation checkpointing)
-  uint64_t seed = 1;                   // student init and data; the teacher's seed is fixed
-  int64_t cp = 1;                      // context-parallel group size; DP = world / cp
+  std::string device = "cpu";                    // cpu | cuda
+  std::string dtype = "f32";                     // f32 | bf16 (parameters and optimizer stay f32)
+  std::string checkpointing = "auto";            // on | off | auto (the layer's activation checkpointing)
+  uint64_t seed = 1;                             // student init and data; the teacher's seed is fixed
+  int64_t cp = 1;                                // context-parallel group size; DP = world / cp
   std::string log_path = "out/train/log.jsonl";  // JSON lines; "" = none
-  std::string plot_path;               // SVG loss curve; default <log dir>/loss.svg; "" with no log = none
-  std::string save_dir;                // checkpoints go here; "" = none
-  int64_t save_every = 0;              // 0 = only at the end (when save_dir is set)
-  std::string resume;                  // a checkpoint file, or a directory (its latest checkpoint)
-  int64_t check_every = 10;            // parameter-identity check period (and at the end)
-  int64_t print_every = 1;             // progress line period on rank 0; 0 = silent
+  std::string plot_path;                         // SVG loss curve; default <log dir>/loss.svg; "" with no log = none
+  std::string save_dir;                          // checkpoints go here; "" = none
+  int64_t save_every = 0;                        // 0 = only at the end (when save_dir is set)
+  std::string resume;                            // a checkpoint file, or a directory (its latest checkpoint)
+  int64_t check_every = 10;                      // parameter-identity check period (and at the end)
+  int64_t print_every = 1;                       // progress line period on rank 0; 0 = silent
 };
 
 // A bad flag or a bad checkpoint: raised identically on every rank (so the

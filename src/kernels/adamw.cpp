@@ -8,8 +8,7 @@
 namespace gdncp {
 namespace optim {
 
-AdamW::AdamW(std::vector<Tensor> params, const AdamWOptions& options)
-    : params_(std::move(params)), options_(options) {
+AdamW::AdamW(std::vector<Tensor> params, const AdamWOptions& options) : params_(std::move(params)), options_(options) {
   GDNCP_CHECK(options.lr >= 0, "AdamW: lr must be >= 0, got ", options.lr);
   GDNCP_CHECK(options.beta1 >= 0 && options.beta1 < 1, "AdamW: beta1 must be in [0, 1), got ", options.beta1);
   GDNCP_CHECK(options.beta2 >= 0 && options.beta2 < 1, "AdamW: beta2 must be in [0, 1), got ", options.beta2);

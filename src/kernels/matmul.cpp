@@ -49,8 +49,8 @@ Tensor matmul(const Tensor& x, const Tensor& w) {
   GDNCP_CHECK(x.device() == w.device(), "matmul: x is on ", device_name(x.device()), " but w on ",
               device_name(w.device()));
   const int64_t K = w.size(0), N = w.size(1);
-  GDNCP_CHECK(x.size(-1) == K, "matmul: x's last axis (", x.size(-1), ") must equal w's rows K = ", K, "; x ",
-              x.str(), ", w ", w.str());
+  GDNCP_CHECK(x.size(-1) == K, "matmul: x's last axis (", x.size(-1), ") must equal w's rows K = ", K, "; x ", x.str(),
+              ", w ", w.str());
   GDNCP_CHECK(K > 0 && N > 0, "matmul: w must have non-empty axes, got ", w.str());
   GDNCP_CHECK(x.numel() > 0, "matmul: x has no rows, got ", x.str());
   const int64_t M = x.numel() / K;

@@ -45,8 +45,8 @@ Tensor mse_loss(const Tensor& pred, const Tensor& target, int64_t count) {
               " differ in shape");
   GDNCP_CHECK(pred.dtype() == target.dtype(), "mse_loss: pred is ", dtype_name(pred.dtype()), " but target is ",
               dtype_name(target.dtype()));
-  GDNCP_CHECK(pred.device() == target.device(), "mse_loss: pred is on ", device_name(pred.device()),
-              " but target on ", device_name(target.device()));
+  GDNCP_CHECK(pred.device() == target.device(), "mse_loss: pred is on ", device_name(pred.device()), " but target on ",
+              device_name(target.device()));
   GDNCP_CHECK(count >= 0, "mse_loss: count must be >= 0 (0 = pred.numel()), got ", count);
   const int64_t n = count == 0 ? pred.numel() : count;
   GDNCP_CHECK(n > 0, "mse_loss: pred is empty and no count was given");

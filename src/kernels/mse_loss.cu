@@ -59,8 +59,7 @@ void mse_fwd(Tensor& loss, const Tensor& pred, const Tensor& target, double scal
                                                               ptr<scalar_t>(pred), ptr<scalar_t>(target), n);
   });
   GDNCP_CUDA_CHECK_LAUNCH("mse_partials_kernel");
-  mse_finish_kernel<<<1, kThreads, 0, stream()>>>(ptr<float>(loss), static_cast<const double*>(partials.data()),
-                                                  scale);
+  mse_finish_kernel<<<1, kThreads, 0, stream()>>>(ptr<float>(loss), static_cast<const double*>(partials.data()), scale);
   GDNCP_CUDA_CHECK_LAUNCH("mse_finish_kernel");
 }
 

@@ -41,17 +41,17 @@ inline unsigned blocks_for(int64_t n) {
 
 // Calls body with scalar_t = float or __nv_bfloat16 for dtype (f64 is rejected
 // before any twin runs).
-#define GDNCP_CUDA_FLOAT_SWITCH(dtype, op, ...)                                           \
-  do {                                                                                    \
-    if ((dtype) == ::gdncp::DType::f32) {                                                 \
-      using scalar_t = float;                                                             \
-      __VA_ARGS__();                                                                      \
-    } else if ((dtype) == ::gdncp::DType::bf16) {                                         \
-      using scalar_t = __nv_bfloat16;                                                     \
-      __VA_ARGS__();                                                                      \
-    } else {                                                                              \
-      GDNCP_FAIL(op, ": CUDA supports f32 and bf16, got ", ::gdncp::dtype_name(dtype));   \
-    }                                                                                     \
+#define GDNCP_CUDA_FLOAT_SWITCH(dtype, op, ...)                                         \
+  do {                                                                                  \
+    if ((dtype) == ::gdncp::DType::f32) {                                               \
+      using scalar_t = float;                                                           \
+      __VA_ARGS__();                                                                    \
+    } else if ((dtype) == ::gdncp::DType::bf16) {                                       \
+      using scalar_t = __nv_bfloat16;                                                   \
+      __VA_ARGS__();                                                                    \
+    } else {                                                                            \
+      GDNCP_FAIL(op, ": CUDA supports f32 and bf16, got ", ::gdncp::dtype_name(dtype)); \
+    }                                                                                   \
   } while (0)
 
 }  // namespace cuda

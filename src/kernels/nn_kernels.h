@@ -23,26 +23,25 @@ struct AdamWStep {
   double grad_scale = 1;
 };
 
-#define GDNCP_NN_TWINS(NS)                                                                                     \
-  namespace NS {                                                                                               \
-  /* c (M, N) = op(a) · op(b), row-major; op(a) (M, K) is a (M, K) or, with trans_a, aᵀ of a (K, M);           \
-     op(b) (K, N) is b (K, N) or, with trans_b, bᵀ of b (N, K). One dtype for all three. */                     \
-  void gemm(Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, int64_t M, int64_t N,      \
-            int64_t K);                                                                                        \
-  /* y = sigmoid(x); dx = dy·y·(1 − y). Same shape and dtype. */                                               \
-  void sigmoid_fwd(Tensor& y, const Tensor& x);                                                               \
-  void sigmoid_bwd(Tensor& dx, const Tensor& dy, const Tensor& y);                                            \
-  /* y (R) = mean of each row of x (R, S); dx (R, S) = dy (R) / S broadcast over the row. */                   \
-  void frame_mean_fwd(Tensor& y, const Tensor& x, int64_t R, int64_t S);                                      \
-  void frame_mean_bwd(Tensor& dx, const Tensor& dy, int64_t R, int64_t S);                                    \
-  /* y (A, N, M) = x (A, M, N) with the last two axes swapped. */                                              \
-  void transpose_last2(Tensor& y, const Tensor& x, int64_t A, int64_t M, int64_t N);                           \
-  /* loss (1), compute dtype = scale · Σ (pred − target)², summed in a fixed order. */                          \
-  void mse_fwd(Tensor& loss, const Tensor& pred, const Tensor& target, double scale);                         \
-  /* dpred = 2·scale·(pred − target)·dloss[0] in pred's dtype; dloss (1) compute dtype, read on the device. */  \
-  void mse_bwd(Tensor& dpred, const Tensor& dloss, const Tensor& pred, const Tensor& target, double scale);    \
-  /* One AdamW update in place of p, m, v (same shape and dtype) from the gradient g. */                       \
-  void adamw_step(Tensor& p, Tensor& m, Tensor& v, const Tensor& g, const AdamWStep& s);                      \
+#define GDNCP_NN_TWINS(NS)                                                                                             \
+  namespace NS {                                                                                                       \
+  /* c (M, N) = op(a) · op(b), row-major; op(a) (M, K) is a (M, K) or, with trans_a, aᵀ of a (K, M);                \
+     op(b) (K, N) is b (K, N) or, with trans_b, bᵀ of b (N, K). One dtype for all three. */                          \
+  void gemm(Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K); \
+  /* y = sigmoid(x); dx = dy·y·(1 − y). Same shape and dtype. */                                                   \
+  void sigmoid_fwd(Tensor& y, const Tensor& x);                                                                        \
+  void sigmoid_bwd(Tensor& dx, const Tensor& dy, const Tensor& y);                                                     \
+  /* y (R) = mean of each row of x (R, S); dx (R, S) = dy (R) / S broadcast over the row. */                           \
+  void frame_mean_fwd(Tensor& y, const Tensor& x, int64_t R, int64_t S);                                               \
+  void frame_mean_bwd(Tensor& dx, const Tensor& dy, int64_t R, int64_t S);                                             \
+  /* y (A, N, M) = x (A, M, N) with the last two axes swapped. */                                                      \
+  void transpose_last2(Tensor& y, const Tensor& x, int64_t A, int64_t M, int64_t N);                                   \
+  /* loss (1), compute dtype = scale · Σ (pred − target)², summed in a fixed order. */                            \
+  void mse_fwd(Tensor& loss, const Tensor& pred, const Tensor& target, double scale);                                  \
+  /* dpred = 2·scale·(pred − target)·dloss[0] in pred's dtype; dloss (1) compute dtype, read on the device. */    \
+  void mse_bwd(Tensor& dpred, const Tensor& dloss, const Tensor& pred, const Tensor& target, double scale);            \
+  /* One AdamW update in place of p, m, v (same shape and dtype) from the gradient g. */                               \
+  void adamw_step(Tensor& p, Tensor& m, Tensor& v, const Tensor& g, const AdamWStep& s);                               \
   }
 
 GDNCP_NN_TWINS(cpu)
