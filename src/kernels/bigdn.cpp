@@ -1,0 +1,205 @@
+// src/kernels/bigdn.cpp — the public single-rank BiGDN layer (gdncp/bigdn.h).
+//
+// bigdn() is one autograd node over the fused kernel twins (kernels.h):
+//   forward:  rms_stats → phase_a_fwd → scan_bidi_fwd → phase_c_fwd(divide)
+//   backward: phase_c_bwd → scan_bidi_bwd → phase_a_bwd → rms_norm_bwd
+// With checkpointing on, autograd::checkpoint keeps only the inputs and
+// re-runs the forward in backward. bigdn_unfused() composes the fine ops of
+// gdncp/ops.h instead (one node per op), an independent check of the math.
+//
+// Gradients: qkv, beta, decay in their own dtypes, present norm weights in
+// theirs; the rope tables and absent weights get none. The node returns fresh
+// gradients; the engine sums them into the leaves.
+#include <cmath>
+#include <memory>
+#include <utility>
+
+#include "gdncp/bigdn.h"
+#include "gdncp/error.h"
+#include "gdncp/ops.h"
+#include "kernels/kernels.h"
+#include "kernels/validate.h"
+
+namespace gdncp {
+
+const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::automatic: return "automatic";
+    case Precision::bf16: return "bf16";
+    case Precision::tf32: return "tf32";
+    case Precision::ieee: return "ieee";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// Inputs of the layer, in the order given to autograd::record.
+enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kNumInputs };
+
+DType compute_dtype(DType qkv) { return qkv == DType::f64 ? DType::f64 : DType::f32; }
+
+// Forward intermediates that backward needs (besides the inputs).
+struct Intermediates {
+  Tensor rstd, P, Pz, Mf, Mr, zf, zr, Msum, zsum;
+};
+
+class BigdnNode : public autograd::Node {
+ public:
+  BigdnNode(const Dims& d, const BigdnOptions& opt, MathMode mode) : d_(d), opt_(opt), mode_(mode) {}
+  const char* name() const override { return "bigdn"; }
+
+  // Saves the inputs (an absent weight is saved as undefined) and the intermediates.
+  void save_all(const std::vector<Tensor>& in, const Intermediates& m) {
+    for (const Tensor& t : in) save(t);
+    for (const Tensor* t : {&m.rstd, &m.P, &m.Pz, &m.Mf, &m.Mr, &m.zf, &m.zr, &m.Msum, &m.zsum}) save(*t);
+  }
+
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
+    const auto input = [&](int i) -> const Tensor& { return saved(static_cast<size_t>(i)); };
+    const auto mid = [&](size_t k) -> const Tensor& { return saved(kNumInputs + k); };
+    const Tensor &qkv = input(kQkv), &beta = input(kBeta), &decay = input(kDecay), &qw = input(kQNormW),
+                 &kw = input(kKNormW), &cs = input(kRopeCos), &sn = input(kRopeSin);
+    const Tensor &rstd = mid(0), &P = mid(1), &Pz = mid(2), &Mf = mid(3), &Mr = mid(4), &zf = mid(5), &zr = mid(6),
+                 &Msum = mid(7), &zsum = mid(8);
+    const Dims& d = d_;
+    const Device dev = qkv.device();
+    const DType ct = compute_dtype(qkv.dtype());
+    const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
+
+    Tensor dq_hat = Tensor::empty({B, N, H, D}, ct, dev);
+    Tensor dMsum = Tensor::empty({BH, F, D, D}, ct, dev), dzsum = Tensor::empty({BH, F, D}, ct, dev);
+    kernels::phase_c_bwd(dq_hat, dMsum, dzsum, grads[0], Tensor(), qkv, rstd, qw, cs, sn, Msum, zsum, d, opt_.eps,
+                         /*divide=*/true, mode_);
+
+    Tensor dP = Tensor::empty({BH, F, D, D}, ct, dev), dA = Tensor::empty({BH, F, D, D}, ct, dev);
+    Tensor dPz = Tensor::empty({BH, F, D, D}, ct, dev), dbz = Tensor::empty({BH, F, D}, ct, dev);
+    Tensor ddecay = Tensor::empty(decay.shape(), decay.dtype(), dev);
+    kernels::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, d);
+
+    Tensor dk_hat = Tensor::empty({B, N, H, D}, ct, dev);
+    Tensor dqkv = Tensor::empty(qkv.shape(), qkv.dtype(), dev);
+    Tensor dbeta = Tensor::empty(beta.shape(), beta.dtype(), dev);
+    kernels::phase_a_bwd(dk_hat, dqkv, dbeta, dP, dA, dPz, dbz, qkv, rstd, kw, cs, sn, beta, d, opt_.k_scale, mode_);
+
+    Tensor dqw, dkw;
+    if (qw.defined() && needs_input_grad(kQNormW)) dqw = Tensor::empty(qw.shape(), qw.dtype(), dev);
+    if (kw.defined() && needs_input_grad(kKNormW)) dkw = Tensor::empty(kw.shape(), kw.dtype(), dev);
+    kernels::rms_norm_bwd(dqkv, dqw, dkw, dq_hat, dk_hat, qkv, rstd, qw, kw, d);
+
+    std::vector<Tensor> out(kNumInputs);
+    if (needs_input_grad(kQkv)) out[kQkv] = dqkv;
+    if (needs_input_grad(kBeta)) out[kBeta] = dbeta;
+    if (needs_input_grad(kDecay)) out[kDecay] = ddecay;
+    out[kQNormW] = dqw;
+    out[kKNormW] = dkw;
+    return out;
+  }
+
+ private:
+  Dims d_;
+  BigdnOptions opt_;
+  MathMode mode_;
+};
+
+// The fused forward on validated inputs; records one BigdnNode when needed.
+Tensor bigdn_fused(const std::vector<Tensor>& in, const Dims& d, const BigdnOptions& opt) {
+  const Tensor &qkv = in[kQkv], &beta = in[kBeta], &decay = in[kDecay], &qw = in[kQNormW], &kw = in[kKNormW],
+               &cs = in[kRopeCos], &sn = in[kRopeSin];
+  const Device dev = qkv.device();
+  const DType ct = compute_dtype(qkv.dtype());
+  const MathMode mode = resolve_math_mode(opt.precision, qkv.dtype());
+  const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
+
+  Intermediates m;
+  m.rstd = Tensor::empty({B, N, 2}, ct, dev);
+  kernels::rms_stats(m.rstd, qkv, qw, kw, d, opt.norm_eps);
+
+  m.P = Tensor::empty({BH, F, D, D}, ct, dev);
+  m.Pz = Tensor::empty({BH, F, D, D}, ct, dev);
+  Tensor A = Tensor::empty({BH, F, D, D}, ct, dev), bz = Tensor::empty({BH, F, D}, ct, dev);
+  kernels::phase_a_fwd(m.P, A, m.Pz, bz, qkv, m.rstd, kw, cs, sn, beta, d, opt.k_scale, mode);
+
+  m.Mf = Tensor::empty({BH, F, D, D}, ct, dev);
+  m.Mr = Tensor::empty({BH, F, D, D}, ct, dev);
+  m.Msum = Tensor::empty({BH, F, D, D}, ct, dev);
+  m.zf = Tensor::empty({BH, F, D}, ct, dev);
+  m.zr = Tensor::empty({BH, F, D}, ct, dev);
+  m.zsum = Tensor::empty({BH, F, D}, ct, dev);
+  kernels::scan_bidi_fwd(m.Mf, m.Mr, m.Msum, m.zf, m.zr, m.zsum, m.P, A, m.Pz, bz, decay, d);
+
+  Tensor out = Tensor::empty({B, N, H, D}, qkv.dtype(), dev);
+  Tensor den = Tensor::empty({B, H, N}, ct, dev);
+  kernels::phase_c_fwd(out, den, qkv, m.rstd, qw, cs, sn, m.Msum, m.zsum, d, opt.eps, /*divide=*/true, mode);
+
+  if (autograd::should_record(in)) {
+    auto node = std::make_shared<BigdnNode>(d, opt, mode);
+    node->save_all(in, m);
+    autograd::record(node, in, {out});
+  }
+  return out;
+}
+
+Tensor unfused_forward(const std::vector<Tensor>& in, int64_t F, int64_t S, const BigdnOptions& opt) {
+  const Tensor qkv_hat = ops::rms_norm(in[kQkv], in[kQNormW], in[kKNormW], opt.norm_eps);
+  const std::vector<Tensor> prep = ops::relu_rope(qkv_hat, in[kRopeCos], in[kRopeSin], opt.k_scale);
+  const Tensor &qp = prep[0], &kp = prep[1], &qr = prep[2], &kr = prep[3];
+  const std::vector<Tensor> a = ops::phase_a(kr, kp, qkv_hat, in[kBeta], F, S);
+  const std::vector<Tensor> scan = ops::bidi_scan(a[0], a[1], a[2], a[3], in[kDecay]);
+  const std::vector<Tensor> c = ops::phase_c(qr, qp, scan[0], scan[1], F, S);
+  return ops::output_divide(c[0], c[1], opt.eps, in[kQkv].dtype());
+}
+
+// Runs fn directly or under a checkpoint, as options.checkpoint says.
+Tensor run_maybe_checkpointed(const autograd::Function& fn, const std::vector<Tensor>& in, Checkpoint mode) {
+  if (autograd::resolve_checkpoint(mode, in)) return autograd::checkpoint(fn, in, Checkpoint::on).at(0);
+  return fn(in).at(0);
+}
+
+}  // namespace
+
+Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
+             const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
+             const BigdnOptions& options) {
+  const Dims d =
+      validate_bigdn_inputs("bigdn", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
+  // Per stream, as SPEC §1 says ("absent ⇒ no RMSNorm"): the seed normalises both when either weight is given.
+  const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
+  const autograd::Function fn = [d, options](const std::vector<Tensor>& x) {
+    return std::vector<Tensor>{bigdn_fused(x, d, options)};
+  };
+  return run_maybe_checkpointed(fn, in, options.checkpoint);
+}
+
+Tensor bigdn_unfused(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
+                     const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
+                     const BigdnOptions& options) {
+  validate_bigdn_inputs("bigdn_unfused", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
+  GDNCP_CHECK(!qkv.is_cuda(), "bigdn_unfused: qkv: the unfused ops run on the CPU only (use bigdn on CUDA)");
+  const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
+  const autograd::Function fn = [F, S, options](const std::vector<Tensor>& x) {
+    return std::vector<Tensor>{unfused_forward(x, F, S, options)};
+  };
+  return run_maybe_checkpointed(fn, in, options.checkpoint);
+}
+
+std::pair<Tensor, Tensor> rope_tables(int64_t N, int64_t D, DType dtype, Device device, int64_t offset,
+                                      double base) {
+  GDNCP_CHECK(N > 0, "rope_tables: N: must be > 0, got ", N);
+  GDNCP_CHECK(D >= 2 && D % 2 == 0, "rope_tables: D: must be even and >= 2, got ", D);
+  GDNCP_CHECK(dtype == DType::f32 || dtype == DType::f64, "rope_tables: dtype: must be f32 or f64, got ",
+              dtype_name(dtype));
+  GDNCP_CHECK(std::isfinite(base) && base > 0, "rope_tables: base: must be finite and > 0, got ", base);
+  std::vector<double> c(static_cast<size_t>(N * D)), s(c.size());
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < D / 2; ++i) {
+      const double theta = static_cast<double>(n + offset) * std::pow(base, -2.0 * static_cast<double>(i) / D);
+      const size_t e = static_cast<size_t>(n * D + 2 * i);
+      c[e] = c[e + 1] = std::cos(theta);
+      s[e] = -std::sin(theta);  // rope(x)[2i]   = x[2i]·cos − x[2i+1]·sin
+      s[e + 1] = std::sin(theta);  // rope(x)[2i+1] = x[2i+1]·cos + x[2i]·sin
+    }
+  return {Tensor::from_vector(c, {N, D}, dtype, device), Tensor::from_vector(s, {N, D}, dtype, device)};
+}
+
+}  // namespace gdncp

@@ -1,0 +1,271 @@
+// src/kernels/cpu_common.h — small helpers shared by the CPU kernels and ops.
+//
+// Storage dtypes (f32, bf16, f64) are read and written through the compute
+// type T (float or double). The dtype is dispatched once per tensor, outside
+// the loops: In<T> aliases a tensor that already is T and converts it once
+// otherwise; results are built in T buffers and written back with store().
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "gdncp/error.h"
+#include "gdncp/tensor.h"
+
+namespace gdncp {
+namespace cpu {
+namespace detail {
+
+// --- element conversion ---------------------------------------------------
+template <typename T>
+inline T to_compute(float x) { return static_cast<T>(x); }
+template <typename T>
+inline T to_compute(double x) { return static_cast<T>(x); }
+template <typename T>
+inline T to_compute(bf16 x) { return static_cast<T>(bf16_to_float(x)); }
+
+template <typename T>
+inline void from_compute(float* p, int64_t i, T v) { p[i] = static_cast<float>(v); }
+template <typename T>
+inline void from_compute(double* p, int64_t i, T v) { p[i] = static_cast<double>(v); }
+template <typename T>
+inline void from_compute(bf16* p, int64_t i, T v) { p[i] = float_to_bf16(static_cast<float>(v)); }
+
+// Calls fn(ptr) with t's data as float*, double* or bf16*.
+template <typename Fn>
+void visit(const Tensor& t, Fn&& fn) {
+  switch (t.dtype()) {
+    case DType::f32: fn(static_cast<const float*>(t.data())); return;
+    case DType::f64: fn(static_cast<const double*>(t.data())); return;
+    case DType::bf16: fn(static_cast<const bf16*>(t.data())); return;
+  }
+  GDNCP_FAIL("unknown dtype");
+}
+template <typename Fn>
+void visit_mut(Tensor& t, Fn&& fn) {
+  switch (t.dtype()) {
+    case DType::f32: fn(static_cast<float*>(t.data())); return;
+    case DType::f64: fn(static_cast<double*>(t.data())); return;
+    case DType::bf16: fn(static_cast<bf16*>(t.data())); return;
+  }
+  GDNCP_FAIL("unknown dtype");
+}
+
+template <typename T>
+constexpr DType compute_dtype_of() { return dtype_of<T>::value; }
+
+// Read-only view of a CPU tensor in T. An undefined tensor gives data() == nullptr.
+template <typename T>
+class In {
+ public:
+  explicit In(const Tensor& t) {
+    if (!t.defined()) return;
+    GDNCP_CHECK(!t.is_cuda(), "CPU kernel got a CUDA tensor ", t.str());
+    if (t.dtype() == compute_dtype_of<T>()) {
+      p_ = static_cast<const T*>(t.data());
+      return;
+    }
+    buf_.resize(static_cast<size_t>(t.numel()));
+    visit(t, [&](const auto* src) {
+      for (size_t i = 0; i < buf_.size(); ++i) buf_[i] = to_compute<T>(src[i]);
+    });
+    p_ = buf_.data();
+  }
+  In(const In&) = delete;
+  In& operator=(const In&) = delete;
+  const T* data() const { return p_; }
+  T operator[](int64_t i) const { return p_[i]; }
+  bool defined() const { return p_ != nullptr; }
+
+ private:
+  const T* p_ = nullptr;
+  std::vector<T> buf_;
+};
+
+// Writable view of a CPU output tensor in T: aliases t when it already is T,
+// else a scratch buffer that commit() rounds into t. Every element must be
+// written before commit().
+template <typename T>
+class Out {
+ public:
+  explicit Out(Tensor& t) : t_(t) {
+    GDNCP_CHECK(t.defined(), "CPU kernel: output tensor is undefined");
+    GDNCP_CHECK(!t.is_cuda(), "CPU kernel got a CUDA tensor ", t.str());
+    if (t.dtype() == compute_dtype_of<T>()) {
+      p_ = static_cast<T*>(t.data());
+    } else {
+      buf_.resize(static_cast<size_t>(t.numel()));
+      p_ = buf_.data();
+    }
+  }
+  Out(const Out&) = delete;
+  Out& operator=(const Out&) = delete;
+  T* data() { return p_; }
+  T& operator[](int64_t i) { return p_[i]; }
+  void commit() {
+    if (buf_.empty()) return;
+    visit_mut(t_, [&](auto* dst) {
+      for (size_t i = 0; i < buf_.size(); ++i) from_compute<T>(dst, static_cast<int64_t>(i), buf_[i]);
+    });
+  }
+
+ private:
+  Tensor& t_;
+  T* p_ = nullptr;
+  std::vector<T> buf_;
+};
+
+// A new CPU tensor of dtype holding the values of buf (rounded).
+template <typename T>
+Tensor tensor_from(const std::vector<T>& buf, const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype, Device::cpu);
+  GDNCP_CHECK(static_cast<size_t>(t.numel()) == buf.size(), "tensor_from: ", buf.size(), " values for shape ",
+              shape_str(shape));
+  visit_mut(t, [&](auto* dst) {
+    for (size_t i = 0; i < buf.size(); ++i) from_compute<T>(dst, static_cast<int64_t>(i), buf[i]);
+  });
+  return t;
+}
+
+// Values of a CPU tensor in T, as a fresh vector; n zeros when t is undefined
+// (an output that got no gradient).
+template <typename T>
+std::vector<T> values(const Tensor& t, int64_t n) {
+  if (!t.defined()) return std::vector<T>(static_cast<size_t>(n), T(0));
+  GDNCP_CHECK(t.numel() == n, "expected ", n, " elements, got ", t.str());
+  In<T> in(t);
+  return std::vector<T>(in.data(), in.data() + n);
+}
+
+// f64 inputs compute in f64, f32 and bf16 inputs in f32.
+inline DType compute_dtype(DType dtype) { return dtype == DType::f64 ? DType::f64 : DType::f32; }
+
+// The fine-grained ops run on the CPU only.
+inline void require_cpu(const Tensor& t, const char* op, const char* arg) {
+  GDNCP_CHECK(t.defined(), op, ": ", arg, " is undefined");
+  GDNCP_CHECK(!t.is_cuda(), op, ": ", arg, " is a CUDA tensor; this op runs on the CPU only (use gdncp::bigdn)");
+}
+
+// --- the qkv layout (B, N, 3, H, D) -----------------------------------------
+// Offset of channel c, head 0, dim 0 of token n of batch b.
+inline int64_t qkv_offset(int64_t b, int64_t n, int64_t c, int64_t N, int64_t C) { return ((b * N + n) * 3 + c) * C; }
+
+// Writes channel c of a (B, N, 3, H, D) tensor from src (B, N, H, D) in T;
+// the other channels are left untouched.
+template <typename T>
+void store_qkv_channel(Tensor& qkv_like, int64_t c, const std::vector<T>& src, int64_t B, int64_t N, int64_t C) {
+  visit_mut(qkv_like, [&](auto* dst) {
+    for (int64_t t = 0; t < B * N; ++t) {
+      const int64_t o = (t * 3 + c) * C;
+      const T* s = src.data() + t * C;
+      for (int64_t i = 0; i < C; ++i) from_compute<T>(dst, o + i, s[i]);
+    }
+  });
+}
+
+// --- token prep (SPEC §2) --------------------------------------------------
+// One head's row of q or k: x̂ = x·r·w (w may be null = 1), x⁺ = relu(x̂)·scale,
+// xʳ[d] = x⁺[d]·cos[d] + x⁺[d^1]·sin[d]. Any output pointer may be null.
+template <typename T>
+inline void prep_row(T* xhat, T* xplus, T* xrot, const T* x, T r, const T* w, T scale, const T* cos, const T* sin,
+                     int64_t D, T* scratch_plus) {
+  T* plus = xplus ? xplus : scratch_plus;
+  for (int64_t d = 0; d < D; ++d) {
+    const T h = x[d] * r * (w ? w[d] : T(1));
+    if (xhat) xhat[d] = h;
+    plus[d] = (h > T(0) ? h : T(0)) * scale;
+  }
+  if (xrot)
+    for (int64_t d = 0; d < D; ++d) xrot[d] = plus[d] * cos[d] + plus[d ^ 1] * sin[d];
+}
+
+// Backward of the rotation, accumulated: dx⁺[d] += dxʳ[d]·cos[d] + dxʳ[d^1]·sin[d^1].
+template <typename T>
+inline void unrope_add(T* dxplus, const T* dxrot, const T* cos, const T* sin, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) dxplus[d] += dxrot[d] * cos[d] + dxrot[d ^ 1] * sin[d ^ 1];
+}
+
+// Backward of relu·scale: dx̂ = dx⁺·scale where x̂ > 0, else 0.
+template <typename T>
+inline void relu_scale_bwd(T* dxhat, const T* dxplus, const T* xhat, T scale, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) dxhat[d] = xhat[d] > T(0) ? dxplus[d] * scale : T(0);
+}
+
+// --- small dense matrices (row-major D×D) ----------------------------------
+// out = a·b (out must not alias a or b).
+template <typename T>
+inline void matmul(T* out, const T* a, const T* b, int64_t D) {
+  for (int64_t i = 0; i < D * D; ++i) out[i] = T(0);
+  for (int64_t i = 0; i < D; ++i) {
+    T* o = out + i * D;
+    for (int64_t k = 0; k < D; ++k) {
+      const T aik = a[i * D + k];
+      const T* bk = b + k * D;
+      for (int64_t j = 0; j < D; ++j) o[j] += aik * bk[j];
+    }
+  }
+}
+
+// out = aᵀ·b (out must not alias a or b).
+template <typename T>
+inline void matmul_tn(T* out, const T* a, const T* b, int64_t D) {
+  for (int64_t i = 0; i < D * D; ++i) out[i] = T(0);
+  for (int64_t k = 0; k < D; ++k) {
+    const T* ak = a + k * D;
+    const T* bk = b + k * D;
+    for (int64_t i = 0; i < D; ++i) {
+      const T aki = ak[i];
+      T* o = out + i * D;
+      for (int64_t j = 0; j < D; ++j) o[j] += aki * bk[j];
+    }
+  }
+}
+
+// out = a·bᵀ (out must not alias a or b).
+template <typename T>
+inline void matmul_nt(T* out, const T* a, const T* b, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) {
+    const T* ai = a + i * D;
+    for (int64_t j = 0; j < D; ++j) {
+      const T* bj = b + j * D;
+      T s = T(0);
+      for (int64_t k = 0; k < D; ++k) s += ai[k] * bj[k];
+      out[i * D + j] = s;
+    }
+  }
+}
+
+// out = a·x for a D×D matrix and D-vector.
+template <typename T>
+inline void matvec(T* out, const T* a, const T* x, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) {
+    const T* ai = a + i * D;
+    T s = T(0);
+    for (int64_t k = 0; k < D; ++k) s += ai[k] * x[k];
+    out[i] = s;
+  }
+}
+
+// out = aᵀ·x.
+template <typename T>
+inline void matvec_t(T* out, const T* a, const T* x, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) out[i] = T(0);
+  for (int64_t k = 0; k < D; ++k) {
+    const T xk = x[k];
+    const T* ak = a + k * D;
+    for (int64_t i = 0; i < D; ++i) out[i] += ak[i] * xk;
+  }
+}
+
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  T s = T(0);
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace detail
+}  // namespace cpu
+}  // namespace gdncp

@@ -1,0 +1,28 @@
+// src/kernels/validate.h — argument checks of the BiGDN layer entries (SPEC §9).
+//
+// Every public entry calls this before any work. Each failure throws
+// gdncp::Error "<entry>: <argument>: <why>", naming the argument as the user
+// knows it ("qkv", "beta", "decay", "q_norm_w", "k_norm_w", "rope_cos",
+// "rope_sin", "F", "S", "k_scale", "norm_eps", "eps").
+#pragma once
+
+#include <cstdint>
+
+#include "gdncp/bigdn.h"
+#include "gdncp/tensor.h"
+#include "kernels/kernels.h"
+
+namespace gdncp {
+
+// Checks one rank's inputs of the bidirectional layer and returns their dims:
+//  - F, S > 0; qkv (B, N, 3, H, D) with B, H > 0, N = F·S, D even in 2..kMaxHeadDim;
+//  - beta (B, H, F, S), decay (B, H, F), rope_cos/rope_sin (N, D), norm weights (C) or undefined;
+//  - dtypes: either every floating input is f64 or none is; norm weights and rope
+//    are f32 (f64 with f64 inputs); qkv, beta, decay any of f32/bf16 (f64 with f64);
+//  - every tensor on qkv's device, f64 only on the CPU;
+//  - k_scale finite, norm_eps and eps finite and >= 0.
+Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
+                           const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos,
+                           const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options);
+
+}  // namespace gdncp
