@@ -9,6 +9,11 @@
 //   layer, CUDA vs the f64 CPU layer on the same (rounded) inputs: ieee 1e-5 (issue 3),
 //   bf16 1e-2 (issue 3).
 // GDNCP_TEST_SMALL=1 keeps only the small shapes (used under compute-sanitizer).
+//
+// Note [no F=1 with S=1]: with a single token RoPE rotates q and k of that token alike, so
+// qʳ·kʳ = q⁺·k⁺ and out = v·den/(den + eps): the gradients of q, k, beta and the norm weights
+// are O(eps) cancellations (~1e-6 against terms of ~1), and a relative error against them
+// measures nothing. S = 1 is covered with F = 11 and F = 1 with S = 33.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -64,7 +69,7 @@ void expect_close(const Tensor& actual, const Tensor& expected, double tol, cons
 }
 
 std::vector<Dims> twin_shapes() {
-  std::vector<Dims> v = {dims(1, 2, 16, 1, 1), dims(1, 2, 2, 2, 3), dims(2, 1, 12, 3, 5), dims(1, 2, 16, 11, 33),
+  std::vector<Dims> v = {dims(1, 2, 16, 11, 1), dims(1, 2, 2, 2, 3), dims(2, 1, 12, 3, 5), dims(1, 2, 16, 11, 33),
                          dims(2, 2, 112, 2, 33), dims(1, 2, 128, 3, 70), dims(1, 1, 64, 2, 17)};
   if (!small_only()) v.push_back(dims(1, 1, 112, 11, 920));
   return v;
@@ -294,7 +299,7 @@ struct LayerCase {
 };
 
 std::vector<LayerCase> layer_cases() {
-  std::vector<LayerCase> v = {{dims(1, 2, 16, 1, 1), true, true},   {dims(1, 2, 16, 11, 33), true, true},
+  std::vector<LayerCase> v = {{dims(1, 2, 16, 11, 1), true, true},   {dims(1, 2, 16, 11, 33), true, true},
                               {dims(2, 2, 112, 1, 33), true, true}, {dims(1, 3, 128, 2, 33), false, true},
                               {dims(1, 2, 112, 3, 70), true, false}};
   if (!small_only()) {
