@@ -4,7 +4,8 @@
 // bandwidth, cuBLAS bf16 GEMM rate) and against the floor of the work.
 //
 //   gdncp_bench [--json PATH] [--batches 1,4,8] [--dims 112,128] [--frames 11] [--tokens 920]
-//               [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp]
+//               [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp] [--profile]
+// --profile runs one forward+backward of the first configuration and exits (to run under ncu).
 //
 // Floor: max(bytes / copy bandwidth, flops / GEMM rate), where bytes count every
 // input read once and every output written once (intermediates free) and flops
@@ -39,6 +40,7 @@ struct Args {
   int64_t frames = 11, tokens = 920, heads = 20;
   int warmup = 5, iters = 30;
   bool cp = false;
+  bool profile = false;  // one forward+backward of the first configuration, nothing else (for ncu)
 };
 
 std::vector<int64_t> parse_list(const std::string& s) {
@@ -66,9 +68,10 @@ bool parse_args(int argc, char** argv, Args& a) {
     else if (f == "--iters") a.iters = std::stoi(next());
     else if (f == "--quick") { a.batches = {1, 4}; a.head_dims = {112}; a.iters = 20; }
     else if (f == "--cp") a.cp = true;
+    else if (f == "--profile") a.profile = true;
     else if (f == "--help" || f == "-h") {
       std::printf("gdncp_bench [--json PATH] [--batches 1,4,8] [--dims 112,128] [--frames 11] [--tokens 920]\n"
-                  "            [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp]\n");
+                  "            [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp] [--profile]\n");
       std::exit(0);
     } else {
       std::fprintf(stderr, "gdncp_bench: unknown flag %s (try --help)\n", f.c_str());
@@ -415,6 +418,14 @@ int run(const Args& a) {
     return 1;
   }
   if (a.cp) return run_cp(a);
+  if (a.profile) {
+    const Inputs in = make_inputs(dims_of(a.batches.at(0), a.heads, a.head_dims.at(0), a.frames, a.tokens), DType::bf16,
+                                  Device::cuda, 5);
+    fwd_bwd(in);
+    synchronize();
+    std::printf("gdncp_bench --profile: ran one forward+backward\n");
+    return 0;
+  }
   int dev = 0;
   cudaDeviceProp prop;
   GDNCP_CUDA_CHECK(cudaGetDevice(&dev));

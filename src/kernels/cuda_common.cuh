@@ -66,17 +66,19 @@ void with_dp_mode(int64_t D, MathMode mode, Fn&& fn) {
 }
 
 // --- tensors seen from a kernel ------------------------------------------------
-// Storage that is bf16 or f32 (chosen at run time; the branch is uniform).
+// Storage that is bf16 or f32 (chosen at run time; the branch is uniform). Inputs are
+// read through the read-only global path (__ldg): explicit global loads also let the
+// compiler batch them ahead of shared-memory stores.
 struct In {
   const void* p = nullptr;
   bool bf = false;
   __device__ __forceinline__ float operator[](int64_t i) const {
-    return bf ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]) : static_cast<const float*>(p)[i];
+    return bf ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(p) + i)) : __ldg(static_cast<const float*>(p) + i);
   }
   // Elements i, i+1 (i even).
   __device__ __forceinline__ float2 pair(int64_t i) const {
-    if (bf) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(p) + i));
-    return *reinterpret_cast<const float2*>(static_cast<const float*>(p) + i);
+    if (bf) return __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(p) + i)));
+    return __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(p) + i));
   }
 };
 struct Out {
@@ -140,9 +142,11 @@ __device__ __forceinline__ void prep_pair(float2 x, float r, float2 w, float sca
   rot.x = plus.x * c.x + plus.y * s.x;
   rot.y = plus.y * c.y + plus.x * s.y;
 }
+// Shared-memory pair, and read-only global pair.
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 ldg2(const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); }
 __device__ __forceinline__ void st2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
-__device__ __forceinline__ float2 weight_pair(const float* w, int i) { return w ? ld2(w + i) : make_float2(1.f, 1.f); }
+__device__ __forceinline__ float2 weight_pair(const float* w, int i) { return w ? ldg2(w + i) : make_float2(1.f, 1.f); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -38,7 +38,7 @@ struct FwdTile {  // 2 × 4 warps over the DP×DP product
 // forward
 // ---------------------------------------------------------------------------
 template <int DP, MathMode MODE>
-__global__ void __launch_bounds__(kThreads) phase_a_fwd_kernel(float* __restrict__ P, float* __restrict__ A,
+__global__ void __launch_bounds__(kThreads, 2) phase_a_fwd_kernel(float* __restrict__ P, float* __restrict__ A,
                                                                float* __restrict__ Pz, float* __restrict__ bz, In qkv,
                                                                const float* __restrict__ rstd,
                                                                const float* __restrict__ kw,
@@ -57,35 +57,64 @@ __global__ void __launch_bounds__(kThreads) phase_a_fwd_kernel(float* __restrict
   const int wm = warp / Tl::WN, wn = warp % Tl::WN;
   const int m0 = wm * Tl::TM * 16, n0 = wn * Tl::TN * 8;
 
+  // Loads: warp w owns rows w, w+8, ...; lane l owns channel pairs d = 2l + 64j (j < PPL).
+  constexpr int RPW = KS / 8, PPL = DP >= 64 ? DP / 64 : 1, BATCH = 2;
+  float2 wk[PPL];
+#pragma unroll
+  for (int j = 0; j < PPL; ++j) {
+    const int d = 2 * lane + 64 * j;
+    wk[j] = d < D ? weight_pair(kw, h * D + d) : make_float2(0.f, 0.f);
+  }
+
   float acc[Tl::TM][Tl::TN][4] = {};
   float bsum = 0.f;
   for (int s0 = 0; s0 < S; s0 += KS) {
     __syncthreads();  // the previous chunk is consumed
-    for (int r = warp; r < KS; r += kThreads / 32) {
-      const int s = s0 + r;
-      const bool valid = s < S;
-      const int64_t n = static_cast<int64_t>(f) * S + s;
-      const float bt = valid ? beta[static_cast<int64_t>(bhf) * S + s] : 0.f;
-      const float rk = valid ? rstd[(b * N + n) * 2 + 1] : 0.f;
-      for (int d = 2 * lane; d < DP; d += 64) {
-        float2 x = make_float2(0.f, 0.f), y = x;
-        if (valid && d < D) {
-          float2 kp, kr;
-          prep_pair(qkv.pair(qkv_index(b, n, 1, h, d, N, H, D)), rk, weight_pair(kw, h * D + d), k_scale,
-                    ld2(rope_cos + n * D + d), ld2(rope_sin + n * D + d), kp, kr);
+#pragma unroll
+    for (int i0 = 0; i0 < RPW; i0 += BATCH) {
+      // every global load of BATCH rows first, then the math
+      float2 xk[BATCH][PPL], xv[BATCH][PPL], xc[BATCH][PPL], xs[BATCH][PPL];
+      float rk[BATCH], bt[BATCH];
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) {
+        const int s = s0 + warp + 8 * (i0 + i);
+        const bool valid = s < S;
+        const int64_t n = static_cast<int64_t>(f) * S + s;
+        rk[i] = valid ? __ldg(rstd + (b * N + n) * 2 + 1) : 0.f;
+        bt[i] = valid ? beta[static_cast<int64_t>(bhf) * S + s] : 0.f;
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          const bool ok = valid && d < D;
+          const float2 zero = make_float2(0.f, 0.f);
+          xk[i][j] = ok ? qkv.pair(qkv_index(b, n, 1, h, d, N, H, D)) : zero;
+          xv[i][j] = (ok && prod == 1) ? qkv.pair(qkv_index(b, n, 2, h, d, N, H, D)) : zero;
+          xc[i][j] = (ok && prod != 2) ? ldg2(rope_cos + n * D + d) : zero;
+          xs[i][j] = (ok && prod != 2) ? ldg2(rope_sin + n * D + d) : zero;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) {
+        const int r = warp + 8 * (i0 + i);
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          if (d >= DP) continue;
+          float2 kp, kr, x, y;
+          prep_pair(xk[i][j], rk[i], wk[j], k_scale, xc[i][j], xs[i][j], kp, kr);
           if (prod == 0) {
-            x = make_float2(bt * kr.x, bt * kr.y);
+            x = make_float2(bt[i] * kr.x, bt[i] * kr.y);
             y = kr;
           } else if (prod == 1) {
-            x = make_float2(bt * kr.x, bt * kr.y);
-            y = qkv.pair(qkv_index(b, n, 2, h, d, N, H, D));
+            x = make_float2(bt[i] * kr.x, bt[i] * kr.y);
+            y = xv[i][j];
           } else {
-            x = make_float2(bt * kp.x, bt * kp.y);
+            x = make_float2(bt[i] * kp.x, bt[i] * kp.y);
             y = kp;
           }
+          st2(Xs + r * LD + d, x.x, x.y);
+          st2(Ys + r * LD + d, y.x, y.y);
         }
-        st2(Xs + r * LD + d, x.x, x.y);
-        st2(Ys + r * LD + d, y.x, y.y);
       }
     }
     __syncthreads();
@@ -174,30 +203,71 @@ __global__ void __launch_bounds__(kThreads, 1)
   using OpSym = std::conditional_t<MODE == MathMode::tf32, OpMK, OpKM>;
   const int wm = warp / Tl::WN, wn = warp % Tl::WN;
   const int m0 = wm * 16, n0 = wn * Tl::TN * 8, Kd = round16(D);
+  constexpr int RPW = KS / 8, PPL = DP >= 64 ? DP / 64 : 1;
+  float2 wk[PPL];
+#pragma unroll
+  for (int j = 0; j < PPL; ++j) {
+    const int d = 2 * lane + 64 * j;
+    wk[j] = d < D ? weight_pair(kw, h * D + d) : make_float2(0.f, 0.f);
+  }
   const int ntiles = (S + KS - 1) / KS;
   const int tile_end = min(ntiles, (static_cast<int>(blockIdx.x) + 1) * tiles_per_block);
   for (int tile = blockIdx.x * tiles_per_block; tile < tile_end; ++tile) {
     const int s0 = tile * KS;
     __syncthreads();  // matrices ready / previous tile consumed
-    for (int r = warp; r < KS; r += kThreads / 32) {
-      const int s = s0 + r;
-      const bool valid = s < S;
-      const int64_t n = static_cast<int64_t>(f) * S + s;
-      if (lane == 0) bs[r] = valid ? beta[static_cast<int64_t>(bhf) * S + s] : 0.f;
-      const float rk = valid ? rstd[(b * N + n) * 2 + 1] : 0.f;
-      for (int d = 2 * lane; d < DP; d += 64) {
-        float2 kp = make_float2(0.f, 0.f), kr = kp, v = kp;
-        if (valid && d < D) {
-          prep_pair(qkv.pair(qkv_index(b, n, 1, h, d, N, H, D)), rk, weight_pair(kw, h * D + d), k_scale,
-                    ld2(rope_cos + n * D + d), ld2(rope_sin + n * D + d), kp, kr);
-          v = qkv.pair(qkv_index(b, n, 2, h, d, N, H, D));
+    {
+      // Every global load of this warp's rows (w, w+8, ...) in one batch, then the math.
+      float2 xk[RPW][PPL], xv[RPW][PPL], xc[RPW][PPL], xs[RPW][PPL];
+      float rk[RPW], bt[RPW];
+#pragma unroll
+      for (int i = 0; i < RPW; ++i) {
+        const int s = s0 + warp + 8 * i;
+        const bool valid = s < S;
+        const int64_t n = static_cast<int64_t>(f) * S + s;
+        rk[i] = valid ? __ldg(rstd + (b * N + n) * 2 + 1) : 0.f;
+        bt[i] = valid ? beta[static_cast<int64_t>(bhf) * S + s] : 0.f;
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          const bool ok = valid && d < D;
+          const float2 zero = make_float2(0.f, 0.f);
+          xk[i][j] = ok ? qkv.pair(qkv_index(b, n, 1, h, d, N, H, D)) : zero;
+          xv[i][j] = ok ? qkv.pair(qkv_index(b, n, 2, h, d, N, H, D)) : zero;
+          xc[i][j] = ok ? ldg2(rope_cos + n * D + d) : zero;
+          xs[i][j] = ok ? ldg2(rope_sin + n * D + d) : zero;
         }
-        st2(Kr + r * LDT + d, kr.x, kr.y);
-        st2(Kp + r * LDT + d, kp.x, kp.y);
-        st2(Vt + r * LDT + d, v.x, v.y);
+      }
+#pragma unroll
+      for (int i = 0; i < RPW; ++i) {
+        const int r = warp + 8 * i;
+        if (lane == 0) bs[r] = bt[i];
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          if (d >= DP) continue;
+          float2 kp, kr;
+          prep_pair(xk[i][j], rk[i], wk[j], k_scale, xc[i][j], xs[i][j], kp, kr);
+          st2(Kr + r * LDT + d, kr.x, kr.y);
+          st2(Kp + r * LDT + d, kp.x, kp.y);
+          st2(Vt + r * LDT + d, xv[i][j].x, xv[i][j].y);
+        }
       }
     }
     __syncthreads();
+    // The rope of this thread's epilogue elements, fetched now so that the loads overlap the products.
+    float2 ec[2][Tl::TN], es[2][Tl::TN];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int s = s0 + m0 + g + 8 * half;
+      const int64_t n = static_cast<int64_t>(f) * S + s;
+#pragma unroll
+      for (int j = 0; j < Tl::TN; ++j) {
+        const int col = n0 + 8 * j + 2 * t;
+        const bool ok = s < S && col < D;
+        ec[half][j] = ok ? ldg2(rope_cos + n * D + col) : make_float2(0.f, 0.f);
+        es[half][j] = ok ? ldg2(rope_sin + n * D + col) : make_float2(0.f, 0.f);
+      }
+    }
 
     const int rows = min(KS, S - s0);
     float x1[1][Tl::TN][4] = {}, x2[1][Tl::TN][4] = {}, x3[1][Tl::TN][4] = {}, x4[1][Tl::TN][4] = {};
@@ -224,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (s >= S || col >= D) continue;
         const int64_t n = static_cast<int64_t>(f) * S + s;
         const float dkr0 = bt * (a1 + a2), dkr1 = bt * (b1 + b2);
-        const float2 c = ld2(rope_cos + n * D + col), sn = ld2(rope_sin + n * D + col);
+        const float2 c = ec[half][j], sn = es[half][j];
         const float dkp0 = bt * (a4 + dbv.x) + dkr0 * c.x + dkr1 * sn.y;
         const float dkp1 = bt * (b4 + dbv.y) + dkr1 * c.y + dkr0 * sn.x;
         st2(dk_hat + ((b * N + n) * H + h) * D + col, kp.x != 0.f ? dkp0 * k_scale : 0.f,

@@ -60,6 +60,15 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (tid < DP) zs[tid] = tid < D ? z[static_cast<int64_t>(bhf) * D + tid] : 0.f;
 
+  // Loads: warp w owns rows w, w+8, ...; lane l owns channel pairs d = 2l + 64j (j < PPL).
+  constexpr int RPW = KS / 8, PPL = DP >= 64 ? DP / 64 : 1, BATCH = 4;
+  float2 wq[PPL];
+#pragma unroll
+  for (int j = 0; j < PPL; ++j) {
+    const int d = 2 * lane + 64 * j;
+    wq[j] = d < D ? weight_pair(qw, h * D + d) : make_float2(0.f, 0.f);
+  }
+
   const int wm = warp / Tl::WN, wn = warp % Tl::WN;
   const int m0 = wm * Tl::TM * 16, n0 = wn * Tl::TN * 8, Kd = round16(D);
   const int ntiles = (S + KS - 1) / KS;
@@ -67,24 +76,44 @@ __global__ void __launch_bounds__(kThreads)
   for (int tile = blockIdx.x * tiles_per_block; tile < tile_end; ++tile) {
     const int s0 = tile * KS;
     __syncthreads();  // M_f, z_f ready / previous tile consumed
-    for (int r = warp; r < KS; r += kThreads / 32) {
-      const int s = s0 + r;
-      const bool valid = s < S;
-      const int64_t n = static_cast<int64_t>(f) * S + s;
-      const float rq = valid ? rstd[(b * N + n) * 2] : 0.f;
-      float dpart = 0.f;
-      for (int d = 2 * lane; d < DP; d += 64) {
-        float2 qp = make_float2(0.f, 0.f), qr = qp;
-        if (valid && d < D)
-          prep_pair(qkv.pair(qkv_index(b, n, 0, h, d, N, H, D)), rq, weight_pair(qw, h * D + d), 1.f,
-                    ld2(rope_cos + n * D + d), ld2(rope_sin + n * D + d), qp, qr);
-        st2(Qr + r * LDQ + d, qr.x, qr.y);
-        dpart += qp.x * zs[d] + qp.y * zs[d + 1];
+#pragma unroll
+    for (int i0 = 0; i0 < RPW; i0 += BATCH) {
+      // every global load of BATCH rows first, then the math
+      float2 xq[BATCH][PPL], xc[BATCH][PPL], xs[BATCH][PPL];
+      float rq[BATCH];
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) {
+        const int s = s0 + warp + 8 * (i0 + i);
+        const bool valid = s < S;
+        const int64_t n = static_cast<int64_t>(f) * S + s;
+        rq[i] = valid ? __ldg(rstd + (b * N + n) * 2) : 0.f;
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          const bool ok = valid && d < D;
+          xq[i][j] = ok ? qkv.pair(qkv_index(b, n, 0, h, d, N, H, D)) : make_float2(0.f, 0.f);
+          xc[i][j] = ok ? ldg2(rope_cos + n * D + d) : make_float2(0.f, 0.f);
+          xs[i][j] = ok ? ldg2(rope_sin + n * D + d) : make_float2(0.f, 0.f);
+        }
       }
-      const float dn = warp_sum(dpart);
-      if (lane == 0) {
-        dens[r] = dn;
-        if (valid) den[static_cast<int64_t>(bh) * N + n] = dn;
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) {
+        const int r = warp + 8 * (i0 + i), s = s0 + r;
+        float dpart = 0.f;
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          if (d >= DP) continue;
+          float2 qp, qr;
+          prep_pair(xq[i][j], rq[i], wq[j], 1.f, xc[i][j], xs[i][j], qp, qr);
+          st2(Qr + r * LDQ + d, qr.x, qr.y);
+          dpart += qp.x * zs[d] + qp.y * zs[d + 1];
+        }
+        const float dn = warp_sum(dpart);
+        if (lane == 0) {
+          dens[r] = dn;
+          if (s < S) den[static_cast<int64_t>(bh) * N + static_cast<int64_t>(f) * S + s] = dn;
+        }
       }
     }
     __syncthreads();
@@ -124,7 +153,7 @@ struct BwdTile {
 template <int DP, MathMode MODE>
 constexpr size_t bwd_smem_floats() {
   constexpr int KS = BwdTile<DP>::KS;
-  return static_cast<size_t>(DP) * pitch_mk(DP, MODE) + KS * pitch_km(DP, MODE) + KS * (DP + 4) +
+  return static_cast<size_t>(DP) * pitch_mk(DP, MODE) + KS * pitch_km(DP, MODE) + 3 * KS * (DP + 8) +
          KS * pitch_mk(DP, MODE) + DP + 3 * KS + KS * BwdTile<DP>::WN;
 }
 
@@ -136,13 +165,15 @@ __global__ void __launch_bounds__(kThreads, 1)
                        const float* __restrict__ M, const float* __restrict__ z, int H, int D, int F, int S,
                        float eps, bool divide) {
   using Tl = BwdTile<DP>;
-  constexpr int KS = Tl::KS, LDM = pitch_mk(DP, MODE), LDR = pitch_km(DP, MODE), LDP = DP + 4,
+  constexpr int KS = Tl::KS, LDM = pitch_mk(DP, MODE), LDR = pitch_km(DP, MODE), LDP = DP + 8,
                 LDD = pitch_mk(DP, MODE);
   extern __shared__ __align__(16) float smem[];
   float* Ms = smem;             // M_f   [DP][LDM]  (B of dnum Mᵀ: (n = i, k = j) at [i][j])
   float* Qr = Ms + DP * LDM;    // qʳ    [KS][LDR]  (A of qʳᵀ dnum: (m = d, k = s))
   float* Qp = Qr + KS * LDR;    // q⁺    [KS][LDP]
-  float* Dn = Qp + KS * LDP;    // dnum  [KS][LDD]  (A of dnum Mᵀ; B of qʳᵀ dnum)
+  float* Cs = Qp + KS * LDP;    // cos   [KS][LDP]  (for the epilogue's unrope)
+  float* Sn = Cs + KS * LDP;    // sin   [KS][LDP]
+  float* Dn = Sn + KS * LDP;    // dnum  [KS][LDD]  (A of dnum Mᵀ; B of qʳᵀ dnum)
   float* zs = Dn + KS * LDD;    // z_f   [DP]
   float* dpe = zs + DP;         // den + eps [KS]
   float* dd = dpe + KS;         // dden  [KS]
@@ -158,6 +189,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (tid < DP) zs[tid] = tid < D ? z[static_cast<int64_t>(bhf) * D + tid] : 0.f;
 
+  constexpr int RPW = KS / 8, PPL = DP >= 64 ? DP / 64 : 1;
+  float2 wq[PPL];
+#pragma unroll
+  for (int j = 0; j < PPL; ++j) {
+    const int d = 2 * lane + 64 * j;
+    wq[j] = d < D ? weight_pair(qw, h * D + d) : make_float2(0.f, 0.f);
+  }
+
   const int wm = warp / Tl::WN, wn = warp % Tl::WN, Kd = round16(D);
   const int m1 = wm * Tl::TM1 * 16, n1 = wn * Tl::TN1 * 8;
   const int m2 = wm * Tl::TM2 * 16, n2 = wn * Tl::TN2 * 8;
@@ -165,31 +204,54 @@ __global__ void __launch_bounds__(kThreads, 1)
   float dz_acc = 0.f;
   for (int s0 = 0; s0 < S; s0 += KS) {
     __syncthreads();  // M_f, z_f ready / previous tile consumed
-    for (int r = warp; r < KS; r += kThreads / 32) {
-      const int s = s0 + r;
-      const bool valid = s < S;
-      const int64_t n = static_cast<int64_t>(f) * S + s;
-      const float rq = valid ? rstd[(b * N + n) * 2] : 0.f;
-      float dpart = 0.f;
-      for (int d = 2 * lane; d < DP; d += 64) {
-        float2 qp = make_float2(0.f, 0.f), qr = qp;
-        if (valid && d < D)
-          prep_pair(qkv.pair(qkv_index(b, n, 0, h, d, N, H, D)), rq, weight_pair(qw, h * D + d), 1.f,
-                    ld2(rope_cos + n * D + d), ld2(rope_sin + n * D + d), qp, qr);
-        st2(Qr + r * LDR + d, qr.x, qr.y);
-        st2(Qp + r * LDP + d, qp.x, qp.y);
-        dpart += qp.x * zs[d] + qp.y * zs[d + 1];
+    {
+      // Every global load of this warp's rows (w, w+8, ...) in one batch, then the math.
+      float2 xq[RPW][PPL], xc[RPW][PPL], xs[RPW][PPL], xg[RPW][PPL];
+      float rq[RPW], ddin[RPW];
+#pragma unroll
+      for (int i = 0; i < RPW; ++i) {
+        const int s = s0 + warp + 8 * i;
+        const bool valid = s < S;
+        const int64_t n = static_cast<int64_t>(f) * S + s;
+        rq[i] = valid ? __ldg(rstd + (b * N + n) * 2) : 0.f;
+        ddin[i] = (!divide && valid && dden.p) ? dden[static_cast<int64_t>(bh) * N + n] : 0.f;
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          const bool ok = valid && d < D;
+          xq[i][j] = ok ? qkv.pair(qkv_index(b, n, 0, h, d, N, H, D)) : make_float2(0.f, 0.f);
+          xc[i][j] = ok ? ldg2(rope_cos + n * D + d) : make_float2(0.f, 0.f);
+          xs[i][j] = ok ? ldg2(rope_sin + n * D + d) : make_float2(0.f, 0.f);
+          xg[i][j] = (ok && dout.p) ? dout.pair(((b * N + n) * H + h) * D + d) : make_float2(0.f, 0.f);
+        }
       }
-      const float dn = warp_sum(dpart) + eps;
-      const float inv = divide ? 1.f / dn : 1.f;
-      for (int d = 2 * lane; d < DP; d += 64) {
-        float2 go = make_float2(0.f, 0.f);
-        if (valid && d < D && dout.p) go = dout.pair(((b * N + n) * H + h) * D + d);
-        st2(Dn + r * LDD + d, go.x * inv, go.y * inv);
-      }
-      if (lane == 0) {
-        dpe[r] = dn;
-        dd[r] = (!divide && valid && dden.p) ? dden[static_cast<int64_t>(bh) * N + n] : 0.f;
+#pragma unroll
+      for (int i = 0; i < RPW; ++i) {
+        const int r = warp + 8 * i;
+        float dpart = 0.f;
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          if (d >= DP) continue;
+          float2 qp, qr;
+          prep_pair(xq[i][j], rq[i], wq[j], 1.f, xc[i][j], xs[i][j], qp, qr);
+          st2(Qr + r * LDR + d, qr.x, qr.y);
+          st2(Qp + r * LDP + d, qp.x, qp.y);
+          st2(Cs + r * LDP + d, xc[i][j].x, xc[i][j].y);
+          st2(Sn + r * LDP + d, xs[i][j].x, xs[i][j].y);
+          dpart += qp.x * zs[d] + qp.y * zs[d + 1];
+        }
+        const float dn = warp_sum(dpart) + eps;
+        const float inv = divide ? 1.f / dn : 1.f;
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          if (d < DP) st2(Dn + r * LDD + d, xg[i][j].x * inv, xg[i][j].y * inv);
+        }
+        if (lane == 0) {
+          dpe[r] = dn;
+          dd[r] = ddin[i];
+        }
       }
     }
     __syncthreads();
@@ -237,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int col = n1 + 8 * j + 2 * t;
           if (col >= D) continue;
           const float g0 = acc1[i][j][2 * half], g1 = acc1[i][j][2 * half + 1];
-          const float2 c = ld2(rope_cos + n * D + col), sn = ld2(rope_sin + n * D + col), qp = ld2(Qp + r * LDP + col);
+          const float2 c = ld2(Cs + r * LDP + col), sn = ld2(Sn + r * LDP + col), qp = ld2(Qp + r * LDP + col);
           const float d0 = ddr * zs[col] + g0 * c.x + g1 * sn.y;
           const float d1 = ddr * zs[col + 1] + g1 * c.y + g0 * sn.x;
           st2(dq_hat + ((b * N + n) * H + h) * D + col, qp.x > 0.f ? d0 : 0.f, qp.y > 0.f ? d1 : 0.f);

@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kStatThreads)
     float ss = 0.f;
     if (norm) {
       const int64_t row = (tok * 3 + c) * C;
-#pragma unroll 4
+#pragma unroll 8
       for (int e = 2 * lane; e < C; e += 64) {
         const float2 v = qkv.pair(row + e);
         ss = fmaf(v.x, v.x, ss);
@@ -68,24 +68,24 @@ __global__ void rms_bwd_kernel(Out dqkv, float* __restrict__ dw_part, const floa
     const float* g = dxh + t * C;
     if (!w) {  // unnormalised stream: x̂ = x
       for (int e = 2 * lane; e < C; e += 64) {
-        const float2 gv = ld2(g + e);
+        const float2 gv = ldg2(g + e);
         dqkv.set_pair(xrow + e, gv.x, gv.y);
       }
       continue;
     }
     const float r = rstd[t * 2 + c];
     float corr = 0.f;  // Σ_c w_c dx̂_c x_c
-#pragma unroll 4
+#pragma unroll 8
     for (int e = 2 * lane; e < C; e += 64) {
-      const float2 gv = ld2(g + e), xv = qkv.pair(xrow + e), wv = ld2(w + e);
+      const float2 gv = ldg2(g + e), xv = qkv.pair(xrow + e), wv = ldg2(w + e);
       corr = fmaf(wv.x * gv.x, xv.x, corr);
       corr = fmaf(wv.y * gv.y, xv.y, corr);
     }
     corr = warp_sum(corr);
     const float k = r * r * r * invC * corr;
-#pragma unroll 4
+#pragma unroll 8
     for (int e = 2 * lane; e < C; e += 64) {
-      const float2 gv = ld2(g + e), xv = qkv.pair(xrow + e), wv = ld2(w + e);
+      const float2 gv = ldg2(g + e), xv = qkv.pair(xrow + e), wv = ldg2(w + e);
       dqkv.set_pair(xrow + e, r * wv.x * gv.x - k * xv.x, r * wv.y * gv.y - k * xv.y);
       mine[e] += gv.x * xv.x * r;
       mine[e + 1] += gv.y * xv.y * r;

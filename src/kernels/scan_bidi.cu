@@ -36,7 +36,7 @@ constexpr int kCols = 16;         // state columns per block
 
 size_t scan_smem_bytes(int D) {
   const size_t p = (static_cast<size_t>(D) * (D + 1) + 3) / 4 * 4;
-  return (p + static_cast<size_t>(D) * kCols) * sizeof(float);
+  return (p + 2 * static_cast<size_t>(D) * kCols) * sizeof(float);
 }
 
 __device__ __forceinline__ void cp_async4(float* dst, const float* src) {
@@ -46,9 +46,12 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src) {
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // One direction of one column block (Note [column blocks]).
-//   FWD:  X_f = g_p (X − P_p X) + U_u          (P_p read as [i][k])
-//   !FWD: X_f = g_p (X − P_pᵀ X) + U_u         (the adjoint recurrences)
+//   FWD:  X ← g_p (X − P_p X) + U_u          (P_p read as [i][k])
+//   !FWD: X ← g_p (X − P_pᵀ X) + U_u         (the adjoint recurrences)
 // blockIdx = (direction, column block, b·h); column block ncb is the z vector.
+// Each step stages P_p and the block's slice of U_u in shared memory (cp.async); the state
+// lives in registers (two rows per thread) and in X for the broadcast reads; states are
+// written to global memory from X, coalesced, at the start of the following step.
 template <bool FWD>
 __global__ void __launch_bounds__(kScanThreads)
     scan_kernel(float* __restrict__ out0, float* __restrict__ out1, float* __restrict__ zout0,
@@ -58,7 +61,8 @@ __global__ void __launch_bounds__(kScanThreads)
   extern __shared__ __align__(16) float smem[];
   const int ldp = D + 1;  // odd pitch: both P[i][k] (lanes over i) and P[k][i] are conflict-free
   float* Ps = smem;
-  float* X = smem + (D * ldp + 3) / 4 * 4;  // [D][kCols]
+  float* X = smem + (D * ldp + 3) / 4 * 4;  // [D][kCols] state slice
+  float* Us = X + D * kCols;                // [D][kCols] injected slice of this step
 
   const int dir = blockIdx.x, cb = blockIdx.y, bh = blockIdx.z, tid = threadIdx.x;
   const bool isz = cb == ncb;
@@ -68,6 +72,10 @@ __global__ void __launch_bounds__(kScanThreads)
   const float* Um = (isz ? Uz : U) + bh * F * mstride;
   float* out = (isz ? (dir ? zout1 : zout0) : (dir ? out1 : out0)) + bh * F * mstride;
   const int rows[2] = {tid, tid + kScanThreads};
+  // Element e of the slice, enumerated so that consecutive threads touch consecutive addresses.
+  const int slice = isz ? D : D * kCols;
+  const auto slice_row = [&](int e) { return isz ? e : e >> 4; };
+  const auto slice_col = [&](int e) { return isz ? 0 : e & (kCols - 1); };
   const auto at = [&](int f, int i, int c) -> int64_t {
     return f * mstride + (isz ? i : static_cast<int64_t>(i) * D + c0 + c);
   };
@@ -85,13 +93,11 @@ __global__ void __launch_bounds__(kScanThreads)
 #pragma unroll
         for (int c = 0; c < kCols; ++c) X[rows[r] * kCols + c] = x[r][c];
   };
-  const auto store = [&](int f) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      if (rows[r] < D)
-#pragma unroll
-        for (int c = 0; c < kCols; ++c)
-          if (c < nc) out[at(f, rows[r], c)] = x[r][c];
+  const auto copy_out = [&](int f) {  // X -> out[f], coalesced (X must be complete)
+    for (int e = tid; e < slice; e += kScanThreads) {
+      const int i = slice_row(e), c = slice_col(e);
+      if (c < nc) out[at(f, i, c)] = X[i * kCols + c];
+    }
   };
   const auto set_u = [&](int u) {
 #pragma unroll
@@ -100,19 +106,26 @@ __global__ void __launch_bounds__(kScanThreads)
 #pragma unroll
         for (int c = 0; c < kCols; ++c) x[r][c] = c < nc ? Um[at(u, rows[r], c)] : 0.f;
   };
-  // x ← g_p (x − op(P_p) x) + U_u
-  const auto step = [&](int p, int u) {
+  int pending = -1;  // the frame whose state X holds and that is not written yet
+  const auto flush = [&]() {
+    __syncthreads();
+    if (pending >= 0) copy_out(pending);
+    pending = -1;
+    __syncthreads();
+  };
+  // x ← g_p (x − op(P_p) x) + U_u; the result is frame `fstore`'s state.
+  const auto step = [&](int p, int u, int fstore) {
     const float* Pp = Pm + p * DD;
     for (int i = 0; i < D; ++i)
       for (int k = tid; k < D; k += kScanThreads) cp_async4(Ps + i * ldp + k, Pp + static_cast<int64_t>(i) * D + k);
-    float uu[2][kCols];
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) uu[r][c] = (rows[r] < D && c < nc) ? Um[at(u, rows[r], c)] : 0.f;
+    for (int e = tid; e < slice; e += kScanThreads) {
+      const int i = slice_row(e), c = slice_col(e);
+      if (c < nc) cp_async4(Us + i * kCols + c, Um + at(u, i, c));
+    }
     const float gp = decay[static_cast<int64_t>(bh) * F + p];
     cp_async_wait_all();
-    __syncthreads();  // P_p and X visible
+    __syncthreads();  // P_p, U_u and X visible
+    if (pending >= 0) copy_out(pending);
     float y[2][kCols];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -138,66 +151,64 @@ __global__ void __launch_bounds__(kScanThreads)
       }
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+    for (int r = 0; r < 2; ++r) {
+      const float4* ur = reinterpret_cast<const float4*>(Us + min(rows[r], D - 1) * kCols);
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) x[r][c] = gp * (x[r][c] - y[r][c]) + uu[r][c];
-    __syncthreads();  // everyone is done reading P_p and X
+      for (int q = 0; q < kCols / 4; ++q) {
+        const float4 v = ur[q];
+        const float uu[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int c4 = 0; c4 < 4; ++c4) {
+          const int c = 4 * q + c4;
+          x[r][c] = gp * (x[r][c] - y[r][c]) + (c < nc ? uu[c4] : 0.f);
+        }
+      }
+    }
+    __syncthreads();  // everyone is done reading P_p, U_u and X
     publish();
+    pending = fstore;
   };
 
   publish();
   if (FWD) {
     if (dir == 0) {  // Mf: frames 0 .. F−1
-      for (int f = 0; f < F; ++f) {
-        step(f, f);
-        store(f);
-      }
+      for (int f = 0; f < F; ++f) step(f, f, f);
     } else {  // Mr: frames F−1 .. 0
-      store(F - 1);
-      for (int f = F - 2; f >= 0; --f) {
-        step(f + 1, f + 1);
-        store(f);
-      }
+      pending = F - 1;  // zeros
+      for (int f = F - 2; f >= 0; --f) step(f + 1, f + 1, f);
     }
   } else {
     if (dir == 0) {  // G: frames F−1 .. 0
       set_u(F - 1);
       publish();
-      store(F - 1);
-      for (int f = F - 2; f >= 0; --f) {
-        step(f + 1, f);
-        store(f);
-      }
+      pending = F - 1;
+      for (int f = F - 2; f >= 0; --f) step(f + 1, f, f);
     } else {  // G̃' (slot f holds G̃_{f−1}): slots 0 .. F−1
-      store(0);  // zeros
+      pending = 0;  // zeros
       if (F > 1) {
+        flush();
         set_u(0);
         publish();
-        store(1);
-        for (int f = 1; f + 1 < F; ++f) {
-          step(f, f);
-          store(f + 1);
-        }
+        pending = 1;
+        for (int f = 1; f + 1 < F; ++f) step(f, f, f + 1);
       }
     }
   }
+  flush();
 
   if (FWD) {  // Msum = Mf + Mr: the two directions of the cluster split the frames
     __threadfence();
     cg::this_cluster().sync();
-    const float* a = isz ? zout0 : out0;
-    const float* bb = isz ? zout1 : out1;
+    const float* a = (isz ? zout0 : out0) + bh * F * mstride;
+    const float* bb = (isz ? zout1 : out1) + bh * F * mstride;
     float* sum = (isz ? zsum : msum) + bh * F * mstride;
-    a += bh * F * mstride;
-    bb += bh * F * mstride;
     for (int f = dir; f < F; f += 2)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        if (rows[r] < D)
-          for (int c = 0; c < nc; ++c) {
-            const int64_t e = at(f, rows[r], c);
-            sum[e] = __ldcg(a + e) + __ldcg(bb + e);
-          }
+      for (int e = tid; e < slice; e += kScanThreads) {
+        const int i = slice_row(e), c = slice_col(e);
+        if (c >= nc) continue;
+        const int64_t o = at(f, i, c);
+        sum[o] = __ldcg(a + o) + __ldcg(bb + o);
+      }
   }
 }
 
