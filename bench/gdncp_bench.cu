@@ -12,6 +12,7 @@
 // count the matrix products of SPEC §3-5 and their backward.
 // Exit code: 0 ok, 1 no GPU / bad flag, 2 validation failed.
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -84,6 +85,35 @@ bool parse_args(int argc, char** argv, Args& a) {
 // --- timing -------------------------------------------------------------------
 cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream()); }
 
+// Fast device-side random fill for timing inputs (Tensor::randn draws on the host, which takes
+// seconds for the largest configurations): about N(0, 1) from a hash of (seed, i) — random
+// data, never zeros, so timings see real values.
+__global__ void fill_random_kernel(void* p, bool bf, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i) * 0xBF58476D1CE4E5B9ull;
+    float sum = 0.f;
+    for (int k = 0; k < 4; ++k) {  // Irwin–Hall: 4 uniforms, mean 2, variance 1/3
+      z ^= z >> 31;
+      z *= 0x94D049BB133111EBull;
+      z ^= z >> 29;
+      sum += static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+    }
+    const float v = (sum - 2.f) * 1.7320508f;
+    if (bf)
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+    else
+      static_cast<float*>(p)[i] = v;
+  }
+}
+
+Tensor device_random(const Shape& shape, DType dtype, uint64_t seed) {
+  Tensor t = Tensor::empty(shape, dtype, Device::cuda);
+  fill_random_kernel<<<1024, 256, 0, stream()>>>(t.data(), dtype == DType::bf16, t.numel(), seed);
+  GDNCP_CUDA_CHECK(cudaGetLastError());
+  return t;
+}
+
 // Median over iters of the device time of fn (CUDA events around each call), after warm-up.
 double time_ms(const std::function<void()>& fn, int warmup, int iters) {
   for (int i = 0; i < warmup; ++i) fn();
@@ -116,7 +146,7 @@ struct Ceilings {
 Ceilings measure_ceilings(int iters) {
   Ceilings c;
   const int64_t n = int64_t(1) << 28;  // 1 GiB of f32
-  Tensor src = Tensor::randn({n}, DType::f32, Device::cuda, 7), dst = Tensor::empty({n}, DType::f32, Device::cuda);
+  Tensor src = device_random({n}, DType::f32, 7), dst = Tensor::empty({n}, DType::f32, Device::cuda);
   const double ms = time_ms([&] {
     GDNCP_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.nbytes(), cudaMemcpyDeviceToDevice, stream()));
   }, 3, iters);
@@ -125,7 +155,7 @@ Ceilings measure_ceilings(int iters) {
   dst = Tensor();
 
   const int m = 8192;
-  Tensor A = Tensor::randn({m, m}, DType::bf16, Device::cuda, 8), B = Tensor::randn({m, m}, DType::bf16, Device::cuda, 9);
+  Tensor A = device_random({m, m}, DType::bf16, 8), B = device_random({m, m}, DType::bf16, 9);
   Tensor C = Tensor::empty({m, m}, DType::bf16, Device::cuda);
   cublasHandle_t h;
   GDNCP_CUBLAS_CHECK(cublasCreate(&h));
@@ -317,7 +347,19 @@ double floor_ms(const Work& w, const Ceilings& c) {
 // --- one configuration ------------------------------------------------------------
 void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::ostringstream& js, bool first) {
   const Dims d = dims_of(B, a.heads, D, a.frames, a.tokens);
-  const Inputs in = make_inputs(d, DType::bf16, Device::cuda, 100 + static_cast<uint64_t>(B * 1000 + D));
+  const uint64_t seed = 100 + static_cast<uint64_t>(B * 1000 + D);
+  Inputs in = make_inputs(dims_of(1, a.heads, D, 1, 1), DType::bf16, Device::cuda, seed);  // tables, weights
+  in.d = d;
+  in.qkv = device_random({d.B, d.N(), 3, d.H, d.D}, DType::bf16, seed + 1);
+  in.dout = device_random({d.B, d.N(), d.H, d.D}, DType::bf16, seed + 6);
+  in.beta = Tensor::uniform({d.B, d.H, d.F, d.S}, DType::f32, Device::cuda, seed + 2, 0.1, 0.9);
+  in.decay = Tensor::uniform({d.B, d.H, d.F}, DType::f32, Device::cuda, seed + 3, 0.5, 0.99);
+  in.qw = Tensor::uniform({d.C()}, DType::f32, Device::cuda, seed + 4, 0.5, 1.5);
+  in.kw = Tensor::uniform({d.C()}, DType::f32, Device::cuda, seed + 5, 0.5, 1.5);
+  auto rope = rope_tables(d.N(), d.D, DType::f32, Device::cuda);
+  in.cs = rope.first;
+  in.sn = rope.second;
+  in.opt.k_scale = 1.0 / std::sqrt(static_cast<double>(d.D * d.S));
   const MathMode mode = resolve_math_mode(in.opt.precision, DType::bf16);
   const PhaseWork w = count_work(d, 2);
   std::vector<Row> rows;

@@ -10,8 +10,12 @@
 //   ieee: the same fragments accumulated with plain f32 FMAs (the accuracy mode).
 // Operands live in shared memory as f32 and are rounded when a fragment is
 // built. An operand is read as element (mn, k): OpMK stores it as [mn][k]
-// (pairs along k are contiguous), OpKM as [k][mn]. The row pitches below make
-// the fragment loads of each mode free of bank conflicts.
+// (contiguous along k), OpKM as [k][mn]. The sum over a k slab does not care
+// in which order its k are fed to the matrix unit, so thread t's k-slots
+// {2t, 2t+1, 2t+8, 2t+9} of an m16n8k16 slab take k = 4t..4t+3 (one 16-byte
+// load from an OpMK tile), and its slots {t, t+4} of an m16n8k8 slab take
+// k = 2t, 2t+1; A and B use the same map. The row pitches below make the
+// fragment loads of each mode free of bank conflicts.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -160,17 +164,25 @@ struct OpMK {  // element (mn, k) at p[mn·ld + k]
   int ld;
   __device__ __forceinline__ float at(int mn, int k) const { return p[mn * ld + k]; }
   __device__ __forceinline__ float2 pair(int mn, int k) const { return ld2(p + mn * ld + k); }
+  __device__ __forceinline__ float4 quad(int mn, int k) const {  // k % 4 == 0
+    return *reinterpret_cast<const float4*>(p + mn * ld + k);
+  }
 };
 struct OpKM {  // element (mn, k) at p[k·ld + mn]
   const float* p;
   int ld;
   __device__ __forceinline__ float at(int mn, int k) const { return p[k * ld + mn]; }
   __device__ __forceinline__ float2 pair(int mn, int k) const { return make_float2(p[k * ld + mn], p[(k + 1) * ld + mn]); }
+  __device__ __forceinline__ float4 quad(int mn, int k) const {
+    return make_float4(p[k * ld + mn], p[(k + 1) * ld + mn], p[(k + 2) * ld + mn], p[(k + 3) * ld + mn]);
+  }
 };
 
-// Row pitches (in floats) of a tile with `cols` columns (a multiple of 32).
-constexpr int pitch_mk(int cols, MathMode m) { return cols + (m == MathMode::tf32 ? 4 : 8); }
-constexpr int pitch_km(int cols, MathMode m) { return cols + (m == MathMode::tf32 ? 8 : 4); }
+// Row pitches (in floats) of a tile with `cols` columns (a multiple of 32), for the loads of
+// warp_mma: OpMK 16-byte loads at g·ld + 4t (bf16) or 8-byte loads at g·ld + 2t (tf32);
+// OpKM words at (4t + j)·ld + g (bf16) or (2t + j)·ld + g (tf32). All pitches are even.
+constexpr int pitch_mk(int cols, MathMode m) { return cols + (m == MathMode::tf32 ? 8 : 16); }
+constexpr int pitch_km(int cols, MathMode m) { return cols + (m == MathMode::bf16 ? 2 : 4); }
 
 __device__ __forceinline__ uint32_t pack_bf16(float2 v) {
   __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);  // .x (lower k) in the low half
@@ -210,17 +222,18 @@ __device__ __forceinline__ void warp_mma(float (&acc)[TM][TN][4], const OA& a, i
       for (int i = 0; i < TM; ++i)
         if (m0 + 16 * i < mlim) {
           const int m = m0 + 16 * i + g;
-          af[i][0] = pack_bf16(a.pair(m, k + 2 * t));
-          af[i][1] = pack_bf16(a.pair(m + 8, k + 2 * t));
-          af[i][2] = pack_bf16(a.pair(m, k + 2 * t + 8));
-          af[i][3] = pack_bf16(a.pair(m + 8, k + 2 * t + 8));
+          const float4 lo = a.quad(m, k + 4 * t), hi = a.quad(m + 8, k + 4 * t);
+          af[i][0] = pack_bf16(make_float2(lo.x, lo.y));  // slots 2t, 2t+1   (row g)
+          af[i][1] = pack_bf16(make_float2(hi.x, hi.y));  //                  (row g+8)
+          af[i][2] = pack_bf16(make_float2(lo.z, lo.w));  // slots 2t+8, 2t+9 (row g)
+          af[i][3] = pack_bf16(make_float2(hi.z, hi.w));
         }
 #pragma unroll
       for (int j = 0; j < TN; ++j)
         if (n0 + 8 * j < nlim) {
-          const int n = n0 + 8 * j + g;
-          bfr[j][0] = pack_bf16(b.pair(n, k + 2 * t));
-          bfr[j][1] = pack_bf16(b.pair(n, k + 2 * t + 8));
+          const float4 q = b.quad(n0 + 8 * j + g, k + 4 * t);
+          bfr[j][0] = pack_bf16(make_float2(q.x, q.y));
+          bfr[j][1] = pack_bf16(make_float2(q.z, q.w));
         }
 #pragma unroll
       for (int i = 0; i < TM; ++i)
@@ -235,17 +248,18 @@ __device__ __forceinline__ void warp_mma(float (&acc)[TM][TN][4], const OA& a, i
       for (int i = 0; i < TM; ++i)
         if (m0 + 16 * i < mlim) {
           const int m = m0 + 16 * i + g;
-          af[i][0] = tf32_of(a.at(m, k + t));
-          af[i][1] = tf32_of(a.at(m + 8, k + t));
-          af[i][2] = tf32_of(a.at(m, k + t + 4));
-          af[i][3] = tf32_of(a.at(m + 8, k + t + 4));
+          const float2 lo = a.pair(m, k + 2 * t), hi = a.pair(m + 8, k + 2 * t);
+          af[i][0] = tf32_of(lo.x);  // slot t   (row g)
+          af[i][1] = tf32_of(hi.x);  //          (row g+8)
+          af[i][2] = tf32_of(lo.y);  // slot t+4 (row g)
+          af[i][3] = tf32_of(hi.y);
         }
 #pragma unroll
       for (int j = 0; j < TN; ++j)
         if (n0 + 8 * j < nlim) {
-          const int n = n0 + 8 * j + g;
-          bfr[j][0] = tf32_of(b.at(n, k + t));
-          bfr[j][1] = tf32_of(b.at(n, k + t + 4));
+          const float2 q = b.pair(n0 + 8 * j + g, k + 2 * t);
+          bfr[j][0] = tf32_of(q.x);
+          bfr[j][1] = tf32_of(q.y);
         }
 #pragma unroll
       for (int i = 0; i < TM; ++i)

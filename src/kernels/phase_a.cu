@@ -146,11 +146,16 @@ struct BwdTile {  // each warp owns a column slice of all four products of a KS-
   static constexpr int WN = DP >= 64 ? 8 : 4, WM = 8 / WN, TN = DP / (8 * WN), KS = 16 * WM;
 };
 
+// Pitches of the three gradients in shared memory: Ps and Pzs are read as [k][n] in bf16 mode
+// (DP + 2 is conflict-free there), dA both ways. The total stays under the 227 KB limit at DP = 128.
+template <int DP, MathMode MODE>
+constexpr int sym_pitch() { return MODE == MathMode::bf16 ? DP + 2 : DP + 4; }
+
 template <int DP, MathMode MODE>
 constexpr size_t bwd_smem_floats() {
   using Tl = BwdTile<DP>;
-  return 3 * static_cast<size_t>(DP) * (DP + 4) + 3 * static_cast<size_t>(Tl::KS) * pitch_mk(DP, MODE) + Tl::KS + DP +
-         Tl::KS * Tl::WN;
+  return static_cast<size_t>(DP) * (2 * sym_pitch<DP, MODE>() + DP + 4) +
+         3 * static_cast<size_t>(Tl::KS) * pitch_mk(DP, MODE) + Tl::KS + DP + Tl::KS * Tl::WN;
 }
 
 template <int DP, MathMode MODE>
@@ -161,12 +166,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                        const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, In beta, int H, int D,
                        int F, int S, int tiles_per_block, float k_scale) {
   using Tl = BwdTile<DP>;
-  constexpr int KS = Tl::KS, LDM = DP + 4, LDT = pitch_mk(DP, MODE);
+  constexpr int KS = Tl::KS, LDS = sym_pitch<DP, MODE>(), LDA = DP + 4, LDT = pitch_mk(DP, MODE);
   extern __shared__ __align__(16) float smem[];
-  float* SP = smem;             // dP + dPᵀ      [DP][LDM]
-  float* SA = SP + DP * LDM;    // dA            [DP][LDM]
-  float* SPz = SA + DP * LDM;   // dPz + dPzᵀ    [DP][LDM]
-  float* Kr = SPz + DP * LDM;   // kʳ            [KS][LDT]
+  float* SA = smem;             // dA            [DP][LDA]  (first: 16-byte aligned rows)
+  float* SP = SA + DP * LDA;    // dP + dPᵀ      [DP][LDS]
+  float* SPz = SP + DP * LDS;   // dPz + dPzᵀ    [DP][LDS]
+  float* Kr = SPz + DP * LDS;   // kʳ            [KS][LDT]
   float* Vt = Kr + KS * LDT;    // v
   float* Kp = Vt + KS * LDT;    // k⁺
   float* bs = Kp + KS * LDT;    // β             [KS]
@@ -181,21 +186,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int e = tid; e < DP * DP; e += kThreads) {
     const int i = e / DP, j = e % DP;
     const bool in = i < D && j < D;
-    SP[i * LDM + j] = in ? dP[mat0 + i * D + j] : 0.f;
-    SA[i * LDM + j] = in ? dA[mat0 + i * D + j] : 0.f;
-    SPz[i * LDM + j] = in ? dPz[mat0 + i * D + j] : 0.f;
+    SP[i * LDS + j] = in ? dP[mat0 + i * D + j] : 0.f;
+    SA[i * LDA + j] = in ? dA[mat0 + i * D + j] : 0.f;
+    SPz[i * LDS + j] = in ? dPz[mat0 + i * D + j] : 0.f;
   }
   if (tid < DP) db[tid] = tid < D ? dbz[static_cast<int64_t>(bhf) * D + tid] : 0.f;
   __syncthreads();
   for (int e = tid; e < DP * DP; e += kThreads) {
     const int i = e / DP, j = e % DP;
     if (i < j) {
-      const float s1 = SP[i * LDM + j] + SP[j * LDM + i], s2 = SPz[i * LDM + j] + SPz[j * LDM + i];
-      SP[i * LDM + j] = SP[j * LDM + i] = s1;
-      SPz[i * LDM + j] = SPz[j * LDM + i] = s2;
+      const float s1 = SP[i * LDS + j] + SP[j * LDS + i], s2 = SPz[i * LDS + j] + SPz[j * LDS + i];
+      SP[i * LDS + j] = SP[j * LDS + i] = s1;
+      SPz[i * LDS + j] = SPz[j * LDS + i] = s2;
     } else if (i == j) {
-      SP[i * LDM + i] *= 2.f;
-      SPz[i * LDM + i] *= 2.f;
+      SP[i * LDS + i] *= 2.f;
+      SPz[i * LDS + i] *= 2.f;
     }
   }
 
@@ -271,10 +276,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     const int rows = min(KS, S - s0);
     float x1[1][Tl::TN][4] = {}, x2[1][Tl::TN][4] = {}, x3[1][Tl::TN][4] = {}, x4[1][Tl::TN][4] = {};
-    warp_mma<MODE, 1, Tl::TN>(x1, OpMK{Kr, LDT}, m0, OpSym{SP, LDM}, n0, Kd, rows, D);   // kʳ Ps
-    warp_mma<MODE, 1, Tl::TN>(x2, OpMK{Vt, LDT}, m0, OpMK{SA, LDM}, n0, Kd, rows, D);    // v dAᵀ
-    warp_mma<MODE, 1, Tl::TN>(x3, OpMK{Kr, LDT}, m0, OpKM{SA, LDM}, n0, Kd, rows, D);    // kʳ dA
-    warp_mma<MODE, 1, Tl::TN>(x4, OpMK{Kp, LDT}, m0, OpSym{SPz, LDM}, n0, Kd, rows, D);  // k⁺ Pzs
+    warp_mma<MODE, 1, Tl::TN>(x1, OpMK{Kr, LDT}, m0, OpSym{SP, LDS}, n0, Kd, rows, D);   // kʳ Ps
+    warp_mma<MODE, 1, Tl::TN>(x2, OpMK{Vt, LDT}, m0, OpMK{SA, LDA}, n0, Kd, rows, D);    // v dAᵀ
+    warp_mma<MODE, 1, Tl::TN>(x3, OpMK{Kr, LDT}, m0, OpKM{SA, LDA}, n0, Kd, rows, D);    // kʳ dA
+    warp_mma<MODE, 1, Tl::TN>(x4, OpMK{Kp, LDT}, m0, OpSym{SPz, LDS}, n0, Kd, rows, D);  // k⁺ Pzs
 
     float dbeta_part[2] = {0.f, 0.f};
 #pragma unroll

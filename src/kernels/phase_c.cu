@@ -154,7 +154,7 @@ template <int DP, MathMode MODE>
 constexpr size_t bwd_smem_floats() {
   constexpr int KS = BwdTile<DP>::KS;
   return static_cast<size_t>(DP) * pitch_mk(DP, MODE) + KS * pitch_km(DP, MODE) + 3 * KS * (DP + 8) +
-         KS * pitch_mk(DP, MODE) + DP + 3 * KS + KS * BwdTile<DP>::WN;
+         KS * (DP + 4) + DP + 3 * KS + KS * BwdTile<DP>::WN;
 }
 
 template <int DP, MathMode MODE>
@@ -165,8 +165,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                        const float* __restrict__ M, const float* __restrict__ z, int H, int D, int F, int S,
                        float eps, bool divide) {
   using Tl = BwdTile<DP>;
-  constexpr int KS = Tl::KS, LDM = pitch_mk(DP, MODE), LDR = pitch_km(DP, MODE), LDP = DP + 8,
-                LDD = pitch_mk(DP, MODE);
+  // dnum is read both ways (A of dnum Mᵀ, B of qʳᵀ dnum): DP + 4 keeps both at most 2-way.
+  constexpr int KS = Tl::KS, LDM = pitch_mk(DP, MODE), LDR = pitch_km(DP, MODE), LDP = DP + 8, LDD = DP + 4;
   extern __shared__ __align__(16) float smem[];
   float* Ms = smem;             // M_f   [DP][LDM]  (B of dnum Mᵀ: (n = i, k = j) at [i][j])
   float* Qr = Ms + DP * LDM;    // qʳ    [KS][LDR]  (A of qʳᵀ dnum: (m = d, k = s))

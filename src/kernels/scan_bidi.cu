@@ -31,8 +31,9 @@ namespace {
 using namespace detail;
 namespace cg = cooperative_groups;
 
-constexpr int kScanThreads = 64;  // two rows per thread: D ≤ 128
-constexpr int kCols = 16;         // state columns per block
+constexpr int kScanThreads = 256;  // thread = (row, half of the columns): D ≤ 128
+constexpr int kCols = 16;          // state columns per block
+constexpr int kHalf = kCols / 2;   // columns per thread
 
 size_t scan_smem_bytes(int D) {
   const size_t p = (static_cast<size_t>(D) * (D + 1) + 3) / 4 * 4;
@@ -71,7 +72,9 @@ __global__ void __launch_bounds__(kScanThreads)
   const float* Pm = (isz ? Pz : P) + bh * F * DD;
   const float* Um = (isz ? Uz : U) + bh * F * mstride;
   float* out = (isz ? (dir ? zout1 : zout0) : (dir ? out1 : out0)) + bh * F * mstride;
-  const int rows[2] = {tid, tid + kScanThreads};
+  // This thread's row and columns [ch, ch + kHalf) of the slice; rows ≥ D only help with copies.
+  const int row = tid & 127, ch = (tid >> 7) * kHalf, rw = min(row, D - 1);
+  const bool active = row < D;
   // Element e of the slice, enumerated so that consecutive threads touch consecutive addresses.
   const int slice = isz ? D : D * kCols;
   const auto slice_row = [&](int e) { return isz ? e : e >> 4; };
@@ -80,18 +83,14 @@ __global__ void __launch_bounds__(kScanThreads)
     return f * mstride + (isz ? i : static_cast<int64_t>(i) * D + c0 + c);
   };
 
-  float x[2][kCols];
+  float x[kHalf];
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) x[r][c] = 0.f;
+  for (int c = 0; c < kHalf; ++c) x[c] = 0.f;
 
   const auto publish = [&]() {  // registers -> X (all columns, zeros beyond nc)
+    if (active)
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      if (rows[r] < D)
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) X[rows[r] * kCols + c] = x[r][c];
+      for (int c = 0; c < kHalf; ++c) X[row * kCols + ch + c] = x[c];
   };
   const auto copy_out = [&](int f) {  // X -> out[f], coalesced (X must be complete)
     for (int e = tid; e < slice; e += kScanThreads) {
@@ -101,10 +100,7 @@ __global__ void __launch_bounds__(kScanThreads)
   };
   const auto set_u = [&](int u) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      if (rows[r] < D)
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) x[r][c] = c < nc ? Um[at(u, rows[r], c)] : 0.f;
+    for (int c = 0; c < kHalf; ++c) x[c] = (active && ch + c < nc) ? Um[at(u, row, ch + c)] : 0.f;
   };
   int pending = -1;  // the frame whose state X holds and that is not written yet
   const auto flush = [&]() {
@@ -116,8 +112,8 @@ __global__ void __launch_bounds__(kScanThreads)
   // x ← g_p (x − op(P_p) x) + U_u; the result is frame `fstore`'s state.
   const auto step = [&](int p, int u, int fstore) {
     const float* Pp = Pm + p * DD;
-    for (int i = 0; i < D; ++i)
-      for (int k = tid; k < D; k += kScanThreads) cp_async4(Ps + i * ldp + k, Pp + static_cast<int64_t>(i) * D + k);
+    for (int i = tid >> 6; i < D; i += kScanThreads / 64)
+      for (int k = tid & 63; k < D; k += 64) cp_async4(Ps + i * ldp + k, Pp + static_cast<int64_t>(i) * D + k);
     for (int e = tid; e < slice; e += kScanThreads) {
       const int i = slice_row(e), c = slice_col(e);
       if (c < nc) cp_async4(Us + i * kCols + c, Um + at(u, i, c));
@@ -126,44 +122,30 @@ __global__ void __launch_bounds__(kScanThreads)
     cp_async_wait_all();
     __syncthreads();  // P_p, U_u and X visible
     if (pending >= 0) copy_out(pending);
-    float y[2][kCols];
+    float y[kHalf];
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) y[r][c] = 0.f;
-    const int i0 = min(rows[0], D - 1), i1 = min(rows[1], D - 1);
-#pragma unroll 2
+    for (int c = 0; c < kHalf; ++c) y[c] = 0.f;
+    const float* pr = FWD ? Ps + rw * ldp : Ps + rw;  // P[row][k] at pr[k], or P[k][row] at pr[k·ldp]
+    const int pk = FWD ? 1 : ldp;
+#pragma unroll 4
     for (int k = 0; k < D; ++k) {
-      const float p0 = FWD ? Ps[i0 * ldp + k] : Ps[k * ldp + i0];
-      const float p1 = FWD ? Ps[i1 * ldp + k] : Ps[k * ldp + i1];
-      const float4* xk = reinterpret_cast<const float4*>(X + k * kCols);
-#pragma unroll
-      for (int q = 0; q < kCols / 4; ++q) {
-        const float4 v = xk[q];
-        y[0][4 * q + 0] = fmaf(p0, v.x, y[0][4 * q + 0]);
-        y[0][4 * q + 1] = fmaf(p0, v.y, y[0][4 * q + 1]);
-        y[0][4 * q + 2] = fmaf(p0, v.z, y[0][4 * q + 2]);
-        y[0][4 * q + 3] = fmaf(p0, v.w, y[0][4 * q + 3]);
-        y[1][4 * q + 0] = fmaf(p1, v.x, y[1][4 * q + 0]);
-        y[1][4 * q + 1] = fmaf(p1, v.y, y[1][4 * q + 1]);
-        y[1][4 * q + 2] = fmaf(p1, v.z, y[1][4 * q + 2]);
-        y[1][4 * q + 3] = fmaf(p1, v.w, y[1][4 * q + 3]);
-      }
+      const float pv = pr[k * pk];
+      const float4 v0 = *reinterpret_cast<const float4*>(X + k * kCols + ch);
+      const float4 v1 = *reinterpret_cast<const float4*>(X + k * kCols + ch + 4);
+      y[0] = fmaf(pv, v0.x, y[0]);
+      y[1] = fmaf(pv, v0.y, y[1]);
+      y[2] = fmaf(pv, v0.z, y[2]);
+      y[3] = fmaf(pv, v0.w, y[3]);
+      y[4] = fmaf(pv, v1.x, y[4]);
+      y[5] = fmaf(pv, v1.y, y[5]);
+      y[6] = fmaf(pv, v1.z, y[6]);
+      y[7] = fmaf(pv, v1.w, y[7]);
     }
+    const float4 u0 = *reinterpret_cast<const float4*>(Us + rw * kCols + ch);
+    const float4 u1 = *reinterpret_cast<const float4*>(Us + rw * kCols + ch + 4);
+    const float uu[kHalf] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float4* ur = reinterpret_cast<const float4*>(Us + min(rows[r], D - 1) * kCols);
-#pragma unroll
-      for (int q = 0; q < kCols / 4; ++q) {
-        const float4 v = ur[q];
-        const float uu[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int c4 = 0; c4 < 4; ++c4) {
-          const int c = 4 * q + c4;
-          x[r][c] = gp * (x[r][c] - y[r][c]) + (c < nc ? uu[c4] : 0.f);
-        }
-      }
-    }
+    for (int c = 0; c < kHalf; ++c) x[c] = gp * (x[c] - y[c]) + (ch + c < nc ? uu[c] : 0.f);
     __syncthreads();  // everyone is done reading P_p, U_u and X
     publish();
     pending = fstore;
