@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -101,7 +102,9 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 
 // main() of an MPI test binary: MPI_Init, the communicators, RUN_ALL_TESTS,
 // the worst result over ranks as every rank's exit code.
-inline int run_mpi_tests(int argc, char** argv) {
+// setup runs after the communicators exist, teardown before they go.
+inline int run_mpi_tests(int argc, char** argv, const std::function<void()>& setup = {},
+                         const std::function<void()>& teardown = {}) {
   MPI_Init(&argc, &argv);
   ::testing::InitGoogleTest(&argc, argv);
   int r = 0;
@@ -117,7 +120,9 @@ inline int run_mpi_tests(int argc, char** argv) {
     self() = cp::make_mpi_communicator(MPI_COMM_SELF);
     // A hung collective in a broken test becomes an error, not a stuck job.
     world()->set_timeout_seconds(120);
+    if (setup) setup();
     rc = RUN_ALL_TESTS();
+    if (teardown) teardown();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[rank %d] uncaught: %s\n", r, e.what());
     rc = 1;

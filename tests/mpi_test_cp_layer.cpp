@@ -34,8 +34,7 @@ struct LayerRun {
 };
 
 std::vector<Tensor> leaves_of(const LayerInputs& in) {
-  return {leaf(in.qkv), leaf(in.beta), leaf(in.decay), leaf(in.q_norm_w), leaf(in.k_norm_w), in.rope_cos,
-          in.rope_sin};
+  return {leaf(in.qkv), leaf(in.beta), leaf(in.decay), leaf(in.q_norm_w), leaf(in.k_norm_w), in.rope_cos, in.rope_sin};
 }
 
 LayerRun finish(const std::vector<Tensor>& x, const std::vector<Tensor>& outs, const std::vector<Tensor>& w,
@@ -59,20 +58,19 @@ Tensor grad_block(const Tensor& g, size_t k, int64_t F, int64_t S, int b) {
 
 // --- bigdn_cp vs bigdn ----------------------------------------------------------------
 
-void check_bigdn_cp(DType dt, bool norms, uint64_t seed, double tol_out, double tol_g) {
+void check_bigdn_cp(DType dt, bool norms, uint64_t seed, double tol_out, double tol_g, int64_t B = 1, int64_t D = 6) {
   const int P = nranks(), r = rank();
   const int64_t F = 2, S = 3;
-  const LayerInputs g = make_layer_inputs(dims(1, 2, 6, F * P, S), dt, seed, norms, norms);
-  const Tensor w = Tensor::randn({1, F * P * S, 2, 6}, dt, Device::cpu, seed + 50);
+  const LayerInputs g = make_layer_inputs(dims(B, 2, D, F * P, S), dt, seed, norms, norms);
+  const Tensor w = Tensor::randn({B, F * P * S, 2, D}, dt, Device::cpu, seed + 50);
 
   const std::vector<Tensor> xg = leaves_of(g);
-  const LayerRun ref = finish(xg, {bigdn(xg[0], xg[1], xg[2], xg[3], xg[4], xg[5], xg[6], g.d.F, S, g.opt)}, {w},
-                              nullptr);
+  const LayerRun ref =
+      finish(xg, {bigdn(xg[0], xg[1], xg[2], xg[3], xg[4], xg[5], xg[6], g.d.F, S, g.opt)}, {w}, nullptr);
   const LayerInputs l = local_block(g, F, r);
   const std::vector<Tensor> xl = leaves_of(l);
-  const LayerRun cp = finish(
-      xl, {cp::bigdn_cp(*world(), xl[0], xl[1], xl[2], xl[3], xl[4], xl[5], xl[6], F, S, l.opt)},
-      {rank_block(w, 1, F * S, r)}, world().get());
+  const LayerRun cp = finish(xl, {cp::bigdn_cp(*world(), xl[0], xl[1], xl[2], xl[3], xl[4], xl[5], xl[6], F, S, l.opt)},
+                             {rank_block(w, 1, F * S, r)}, world().get());
 
   EXPECT_TRUE(close_rel(cp.outs[0], rank_block(ref.outs[0], 1, F * S, r), tol_out, "out")) << "rank " << r;
   for (size_t k = 0; k < 5; ++k) {
@@ -83,6 +81,7 @@ void check_bigdn_cp(DType dt, bool norms, uint64_t seed, double tol_out, double 
 }
 
 TEST(BigdnCp, MatchesBigdnF64) { check_bigdn_cp(DType::f64, true, 100, 1e-12, 1e-12); }
+TEST(BigdnCp, MatchesBigdnF64Batch2HeadDim12) { check_bigdn_cp(DType::f64, true, 140, 1e-12, 1e-12, 2, 12); }
 TEST(BigdnCp, MatchesBigdnF64NoNormWeights) { check_bigdn_cp(DType::f64, false, 110, 1e-12, 1e-12); }
 TEST(BigdnCp, MatchesBigdnF32) { check_bigdn_cp(DType::f32, true, 120, 1e-6, 1e-5); }
 // bf16 storage, f32 compute on both sides: the only difference is the order
@@ -120,13 +119,14 @@ void check_raw(DType dt, const cp::CpOptions& o, uint64_t seed) {
   ref_opt.reverse_rank_order = false;
   const std::vector<Tensor> xg = leaves_of(g);
   const LayerRun ref = finish(
-      xg, raw_outputs(cp::cp_gdn_raw(*self(), xg[0], xg[1], xg[2], xg[3], xg[4], xg[5], xg[6], F * P, S, g.opt, ref_opt)),
+      xg,
+      raw_outputs(cp::cp_gdn_raw(*self(), xg[0], xg[1], xg[2], xg[3], xg[4], xg[5], xg[6], F * P, S, g.opt, ref_opt)),
       wref, nullptr);
   const LayerInputs l = local_block(g, F, b);
   const std::vector<Tensor> xl = leaves_of(l);
-  const LayerRun cp = finish(
-      xl, raw_outputs(cp::cp_gdn_raw(*world(), xl[0], xl[1], xl[2], xl[3], xl[4], xl[5], xl[6], F, S, l.opt, o)),
-      {rank_block(w[0], 1, F * S, b), rank_block(w[1], 2, F * S, b), w[2], w[3]}, world().get());
+  const LayerRun cp =
+      finish(xl, raw_outputs(cp::cp_gdn_raw(*world(), xl[0], xl[1], xl[2], xl[3], xl[4], xl[5], xl[6], F, S, l.opt, o)),
+             {rank_block(w[0], 1, F * S, b), rank_block(w[1], 2, F * S, b), w[2], w[3]}, world().get());
 
   ASSERT_EQ(cp.outs.size(), ref.outs.size());
   EXPECT_TRUE(close_rel(cp.outs[0], rank_block(ref.outs[0], 1, F * S, b), tol_fwd(dt), "num")) << "rank " << r;
@@ -160,14 +160,13 @@ TEST(CpRaw, OneRankMatchesFineOpsComposition) {
   const LayerInputs g = make_layer_inputs(dims(2, 2, 4, 3, 2), DType::f64, 300);
   cp::CpOptions o;
   o.truncate_to_active = 2;
-  const std::vector<Tensor> w = {Tensor::randn({2, 6, 2, 4}, DType::f64, Device::cpu, 301),
-                                 Tensor::randn({2, 2, 6}, DType::f64, Device::cpu, 302),
-                                 Tensor::randn({4, 4, 4}, DType::f64, Device::cpu, 303),
-                                 Tensor::randn({4, 4}, DType::f64, Device::cpu, 304)};
+  const std::vector<Tensor> w = {
+      Tensor::randn({2, 6, 2, 4}, DType::f64, Device::cpu, 301), Tensor::randn({2, 2, 6}, DType::f64, Device::cpu, 302),
+      Tensor::randn({4, 4, 4}, DType::f64, Device::cpu, 303), Tensor::randn({4, 4}, DType::f64, Device::cpu, 304)};
   const std::vector<Tensor> xa = leaves_of(g);
-  const LayerRun fused = finish(
-      xa, raw_outputs(cp::cp_gdn_raw(*self(), xa[0], xa[1], xa[2], xa[3], xa[4], xa[5], xa[6], 3, 2, g.opt, o)), w,
-      nullptr);
+  const LayerRun fused =
+      finish(xa, raw_outputs(cp::cp_gdn_raw(*self(), xa[0], xa[1], xa[2], xa[3], xa[4], xa[5], xa[6], 3, 2, g.opt, o)),
+             w, nullptr);
   const std::vector<Tensor> xb = leaves_of(g);
   const Tensor qkv_hat = ops::rms_norm(xb[0], xb[3], xb[4], g.opt.norm_eps);
   const std::vector<Tensor> prep = ops::relu_rope(qkv_hat, xb[5], xb[6], g.opt.k_scale);

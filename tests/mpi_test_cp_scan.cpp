@@ -25,7 +25,8 @@ Tensor make_P(int64_t BH, int64_t F, int64_t D, DType dt, uint64_t seed) {
     for (int64_t i = 0; i < D; ++i)
       for (int64_t j = 0; j < D; ++j) {
         double s = 0;
-        for (int64_t k = 0; k < D; ++k) s += x[static_cast<size_t>((m * D + i) * D + k)] * x[static_cast<size_t>((m * D + j) * D + k)];
+        for (int64_t k = 0; k < D; ++k)
+          s += x[static_cast<size_t>((m * D + i) * D + k)] * x[static_cast<size_t>((m * D + j) * D + k)];
         p[static_cast<size_t>((m * D + i) * D + j)] = s;
       }
   return Tensor::from_vector(p, {BH, F, D, D}, dt);
@@ -79,7 +80,8 @@ struct ScanRun {
 };
 
 // cp_scan on comm over `in` with loss Σ⟨w, out⟩; weights already local.
-ScanRun run_cp_scan(cp::Communicator& comm, const ScanInputs& in, const cp::CpOptions& o, const std::vector<Tensor>& w) {
+ScanRun run_cp_scan(cp::Communicator& comm, const ScanInputs& in, const cp::CpOptions& o,
+                    const std::vector<Tensor>& w) {
   std::vector<Tensor> x;
   for (const Tensor& t : in.list()) x.push_back(leaf(t));
   const cp::ScanResult r = cp::cp_scan(comm, x[0], x[1], x[2], x[3], x[4], o);
@@ -171,8 +173,8 @@ TEST(CpScan, TruncatedF32) {
 // frames ≥ K frozen.
 std::vector<std::vector<double>> naive_scan(const ScanInputs& in, int64_t K) {
   const int64_t BH = in.B * in.H, F = in.F, D = in.D;
-  const std::vector<double> P = in.P.to_vector(), A = in.A.to_vector(), Pz = in.Pz.to_vector(),
-                            bz = in.bz.to_vector(), g = in.decay.to_vector();
+  const std::vector<double> P = in.P.to_vector(), A = in.A.to_vector(), Pz = in.Pz.to_vector(), bz = in.bz.to_vector(),
+                            g = in.decay.to_vector();
   std::vector<double> M(static_cast<size_t>(BH * F * D * D)), z(static_cast<size_t>(BH * F * D));
   for (int64_t bh = 0; bh < BH; ++bh) {
     std::vector<double> m(static_cast<size_t>(D * D), 0.0), zz(static_cast<size_t>(D), 0.0);
@@ -184,7 +186,8 @@ std::vector<std::vector<double>> naive_scan(const ScanInputs& in, int64_t K) {
         for (int64_t i = 0; i < D; ++i) {
           for (int64_t j = 0; j < D; ++j) {
             double s = m[static_cast<size_t>(i * D + j)];
-            for (int64_t k = 0; k < D; ++k) s -= P[o + static_cast<size_t>(i * D + k)] * m[static_cast<size_t>(k * D + j)];
+            for (int64_t k = 0; k < D; ++k)
+              s -= P[o + static_cast<size_t>(i * D + k)] * m[static_cast<size_t>(k * D + j)];
             m2[static_cast<size_t>(i * D + j)] = gt * s + A[o + static_cast<size_t>(i * D + j)];
           }
           double s = zz[static_cast<size_t>(i)];
@@ -303,7 +306,7 @@ CamInputs cam_block(const CamInputs& g, int64_t F, int b) {
 }
 
 ScanRun run_cam(cp::Communicator& comm, const CamInputs& in, const cp::CpOptions& o, const std::vector<Tensor>& w,
-            Checkpoint ck = Checkpoint::off) {
+                Checkpoint ck = Checkpoint::off) {
   std::vector<Tensor> x;
   for (const Tensor& t : in.list()) x.push_back(leaf(t));
   const cp::CamResult r = cp::cp_cam_gdn_num(comm, x[0], x[1], x[2], x[3], x[4], in.F, in.S, o, ck);
@@ -372,7 +375,8 @@ TEST(CpCam, OneRankMatchesNaiveAndGradcheck) {
         const double bb = be[static_cast<size_t>((bh * F + f) * S + s)];
         for (int64_t i = 0; i < D; ++i)
           for (int64_t j = 0; j < D; ++j) {
-            const double ki = k[static_cast<size_t>((bh * D + i) * N + n)], kj = k[static_cast<size_t>((bh * D + j) * N + n)];
+            const double ki = k[static_cast<size_t>((bh * D + i) * N + n)],
+                         kj = k[static_cast<size_t>((bh * D + j) * N + n)];
             W[static_cast<size_t>(i * D + j)] -= bb * ki * kj;
             U[static_cast<size_t>(i * D + j)] += bb * v[static_cast<size_t>((bh * D + i) * N + n)] * kj;
           }
@@ -382,14 +386,16 @@ TEST(CpCam, OneRankMatchesNaiveAndGradcheck) {
         for (int64_t j = 0; j < D; ++j) {
           double s = 0;
           for (int64_t m = 0; m < D; ++m) s += St[static_cast<size_t>(i * D + m)] * W[static_cast<size_t>(m * D + j)];
-          S2[static_cast<size_t>(i * D + j)] = g[static_cast<size_t>(bh * F + f)] * s + U[static_cast<size_t>(i * D + j)];
+          S2[static_cast<size_t>(i * D + j)] =
+              g[static_cast<size_t>(bh * F + f)] * s + U[static_cast<size_t>(i * D + j)];
         }
       St = S2;
       for (int64_t s = 0; s < S; ++s) {
         const int64_t n = f * S + s;
         for (int64_t i = 0; i < D; ++i) {
           double acc = 0;
-          for (int64_t m = 0; m < D; ++m) acc += St[static_cast<size_t>(i * D + m)] * q[static_cast<size_t>((bh * D + m) * N + n)];
+          for (int64_t m = 0; m < D; ++m)
+            acc += St[static_cast<size_t>(i * D + m)] * q[static_cast<size_t>((bh * D + m) * N + n)];
           out[static_cast<size_t>((bh * D + i) * N + n)] = acc;
         }
       }
@@ -503,8 +509,8 @@ TEST(CpCamErrors, BadArguments) {
   expect_all_throw([&] { cp::cp_cam_gdn_num(*world(), c.q, c.k, c.v, c.beta, c.decay, 2, c.S + 1); }, "F·S");
   // k of a different shape on rank 0 only.
   const Tensor k0 = rank() == 0 ? Tensor::randn({1, 2, 4, 5}, DType::f64, Device::cpu, 3) : c.k;
-  expect_all_throw([&] { cp::cp_cam_gdn_num(*world(), c.q, k0, c.v, c.beta, c.decay, 2, c.S); }, "k:",
-                   "bad argument on rank 0");
+  expect_all_throw([&] { cp::cp_cam_gdn_num(*world(), c.q, k0, c.v, c.beta, c.decay, 2, c.S); },
+                   "k:", "bad argument on rank 0");
 }
 
 // After all the errors above the communicator still works.

@@ -150,9 +150,9 @@ std::vector<Tensor> cp_bidi_scan(Communicator& comm, const Tensor& P, const Tens
 
 // The bidirectional CP layer: out = num/(den+eps) (B, N, H, D) in qkv's dtype,
 // equal to bigdn() on the gathered sequence, for this rank's frames.
-Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
-                const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
-                int64_t F, int64_t S, const BigdnOptions& options = {});
+Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
+                const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
+                const BigdnOptions& options = {});
 
 // Raw single direction (seed 002 cp_fused_gdn_chunkwise_raw_autograd): Prep
 // (RMSNorm + relu + k_scale + RoPE + phase A) → CP scan → Output (phase C),

@@ -31,8 +31,8 @@ void all_reduce_grads(Communicator& comm, const std::vector<Tensor>& params) {
             " communicator takes " + device_name(comm.device()) + " tensors";
     }
     grads[i] = g;
-    for (const uint64_t x : {static_cast<uint64_t>(i), static_cast<uint64_t>(g.numel()),
-                             static_cast<uint64_t>(g.dtype())})
+    for (const uint64_t x :
+         {static_cast<uint64_t>(i), static_cast<uint64_t>(g.numel()), static_cast<uint64_t>(g.dtype())})
       sig = (sig ^ x) * 1099511628211ull;
   }
   struct Wire {

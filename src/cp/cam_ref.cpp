@@ -67,8 +67,8 @@ void phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k_in, const Tensor& v_in,
 }
 
 template <typename T>
-void phase_a_bwd(Tensor& dk, Tensor& dv, Tensor& dbeta, const Tensor& dPc_in, const Tensor& dAc_in,
-                 const Tensor& k_in, const Tensor& v_in, const Tensor& beta_in, const CamDims& d) {
+void phase_a_bwd(Tensor& dk, Tensor& dv, Tensor& dbeta, const Tensor& dPc_in, const Tensor& dAc_in, const Tensor& k_in,
+                 const Tensor& v_in, const Tensor& beta_in, const CamDims& d) {
   const Tensor kt = as<T>(k_in), vt = as<T>(v_in), bt = as<T>(beta_in);
   const T* k = kt.data_ptr<T>();
   const T* v = vt.data_ptr<T>();
@@ -168,8 +168,7 @@ bool f64(const Tensor& t) { return t.dtype() == DType::f64; }
 
 }  // namespace
 
-void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta,
-                     const CamDims& d) {
+void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta, const CamDims& d) {
   if (f64(Pc))
     phase_a_fwd<double>(Pc, Ac, k, v, beta, d);
   else

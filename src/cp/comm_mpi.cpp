@@ -130,16 +130,16 @@ class MpiCommunicator final : public Communicator {
     if (src >= 0) {
       check_cpu(recv, "send_recv: recv");
       MPI_Request r;
-      GDNCP_MPI_CHECK(MPI_Irecv(recv.data(), checked_count(recv.nbytes(), "send_recv"), MPI_BYTE, src, kHaloTag,
-                                comm_, &r));
+      GDNCP_MPI_CHECK(
+          MPI_Irecv(recv.data(), checked_count(recv.nbytes(), "send_recv"), MPI_BYTE, src, kHaloTag, comm_, &r));
       reqs.push_back(r);
       keep.push_back(recv);
     }
     if (dst >= 0) {
       check_cpu(send, "send_recv: send");
       MPI_Request r;
-      GDNCP_MPI_CHECK(MPI_Isend(send.data(), checked_count(send.nbytes(), "send_recv"), MPI_BYTE, dst, kHaloTag,
-                                comm_, &r));
+      GDNCP_MPI_CHECK(
+          MPI_Isend(send.data(), checked_count(send.nbytes(), "send_recv"), MPI_BYTE, dst, kHaloTag, comm_, &r));
       reqs.push_back(r);
       keep.push_back(send);
       bytes = send.nbytes();

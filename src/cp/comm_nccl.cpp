@@ -8,8 +8,9 @@
 // also give the device time spent in collectives (Stats::seconds).
 //
 // Waiting for each collective costs one host round trip; the CP layers issue
-// one collective per forward and one per backward (plus the small validation
-// exchange, which needs its answer on the host anyway).
+// one collective per forward and one per backward. The small validation
+// exchange (host memory) goes over MPI when the communicator was bootstrapped
+// from an MPI communicator, so it does not wait for the stream.
 #include <mpi.h>
 
 #include "gdncp/cp.h"
@@ -47,9 +48,12 @@ void pause(int spins) {
 
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
-    case DType::f32: return ncclFloat32;
-    case DType::f64: return ncclFloat64;
-    case DType::bf16: return ncclBfloat16;
+    case DType::f32:
+      return ncclFloat32;
+    case DType::f64:
+      return ncclFloat64;
+    case DType::bf16:
+      return ncclBfloat16;
   }
   GDNCP_FAIL("nccl: unknown dtype");
 }
@@ -67,8 +71,10 @@ ncclResult_t settle(ncclComm_t comm, Clock::time_point deadline) {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, bool owned, cudaStream_t stream, double timeout)
-      : comm_(comm), owned_(owned), stream_(stream) {
+  // host: an MPI communicator over the same ranks for host-memory exchanges (may be null).
+  NcclCommunicator(ncclComm_t comm, bool owned, cudaStream_t stream, double timeout,
+                   std::shared_ptr<Communicator> host = nullptr)
+      : comm_(comm), owned_(owned), stream_(stream), host_(std::move(host)) {
     timeout_seconds_ = timeout;
     GDNCP_NCCL_CHECK(ncclCommCount(comm_, &size_));
     GDNCP_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
@@ -104,7 +110,7 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Device device() const override { return Device::cuda; }
-  bool aborted() const override { return aborted_; }
+  bool aborted() const override { return aborted_ || (host_ && host_->aborted()); }
   const char* backend() const override { return "nccl"; }
 
   void all_gather(Tensor& out, const Tensor& in) override {
@@ -115,17 +121,15 @@ class NcclCommunicator final : public Communicator {
                 dtype_name(in.dtype()));
     GDNCP_CHECK(out.numel() == in.numel() * size_, "all_gather: out has ", out.numel(), " elements, expected size()·",
                 in.numel(), " = ", in.numel() * size_);
-    run("ncclAllGather", in.nbytes(), [&](cudaStream_t s) {
-      return ncclAllGather(in.data(), out.data(), in.nbytes(), ncclUint8, comm_, s);
-    });
+    run("ncclAllGather", in.nbytes(),
+        [&](cudaStream_t s) { return ncclAllGather(in.data(), out.data(), in.nbytes(), ncclUint8, comm_, s); });
   }
 
   void all_reduce_sum(Tensor& t) override {
     check_usable("all_reduce_sum");
     check_cuda(t, "all_reduce_sum: t");
     run("ncclAllReduce", t.nbytes(), [&](cudaStream_t s) {
-      return ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), ncclSum, comm_,
-                           s);
+      return ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), ncclSum, comm_, s);
     });
   }
 
@@ -133,9 +137,8 @@ class NcclCommunicator final : public Communicator {
     check_usable("broadcast");
     check_cuda(t, "broadcast: t");
     GDNCP_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is not a rank of a group of ", size_);
-    run("ncclBroadcast", t.nbytes(), [&](cudaStream_t s) {
-      return ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, s);
-    });
+    run("ncclBroadcast", t.nbytes(),
+        [&](cudaStream_t s) { return ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, s); });
   }
 
   void send_recv(const Tensor& send, int dst, Tensor& recv, int src) override {
@@ -167,13 +170,19 @@ class NcclCommunicator final : public Communicator {
 
   void all_gather_host(void* out, const void* in, size_t bytes) override {
     check_usable("all_gather_host");
+    if (host_) {  // over MPI: no device round trip, no wait for the stream
+      host_->set_timeout_seconds(timeout_seconds_);
+      host_->all_gather_host(out, in, bytes);
+      return;
+    }
     const int64_t n = static_cast<int64_t>((bytes + 7) / 8);
     std::vector<double> host(static_cast<size_t>(n), 0.0);
     std::memcpy(host.data(), in, bytes);
     Tensor send = Tensor::empty({n}, DType::f64, Device::cuda);
     Tensor recv = Tensor::empty({n * size_}, DType::f64, Device::cuda);
     const cudaStream_t cur = static_cast<cudaStream_t>(current_stream());
-    GDNCP_CUDA_CHECK(cudaMemcpyAsync(send.data(), host.data(), static_cast<size_t>(n) * 8, cudaMemcpyHostToDevice, cur));
+    GDNCP_CUDA_CHECK(
+        cudaMemcpyAsync(send.data(), host.data(), static_cast<size_t>(n) * 8, cudaMemcpyHostToDevice, cur));
     all_gather(recv, send);  // waits: the copy back below cannot block on NCCL
     std::vector<double> all(static_cast<size_t>(n * size_));
     GDNCP_CUDA_CHECK(cudaMemcpyAsync(all.data(), recv.data(), all.size() * 8, cudaMemcpyDeviceToHost, cur));
@@ -184,7 +193,7 @@ class NcclCommunicator final : public Communicator {
 
  private:
   void check_usable(const char* what) const {
-    GDNCP_CHECK(!aborted_, what, ": the NCCL communicator was aborted by an earlier timeout or error (rank ", rank_,
+    GDNCP_CHECK(!aborted(), what, ": the NCCL communicator was aborted by an earlier timeout or error (rank ", rank_,
                 ")");
     int cur = -1;
     GDNCP_CUDA_CHECK(cudaGetDevice(&cur));
@@ -250,6 +259,7 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   bool owned_ = false;
   cudaStream_t stream_ = nullptr;
+  std::shared_ptr<Communicator> host_;
   int rank_ = 0, size_ = 1, device_ = 0;
   bool aborted_ = false;
   cudaEvent_t start_ = nullptr, stop_ = nullptr, order_ = nullptr;
@@ -286,8 +296,8 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm) {
   config.blocking = 0;
   ncclComm_t nc = nullptr;
   const ncclResult_t r = ncclCommInitRankConfig(&nc, size, id, rank, &config);
-  GDNCP_CHECK(r == ncclSuccess || r == ncclInProgress, "make_nccl_communicator: ncclCommInitRankConfig failed: ",
-              ncclGetErrorString(r));
+  GDNCP_CHECK(r == ncclSuccess || r == ncclInProgress,
+              "make_nccl_communicator: ncclCommInitRankConfig failed: ", ncclGetErrorString(r));
   const double timeout = 300.0;
   const ncclResult_t st = settle(nc, Clock::now() + as_duration(timeout));
   if (st != ncclSuccess) {
@@ -295,7 +305,7 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm) {
     GDNCP_FAIL("make_nccl_communicator: ncclCommInitRankConfig on rank ", rank, " (device ", device, ") ",
                st == ncclInProgress ? std::string("timed out") : std::string(ncclGetErrorString(st)));
   }
-  return std::make_shared<NcclCommunicator>(nc, true, nullptr, timeout);
+  return std::make_shared<NcclCommunicator>(nc, true, nullptr, timeout, make_mpi_communicator(comm));
 }
 
 #else  // !GDNCP_WITH_CUDA

@@ -89,8 +89,8 @@ class CamNode : public autograd::Node {
   CpOptions opt_;
 };
 
-std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& in, const CamDims& d,
-                                const CpOptions& o, Tensor* keep) {
+std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& in, const CamDims& d, const CpOptions& o,
+                                Tensor* keep) {
   const Tensor &q = in[kQ], &k = in[kK], &v = in[kV], &beta = in[kBeta], &decay = in[kDecay];
   const Device dev = q.device();
   const DType ct = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
@@ -117,7 +117,8 @@ void check_cam_inputs(const char* entry, const Tensor& q, const Tensor& k, const
                       const Tensor& decay, int64_t F, int64_t S, CamDims& d, detail::CallRecord& rec) {
   GDNCP_CHECK(F > 0, entry, ": F: must be > 0, got ", F);
   GDNCP_CHECK(S > 0, entry, ": S: must be > 0, got ", S);
-  GDNCP_CHECK(q.defined() && q.dim() == 4, entry, ": q: must be (B, H, D, N), got ", q.defined() ? q.str() : "undefined");
+  GDNCP_CHECK(q.defined() && q.dim() == 4, entry, ": q: must be (B, H, D, N), got ",
+              q.defined() ? q.str() : "undefined");
   d.B = q.size(0);
   d.H = q.size(1);
   d.D = q.size(2);

@@ -51,6 +51,21 @@ void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int6
   GDNCP_CP_DISPATCH(X, fold(X, init, Mbuf, m_off, m_stride, transpose, Hbuf, h_off, h_stride, order, BH, D, E));
 }
 
+void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
+  if (sweeps.empty()) return;
+  GDNCP_CP_DISPATCH(sweeps.front().P, scan_sweeps(sweeps, decay));
+}
+
+void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
+  if (groups.empty()) return;
+  GDNCP_CP_DISPATCH(groups.front().P, scan_grad_outers(groups, decay, BH, F, D));
+}
+
+void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
+  if (fs.empty()) return;
+  GDNCP_CP_DISPATCH(fs.front().X, folds(fs, BH, D));
+}
+
 void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n) {
   GDNCP_CHECK(dst.device() == src.device(), "copy_region: device mismatch");
   GDNCP_CP_DISPATCH(dst, copy_region(dst, dst_off, src, src_off, n));
@@ -58,8 +73,7 @@ void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_of
 
 void add(Tensor& out, const Tensor& a, const Tensor& b) { GDNCP_CP_DISPATCH(out, add(out, a, b)); }
 
-void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta,
-                     const CamDims& d) {
+void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta, const CamDims& d) {
   GDNCP_CP_DISPATCH(k, cam_phase_a_fwd(Pc, Ac, k, v, beta, d));
 }
 

@@ -96,8 +96,7 @@ class CpLayerNode : public autograd::Node {
     if (bidi_)
       kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], Tensor(), qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, true, mode_);
     else
-      kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], grads[1], qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, false,
-                           mode_);
+      kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], grads[1], qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, false, mode_);
 
     // CP scan backward (one all-gather).
     ScanContext ctx{&comm_, BH, F, D, decay, gathered};
@@ -243,8 +242,8 @@ Dims validate_layer(Communicator& comm, const char* entry, const std::vector<Ten
 
 // Runs the layer forward directly or under a checkpoint whose recompute
 // reuses the gathered composites of the first run.
-std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in, const Dims& d,
-                              const BigdnOptions& opt, const CpOptions& cpo, bool bidi) {
+std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in, const Dims& d, const BigdnOptions& opt,
+                              const CpOptions& cpo, bool bidi) {
   if (!autograd::resolve_checkpoint(opt.checkpoint, in)) return layer_forward(comm, in, d, opt, cpo, bidi, nullptr);
   auto keep = std::make_shared<Tensor>();
   Communicator* c = &comm;
@@ -256,9 +255,9 @@ std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in,
 
 }  // namespace
 
-Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
-                const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
-                int64_t F, int64_t S, const BigdnOptions& options) {
+Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
+                const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
+                const BigdnOptions& options) {
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
   const Dims d = validate_layer(comm, "bigdn_cp", in, F, S, options, CpOptions());
   return run_layer(comm, in, d, options, CpOptions(), true).at(0);

@@ -24,13 +24,13 @@ enum Input { kP, kA, kPz, kBz, kDecay, kNumInputs };
 
 void check_scan_inputs(const char* entry, const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz,
                        const Tensor& decay, detail::CallRecord& rec) {
-  GDNCP_CHECK(P.defined() && P.dim() == 4 && P.size(2) == P.size(3), entry,
-              ": P: must be (B·H, F, D, D), got ", P.defined() ? P.str() : "undefined");
+  GDNCP_CHECK(P.defined() && P.dim() == 4 && P.size(2) == P.size(3), entry, ": P: must be (B·H, F, D, D), got ",
+              P.defined() ? P.str() : "undefined");
   const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
   GDNCP_CHECK(BH > 0 && F > 0 && D > 0, entry, ": P: sizes must be > 0, got ", P.str());
   GDNCP_CHECK(D <= kMaxHeadDim, entry, ": P: D = ", D, " exceeds the supported maximum ", kMaxHeadDim);
-  GDNCP_CHECK(P.dtype() == DType::f32 || P.dtype() == DType::f64, entry, ": P: must be f32 or f64 (compute dtype), got ",
-              dtype_name(P.dtype()));
+  GDNCP_CHECK(P.dtype() == DType::f32 || P.dtype() == DType::f64, entry,
+              ": P: must be f32 or f64 (compute dtype), got ", dtype_name(P.dtype()));
   GDNCP_CHECK(P.dtype() == DType::f32 || P.device() == Device::cpu, entry, ": P: f64 is CPU-only");
   for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{A, "A"}, {Pz, "Pz"}}) {
     GDNCP_CHECK(t.defined() && t.shape() == P.shape(), entry, ": ", name, ": must be ", shape_str(P.shape()),

@@ -30,7 +30,6 @@ SweepSpec spec_of(const ScanContext& c, const ScanJob& j) {
   return s;
 }
 
-Tensor none;  // an absent optional argument
 
 // Offsets (elements) of each job's pieces inside one rank's packed slice.
 struct Layout {
@@ -82,21 +81,34 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
 
   if (P > 1) {
     if (!ctx.gathered.defined()) {
+      // 1. The composites of every job, all in one batch of sweeps.
+      std::vector<Sweep> sweeps;
+      std::vector<Tensor> h(jobs.size()), M(jobs.size());
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        const ScanJob& j = jobs[i];
+        h[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
+        M[i] = Tensor::empty({BH, D, D}, dt, dev);
+        Sweep sh;
+        sh.final_state = h[i];
+        sh.P = j.P;
+        sh.add_after = j.U;
+        sh.spec = spec_of(ctx, j);
+        sh.spec.descending = j.anti;
+        sh.spec.init = Init::zero;
+        Sweep sm = sh;
+        sm.final_state = M[i];
+        sm.add_after = Tensor();
+        sm.spec.init = Init::identity;
+        sm.spec.E = D;
+        sweeps.push_back(sh);
+        sweeps.push_back(sm);
+      }
+      kern::scan_sweeps(sweeps, ctx.decay);
+      // 2. One all-gather of all of them.
       Tensor pack = Tensor::empty({L.fwd_total}, dt, dev);
       for (size_t i = 0; i < jobs.size(); ++i) {
-        ScanJob& j = jobs[i];
-        SweepSpec s = spec_of(ctx, j);
-        s.descending = j.anti;
-        Tensor h = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-        Tensor M = Tensor::empty({BH, D, D}, dt, dev);
-        s.init = Init::zero;
-        kern::scan_sweep(none, none, h, j.P, ctx.decay, none, j.U, none, s);
-        SweepSpec sm = s;
-        sm.init = Init::identity;
-        sm.E = D;
-        kern::scan_sweep(none, none, M, j.P, ctx.decay, none, none, none, sm);
-        kern::copy_region(pack, L.h[i], h, 0, h.numel());
-        kern::copy_region(pack, L.M[i], M, 0, M.numel());
+        kern::copy_region(pack, L.h[i], h[i], 0, h[i].numel());
+        kern::copy_region(pack, L.M[i], M[i], 0, M[i].numel());
       }
       Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * L.fwd_total}, dt, dev);
       comm.all_gather(gathered, pack);
@@ -104,42 +116,58 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
     }
     GDNCP_CHECK(ctx.gathered.numel() == static_cast<int64_t>(P) * L.fwd_total,
                 "cp scan: kept composites do not match this call (", ctx.gathered.numel(), " elements)");
+    // 3. The incoming state of every job (and the terminal states): folds over the ranks.
+    std::vector<Fold> fs;
     for (size_t i = 0; i < jobs.size(); ++i) {
       ScanJob& j = jobs[i];
-      std::vector<int> before;
-      for (int pos = 0; pos < logical(j, r, P); ++pos) before.push_back(physical(j, pos, P));
+      Fold f;
+      f.Mbuf = f.Hbuf = ctx.gathered;
+      f.m_off = L.M[i];
+      f.h_off = L.h[i];
+      f.m_stride = f.h_stride = L.fwd_total;
+      f.E = j.E;
+      for (int pos = 0; pos < logical(j, r, P); ++pos) f.order.push_back(physical(j, pos, P));
       j.X0 = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-      kern::fold(j.X0, none, ctx.gathered, L.M[i], L.fwd_total, false, ctx.gathered, L.h[i], L.fwd_total, before, BH,
-                 D, j.E);
+      f.X = j.X0;
+      fs.push_back(f);
       if (j.terminal) {
         GDNCP_CHECK(!j.anti && !j.rank_reverse, "cp scan: a terminal state needs the forward rank order");
-        std::vector<int> all;
-        for (int p = 0; p < P; ++p) all.push_back(p);
+        Fold ft = f;
+        ft.order.clear();
+        for (int p = 0; p < P; ++p) ft.order.push_back(p);
         j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-        kern::fold(j.T, none, ctx.gathered, L.M[i], L.fwd_total, false, ctx.gathered, L.h[i], L.fwd_total, all, BH,
-                   D, j.E);
+        ft.X = j.T;
+        fs.push_back(ft);
       }
     }
+    kern::folds(fs, BH, D);
   } else {
     for (auto& j : jobs) j.X0 = Tensor::zeros(state_shape(BH, D, j.E), dt, dev);
   }
 
+  // 4. The rescans from the incoming states, one batch.
+  std::vector<Sweep> sweeps;
   for (auto& j : jobs) {
-    SweepSpec s = spec_of(ctx, j);
-    s.init = Init::given;
+    Sweep w;
+    w.P = j.P;
+    w.add_after = j.U;
+    w.init = j.X0;
+    w.spec = spec_of(ctx, j);
+    w.spec.init = Init::given;
     j.Y = Tensor::empty(states_shape(BH, F, D, j.E), dt, dev);
-    Tensor fin;
     if (P == 1 && j.terminal) {  // one rank: the terminal state is its last state
       j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-      fin = j.T;
+      w.final_state = j.T;
     }
     if (j.anti) {
-      s.descending = true;
-      kern::scan_sweep(j.Y, none, fin, j.P, ctx.decay, none, j.U, j.X0, s);
+      w.spec.descending = true;
+      w.out_before = j.Y;
     } else {
-      kern::scan_sweep(none, j.Y, fin, j.P, ctx.decay, none, j.U, j.X0, s);
+      w.out_after = j.Y;
     }
+    sweeps.push_back(w);
   }
+  kern::scan_sweeps(sweeps, ctx.decay);
 }
 
 void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
@@ -152,66 +180,122 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
 
   // Sweeps of the state adjoint: anti jobs run ascending with the slot
   // gradient added after the step, forward jobs descending with it added before.
-  auto adjoint_sweep = [&](const ScanJob& j, Tensor& out_before, Tensor& final_state, const Tensor& init) {
-    SweepSpec s = spec_of(ctx, j);
-    s.transpose = true;
-    s.init = init.defined() ? Init::given : Init::zero;
-    if (j.anti) {
-      s.descending = false;
-      kern::scan_sweep(out_before, none, final_state, j.P, ctx.decay, none, j.dY, init, s);
-    } else {
-      s.descending = true;
-      kern::scan_sweep(out_before, none, final_state, j.P, ctx.decay, j.dY, none, init, s);
-    }
+  auto adjoint = [&](const ScanJob& j, const Tensor& out_before, const Tensor& final_state, const Tensor& init) {
+    Sweep w;
+    w.out_before = out_before;
+    w.final_state = final_state;
+    w.P = j.P;
+    w.init = init;
+    w.spec = spec_of(ctx, j);
+    w.spec.transpose = true;
+    w.spec.init = init.defined() ? Init::given : Init::zero;
+    w.spec.descending = !j.anti;
+    if (j.anti)
+      w.add_after = j.dY;
+    else
+      w.add_before = j.dY;
+    return w;
   };
 
   std::vector<Tensor> seed(jobs.size());  // the adjoint a of each job's last state
   if (P > 1) {
     GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
+    // 1. The adjoint of every job's incoming state (none on the logically first rank: its X0 is 0).
+    std::vector<Sweep> sweeps;
+    std::vector<Tensor> dX0(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (logical(jobs[i], r, P) > 0) {
+        dX0[i] = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
+        sweeps.push_back(adjoint(jobs[i], Tensor(), dX0[i], Tensor()));
+      }
+    kern::scan_sweeps(sweeps, ctx.decay);
+    // 2. One all-gather of them and of the terminal states' gradients.
     Tensor pack = Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev);
     for (size_t i = 0; i < jobs.size(); ++i) {
-      const ScanJob& j = jobs[i];
-      if (logical(j, r, P) > 0) {  // the logically first rank's X0 is the constant 0
-        Tensor dX0 = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-        adjoint_sweep(j, none, dX0, none);
-        kern::copy_region(pack, L.dX0[i], dX0, 0, dX0.numel());
-      }
-      if (j.terminal && j.dT.defined()) kern::copy_region(pack, L.dT[i], j.dT, 0, j.dT.numel());
+      if (dX0[i].defined()) kern::copy_region(pack, L.dX0[i], dX0[i], 0, dX0[i].numel());
+      if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
     }
     Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * pack.numel()}, dt, dev);
     comm.all_gather(gathered, pack);
     const int64_t stride = pack.numel();
+    // 3. Σ over ranks of dT (rank order: the same bits everywhere), then the
+    //    adjoint arriving from the logically later ranks.
+    std::vector<Fold> sums, sweeps_back;
+    std::vector<Tensor> a0(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      if (!jobs[i].terminal) continue;
+      Fold f;
+      a0[i] = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
+      f.X = a0[i];
+      f.Hbuf = gathered;
+      f.h_off = L.dT[i];
+      f.h_stride = stride;
+      f.E = jobs[i].E;
+      for (int p = 0; p < P; ++p) f.order.push_back(p);
+      sums.push_back(f);
+    }
+    kern::folds(sums, BH, D);
     for (size_t i = 0; i < jobs.size(); ++i) {
       const ScanJob& j = jobs[i];
-      Tensor a0;
-      if (j.terminal) {  // Σ over ranks of dT, in rank order: the same bits everywhere
-        std::vector<int> all;
-        for (int p = 0; p < P; ++p) all.push_back(p);
-        a0 = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-        kern::fold(a0, none, none, 0, 0, false, gathered, L.dT[i], stride, all, BH, D, j.E);
+      Fold f;
+      for (int pos = P - 1; pos > logical(j, r, P); --pos) f.order.push_back(physical(j, pos, P));
+      if (f.order.empty()) {
+        seed[i] = a0[i];
+        continue;
       }
-      std::vector<int> after;
-      for (int pos = P - 1; pos > logical(j, r, P); --pos) after.push_back(physical(j, pos, P));
-      if (after.empty()) {
-        seed[i] = a0;
-      } else {
-        seed[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-        kern::fold(seed[i], a0, ctx.gathered, L.M[i], L.fwd_total, true, gathered, L.dX0[i], stride, after, BH, D,
-                   j.E);
-      }
+      seed[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
+      f.X = seed[i];
+      f.init = a0[i];
+      f.Mbuf = ctx.gathered;
+      f.m_off = L.M[i];
+      f.m_stride = L.fwd_total;
+      f.transpose = true;
+      f.Hbuf = gathered;
+      f.h_off = L.dX0[i];
+      f.h_stride = stride;
+      f.E = j.E;
+      sweeps_back.push_back(f);
     }
+    kern::folds(sweeps_back, BH, D);
   } else {
     for (size_t i = 0; i < jobs.size(); ++i)
       if (jobs[i].terminal) seed[i] = jobs[i].dT;
   }
 
+  // 4. The adjoint sweeps seeded with a (one batch), then the transition
+  //    gradients, grouped by the P they belong to (one launch).
+  std::vector<Sweep> sweeps;
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
     j.dU = Tensor::empty(states_shape(BH, ctx.F, D, j.E), dt, dev);
-    adjoint_sweep(j, j.dU, none, seed[i]);
-    SweepSpec s = spec_of(ctx, j);
-    kern::scan_grad_outer(j.dP, dg, j.dU, j.Y, j.anti ? none : j.X0, j.P, ctx.decay, s, j.anti, j.dP_accumulate);
+    sweeps.push_back(adjoint(j, j.dU, Tensor(), seed[i]));
   }
+  kern::scan_sweeps(sweeps, ctx.decay);
+  std::vector<OuterGroup> groups;
+  for (const ScanJob& j : jobs) {
+    OuterSource src;
+    src.L = j.dU;
+    src.R = j.Y;
+    src.R0 = j.anti ? Tensor() : j.X0;
+    src.shifted = j.anti;
+    src.active = j.active;
+    auto same = std::find_if(groups.begin(), groups.end(), [&](const OuterGroup& g) { return g.dP.same_as(j.dP); });
+    if (same != groups.end()) {
+      GDNCP_CHECK(same->sources.size() < 2 && same->E == j.E, "cp scan backward: bad transition sharing");
+      same->sources.push_back(src);
+      continue;
+    }
+    OuterGroup g;
+    g.dP = j.dP;
+    g.P = j.P;
+    g.E = j.E;
+    g.accumulate_dP = j.dP_accumulate;
+    g.dg = Tensor::zeros({BH, ctx.F}, dt, dev);
+    g.sources.push_back(src);
+    groups.push_back(g);
+  }
+  kern::scan_grad_outers(groups, ctx.decay, BH, ctx.F, D);
+  for (OuterGroup& g : groups) kern::add(dg, dg, g.dg);
 }
 
 }  // namespace detail

@@ -52,9 +52,9 @@ struct ScanJob {
   Tensor T;   // (BH, D, E) terminal state (terminal jobs)
   // --- backward inputs (undefined = zero) and targets
   Tensor dY, dT;
-  Tensor dP;                // where dP goes: (BH, F, D, D), overwritten or accumulated
+  Tensor dP;  // where dP goes: (BH, F, D, D), overwritten or accumulated
   bool dP_accumulate = false;
-  Tensor dU;                // result (BH, F, D, E), fresh
+  Tensor dU;  // result (BH, F, D, E), fresh
 };
 
 struct ScanContext {

@@ -115,8 +115,8 @@ void grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const 
         continue;
       }
       const T* lt = l + (bh * F + t) * DE;
-      const T* prev = shifted ? r + (bh * F + t) * DE
-                              : (t > 0 ? r + (bh * F + t - 1) * DE : (r0 ? r0 + bh * DE : zero.data()));
+      const T* prev =
+          shifted ? r + (bh * F + t) * DE : (t > 0 ? r + (bh * F + t - 1) * DE : (r0 ? r0 + bh * DE : zero.data()));
       for (int64_t i = 0; i < D; ++i)
         for (int64_t k = 0; k < D; ++k) {
           T acc = 0;
@@ -229,13 +229,37 @@ void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_of
 
 void add(Tensor& out, const Tensor& a, const Tensor& b) {
   check_compute(out, "add: out");
-  GDNCP_CHECK(a.numel() == out.numel() && b.numel() == out.numel() && a.dtype() == out.dtype() &&
-                  b.dtype() == out.dtype(),
-              "add: shape or dtype mismatch");
+  GDNCP_CHECK(
+      a.numel() == out.numel() && b.numel() == out.numel() && a.dtype() == out.dtype() && b.dtype() == out.dtype(),
+      "add: shape or dtype mismatch");
   if (is_f64(out))
     add_impl<double>(out, a, b);
   else
     add_impl<float>(out, a, b);
+}
+
+void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
+  for (Sweep& w : sweeps)
+    scan_sweep(w.out_before, w.out_after, w.final_state, w.P, decay, w.add_before, w.add_after, w.init, w.spec);
+}
+
+void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
+  for (OuterGroup& g : groups)
+    for (size_t i = 0; i < g.sources.size(); ++i) {
+      const OuterSource& src = g.sources[i];
+      SweepSpec s;
+      s.BH = BH;
+      s.F = F;
+      s.D = D;
+      s.E = g.E;
+      s.active = src.active;
+      scan_grad_outer(g.dP, g.dg, src.L, src.R, src.R0, g.P, decay, s, src.shifted, i > 0 || g.accumulate_dP);
+    }
+}
+
+void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
+  for (Fold& f : fs)
+    fold(f.X, f.init, f.Mbuf, f.m_off, f.m_stride, f.transpose, f.Hbuf, f.h_off, f.h_stride, f.order, BH, D, f.E);
 }
 
 }  // namespace cpu

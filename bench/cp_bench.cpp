@@ -1,0 +1,350 @@
+// bench/cp_bench.cpp — the context-parallel benchmark (see cp_bench.h).
+//
+// Hooked into gdncp_bench --cp; built standalone (its own main) with
+// -DGDNCP_CP_BENCH_MAIN. One rank per GPU under mpirun.
+#include "cp_bench.h"
+
+#include <cuda_runtime.h>
+#include <mpi.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gdncp/cp.h"
+#include "gdncp/cp_nccl.h"
+#include "gdncp/error.h"
+#include "gdncp/gdncp.h"
+
+namespace gdncp {
+namespace bench {
+namespace {
+
+cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream()); }
+
+struct Layer {  // inputs of one rank (leaves) and the output gradient
+  Tensor qkv, beta, decay, qw, kw, cos, sin, gout;
+  int64_t F = 0, S = 0;
+};
+
+// Rows [lo, hi) of axis `axis` of a CUDA tensor (a strided device copy).
+Tensor slice_rows(const Tensor& t, int axis, int64_t lo, int64_t hi) {
+  const Shape& s = t.shape();
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < axis; ++i) outer *= s[static_cast<size_t>(i)];
+  for (size_t i = static_cast<size_t>(axis) + 1; i < s.size(); ++i) inner *= s[i];
+  Shape shape = s;
+  shape[static_cast<size_t>(axis)] = hi - lo;
+  Tensor out = Tensor::empty(shape, t.dtype(), t.device());
+  const size_t es = dtype_size(t.dtype());
+  const size_t row = static_cast<size_t>(s[static_cast<size_t>(axis)] * inner) * es;
+  const size_t width = static_cast<size_t>((hi - lo) * inner) * es;
+  GDNCP_CUDA_CHECK(cudaMemcpy2DAsync(out.data(), width, static_cast<const char*>(t.data()) + lo * inner * es, row,
+                                     width, static_cast<size_t>(outer), cudaMemcpyDeviceToDevice, stream()));
+  return out;
+}
+
+Tensor leaf(Tensor t) {
+  t.requires_grad_(true);
+  return t;
+}
+
+// The global inputs of Fg frames (seeded: every rank makes the same), and the block of `rank`.
+Layer make_layer(const CpBenchConfig& c, int64_t Fg, int64_t F, int block, DType dt, uint64_t seed) {
+  const int64_t B = c.batch, H = c.heads, D = c.head_dim, S = c.tokens, Ng = Fg * S, N = F * S, C = H * D;
+  const Device cu = Device::cuda;
+  Layer g;
+  g.qkv = Tensor::randn({B, Ng, 3, H, D}, dt, cu, seed + 1);
+  g.beta = Tensor::uniform({B, H, Fg, S}, dt, cu, seed + 2, 0.1, 0.9);
+  g.decay = Tensor::uniform({B, H, Fg}, dt, cu, seed + 3, 0.5, 0.99);
+  g.qw = Tensor::uniform({C}, DType::f32, cu, seed + 4, 0.5, 1.5);
+  g.kw = Tensor::uniform({C}, DType::f32, cu, seed + 5, 0.5, 1.5);
+  auto rope = rope_tables(Ng, D, DType::f32, cu);
+  Layer l;
+  l.F = F;
+  l.S = S;
+  l.qkv = leaf(slice_rows(g.qkv, 1, block * N, (block + 1) * N));
+  l.beta = leaf(slice_rows(g.beta, 2, block * F, (block + 1) * F));
+  l.decay = leaf(slice_rows(g.decay, 2, block * F, (block + 1) * F));
+  l.qw = leaf(g.qw);
+  l.kw = leaf(g.kw);
+  l.cos = slice_rows(rope.first, 0, block * N, (block + 1) * N);
+  l.sin = slice_rows(rope.second, 0, block * N, (block + 1) * N);
+  l.gout = Tensor::randn({B, N, H, D}, dt, cu, seed + 6);
+  return l;
+}
+
+BigdnOptions options(const CpBenchConfig& c, Checkpoint ck) {
+  BigdnOptions o;
+  o.k_scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim * c.tokens));
+  o.precision = Precision::bf16;
+  o.checkpoint = ck;
+  return o;
+}
+
+// comm == nullptr: the single-GPU layer bigdn().
+Tensor forward(cp::Communicator* comm, const Layer& l, const BigdnOptions& o) {
+  return comm ? cp::bigdn_cp(*comm, l.qkv, l.beta, l.decay, l.qw, l.kw, l.cos, l.sin, l.F, l.S, o)
+              : bigdn(l.qkv, l.beta, l.decay, l.qw, l.kw, l.cos, l.sin, l.F, l.S, o);
+}
+
+void zero_grads(Layer& l) {
+  for (Tensor* t : {&l.qkv, &l.beta, &l.decay, &l.qw, &l.kw}) t->zero_grad();
+}
+
+struct Row {
+  std::string name;
+  int P = 1;
+  int64_t F = 0;  // frames per rank
+  Checkpoint ck = Checkpoint::off;
+  double ms = 0, comm_ms = 0, comm_calls = 0;
+  double peak_mib = 0, held_mib = 0;  // peak above the inputs during fwd+bwd; held after the forward
+};
+
+double max_over_ranks(double v) {
+  double m = v;
+  GDNCP_MPI_CHECK(MPI_Allreduce(&v, &m, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+  return m;
+}
+
+Row measure(const std::string& name, cp::Communicator* comm, Layer& l, Checkpoint ck, const CpBenchConfig& c) {
+  const BigdnOptions o = options(c, ck);
+  auto step = [&] {
+    zero_grads(l);
+    Tensor out = forward(comm, l, o);
+    backward(out, l.gout);
+  };
+  Row row;
+  row.name = name;
+  row.P = comm ? comm->size() : 1;
+  row.F = l.F;
+  row.ck = ck;
+  // Memory: one step from a clean state.
+  zero_grads(l);
+  synchronize();
+  reset_peak_memory();
+  const size_t base = cuda_memory_stats().allocated;
+  {
+    Tensor out = forward(comm, l, o);
+    synchronize();
+    row.held_mib = static_cast<double>(cuda_memory_stats().allocated - base) / (1 << 20);
+    backward(out, l.gout);
+  }
+  synchronize();
+  row.peak_mib = static_cast<double>(cuda_memory_stats().peak_allocated - base) / (1 << 20);
+  // Time: warm-up, then the median of per-iteration device times.
+  for (int i = 0; i < c.warmup; ++i) step();
+  synchronize();
+  GDNCP_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+  if (comm) comm->reset_stats();
+  cudaEvent_t a, b;
+  GDNCP_CUDA_CHECK(cudaEventCreate(&a));
+  GDNCP_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<float> t;
+  for (int i = 0; i < c.iters; ++i) {
+    GDNCP_CUDA_CHECK(cudaEventRecord(a, stream()));
+    step();
+    GDNCP_CUDA_CHECK(cudaEventRecord(b, stream()));
+    GDNCP_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    GDNCP_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  GDNCP_CUDA_CHECK(cudaEventDestroy(a));
+  GDNCP_CUDA_CHECK(cudaEventDestroy(b));
+  std::sort(t.begin(), t.end());
+  row.ms = max_over_ranks(t[t.size() / 2]);
+  if (comm) {
+    row.comm_ms = max_over_ranks(comm->stats().seconds * 1e3 / c.iters);
+    row.comm_calls = static_cast<double>(comm->stats().calls) / c.iters;
+  }
+  row.peak_mib = max_over_ranks(row.peak_mib);
+  row.held_mib = max_over_ranks(row.held_mib);
+  return row;
+}
+
+// bigdn_cp on P GPUs (F = Fg/P each) against bigdn on one GPU over the Fg frames.
+double validate(cp::Communicator& world, const CpBenchConfig& c, int64_t Fg) {
+  const int P = world.size(), r = world.rank();
+  const int64_t F = Fg / P, N = F * c.tokens;
+  Layer one = make_layer(c, Fg, Fg, 0, DType::bf16, 77);
+  Layer mine = make_layer(c, Fg, F, r, DType::bf16, 77);
+  NoGradGuard no_grad;
+  const Tensor ref = slice_rows(forward(nullptr, one, options(c, Checkpoint::off)), 1, r * N, (r + 1) * N);
+  const Tensor out = forward(&world, mine, options(c, Checkpoint::off));
+  const std::vector<double> a = out.to(Device::cpu).to_vector(), b = ref.to(Device::cpu).to_vector();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return max_over_ranks(std::sqrt(num / std::max(den, 1e-300)));
+}
+
+int run(const CpBenchConfig& c) {
+  int P = 1, r = 0;
+  GDNCP_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &P));
+  GDNCP_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &r));
+  GDNCP_CHECK(cuda_device_count() >= 1, "cp_bench: no CUDA device");
+  GDNCP_CHECK(c.global_frames % P == 0, "cp_bench: global_frames ", c.global_frames, " is not divisible by ", P);
+  std::shared_ptr<cp::Communicator> world = cp::make_nccl_communicator(MPI_COMM_WORLD);
+  ncclUniqueId id;
+  ncclComm_t one_nc = nullptr;
+  GDNCP_NCCL_CHECK(ncclGetUniqueId(&id));
+  GDNCP_NCCL_CHECK(ncclCommInitRank(&one_nc, 1, id, 0));
+  std::shared_ptr<cp::Communicator> one = cp::make_nccl_communicator(one_nc, nullptr);
+  int dev = 0;
+  cudaDeviceProp prop;
+  GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
+  GDNCP_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+
+  const double err = validate(*world, c, c.global_frames);
+  const bool valid = err <= 2e-2;
+  if (r == 0)
+    std::printf(
+        "cp_bench on %d x %s: B=%lld S=%lld H=%lld D=%lld bf16; validation bigdn_cp(P=%d) vs bigdn(1 GPU) "
+        "over %lld frames: rel L2 %.3g %s\n",
+        P, prop.name, static_cast<long long>(c.batch), static_cast<long long>(c.tokens),
+        static_cast<long long>(c.heads), static_cast<long long>(c.head_dim), P, static_cast<long long>(c.global_frames),
+        err, valid ? "ok" : "FAILED");
+  if (!valid) return 2;
+
+  std::vector<Row> rows;
+  for (const Checkpoint ck : {Checkpoint::off, Checkpoint::on}) {
+    const char* cks = ck == Checkpoint::on ? "ckpt" : "";
+    {  // strong scaling: the global frames, on 1 GPU (bigdn, bigdn_cp) and on P GPUs
+      Layer g1 = make_layer(c, c.global_frames, c.global_frames, 0, DType::bf16, 5);
+      rows.push_back(measure(std::string("bigdn 1 GPU ") + cks, nullptr, g1, ck, c));
+      rows.push_back(measure(std::string("bigdn_cp P=1 ") + cks, one.get(), g1, ck, c));
+    }
+    if (P > 1) {
+      Layer gp = make_layer(c, c.global_frames, c.global_frames / P, r, DType::bf16, 5);
+      rows.push_back(measure("bigdn_cp P=" + std::to_string(P) + " strong " + cks, world.get(), gp, ck, c));
+    }
+    {  // weak scaling: frames_per_rank on each GPU
+      Layer w1 = make_layer(c, c.frames_per_rank, c.frames_per_rank, 0, DType::bf16, 6);
+      rows.push_back(measure(std::string("bigdn_cp P=1 weak ") + cks, one.get(), w1, ck, c));
+      if (P > 1) {
+        Layer wp = make_layer(c, c.frames_per_rank * P, c.frames_per_rank, r, DType::bf16, 6);
+        rows.push_back(measure("bigdn_cp P=" + std::to_string(P) + " weak " + cks, world.get(), wp, ck, c));
+      }
+    }
+  }
+
+  if (r == 0) {
+    std::printf("\n  %-28s %2s %4s %10s %10s %6s %10s %10s\n", "config", "P", "F/rk", "fwd+bwd ms", "comm ms", "colls",
+                "peak MiB", "held MiB");
+    for (const Row& x : rows)
+      std::printf("  %-28s %2d %4lld %10.3f %10.3f %6.1f %10.1f %10.1f\n", x.name.c_str(), x.P,
+                  static_cast<long long>(x.F), x.ms, x.comm_ms, x.comm_calls, x.peak_mib, x.held_mib);
+    auto find = [&](const std::string& n) -> const Row* {
+      for (const Row& x : rows)
+        if (x.name == n) return &x;
+      return nullptr;
+    };
+    for (const char* cks : {"", "ckpt"}) {
+      const Row* s1 = find(std::string("bigdn_cp P=1 ") + cks);
+      const Row* sp = find("bigdn_cp P=" + std::to_string(P) + " strong " + cks);
+      const Row* w1 = find(std::string("bigdn_cp P=1 weak ") + cks);
+      const Row* wp = find("bigdn_cp P=" + std::to_string(P) + " weak " + cks);
+      if (s1 && sp)
+        std::printf("  strong scaling %s: %.2fx on %d GPUs, efficiency %.0f%%\n", cks[0] ? "(ckpt)" : "",
+                    s1->ms / sp->ms, P, 100.0 * s1->ms / (P * sp->ms));
+      if (w1 && wp)
+        std::printf("  weak scaling %s: efficiency %.0f%%\n", cks[0] ? "(ckpt)" : "", 100.0 * w1->ms / wp->ms);
+    }
+    for (const std::string& base : {std::string("bigdn_cp P=1 "), "bigdn_cp P=" + std::to_string(P) + " strong "}) {
+      const Row *off = find(base), *on = find(base + "ckpt");
+      if (off && on && off != on)
+        std::printf(
+            "  checkpointing %s: peak %.0f -> %.0f MiB (%.0f%%), held after forward %.0f -> %.0f MiB, time %+.0f%%\n",
+            base.c_str(), off->peak_mib, on->peak_mib, 100.0 * (on->peak_mib - off->peak_mib) / off->peak_mib,
+            off->held_mib, on->held_mib, 100.0 * (on->ms - off->ms) / off->ms);
+    }
+    if (!c.json.empty()) {
+      std::ostringstream js;
+      js << "{\n\"device\": \"" << prop.name << "\", \"gpus\": " << P << ", \"B\": " << c.batch
+         << ", \"S\": " << c.tokens << ", \"H\": " << c.heads << ", \"D\": " << c.head_dim
+         << ", \"dtype\": \"bf16\",\n\"validation_rel_l2\": " << err << ",\n\"timing\": \"CUDA events, " << c.warmup
+         << " warm-up, median of " << c.iters << ", max over ranks\",\n\"rows\": [\n";
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const Row& x = rows[i];
+        js << (i ? ",\n" : "") << "{\"name\": \"" << x.name << "\", \"P\": " << x.P << ", \"frames_per_rank\": " << x.F
+           << ", \"checkpoint\": \"" << checkpoint_name(x.ck) << "\", \"ms\": " << x.ms
+           << ", \"comm_ms\": " << x.comm_ms << ", \"collectives\": " << x.comm_calls
+           << ", \"peak_mib\": " << x.peak_mib << ", \"held_mib\": " << x.held_mib << "}";
+      }
+      js << "\n]\n}\n";
+      std::ofstream(c.json) << js.str();
+      std::printf("\nwrote %s\n", c.json.c_str());
+    }
+  }
+  one.reset();
+  ncclCommDestroy(one_nc);
+  world.reset();
+  return 0;
+}
+
+}  // namespace
+
+int run_cp_bench(const CpBenchConfig& config) {
+  int init = 0;
+  MPI_Initialized(&init);
+  if (!init) MPI_Init(nullptr, nullptr);
+  int rc = 1;
+  try {
+    rc = run(config);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cp_bench: %s\n", e.what());
+    rc = 1;
+  }
+  int worst = rc;
+  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (!init) MPI_Finalize();
+  return worst;
+}
+
+}  // namespace bench
+}  // namespace gdncp
+
+#ifdef GDNCP_CP_BENCH_MAIN
+// Standalone: cp_bench [--frames 11] [--global-frames 22] [--tokens 920] [--heads 20] [--dim 112]
+//                      [--warmup 5] [--iters 20] [--json PATH]
+int main(int argc, char** argv) {
+  gdncp::bench::CpBenchConfig c;
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
+    if (f == "--frames")
+      c.frames_per_rank = std::stoll(next());
+    else if (f == "--global-frames")
+      c.global_frames = std::stoll(next());
+    else if (f == "--tokens")
+      c.tokens = std::stoll(next());
+    else if (f == "--heads")
+      c.heads = std::stoll(next());
+    else if (f == "--dim")
+      c.head_dim = std::stoll(next());
+    else if (f == "--batch")
+      c.batch = std::stoll(next());
+    else if (f == "--warmup")
+      c.warmup = std::stoi(next());
+    else if (f == "--iters")
+      c.iters = std::stoi(next());
+    else if (f == "--json")
+      c.json = next();
+    else {
+      std::fprintf(stderr, "cp_bench: unknown flag %s\n", f.c_str());
+      return 1;
+    }
+  }
+  return gdncp::bench::run_cp_bench(c);
+}
+#endif

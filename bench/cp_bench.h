@@ -1,0 +1,33 @@
+// bench/cp_bench.h — the context-parallel benchmark of the bidirectional CP
+// layer (issue 4 item 6), callable from gdncp_bench --cp.
+//
+// Run under mpirun, one rank per GPU (-np 1 or 2 on a 2-GPU machine). Every
+// rank times, in the same run: the single-GPU layer bigdn() over the global
+// sequence (the baseline), bigdn_cp on one GPU (a one-rank NCCL group) and
+// bigdn_cp on all P GPUs, for strong scaling (global_frames split over the
+// ranks) and weak scaling (frames_per_rank each), with checkpointing off and
+// on: forward+backward median (CUDA events, warm-up), device time inside the
+// NCCL collectives, and peak device memory above the inputs. Validates first
+// (bigdn_cp on P GPUs against bigdn on one GPU, bf16 tolerance).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace gdncp {
+namespace bench {
+
+struct CpBenchConfig {
+  int64_t batch = 1, tokens = 920, heads = 20, head_dim = 112;
+  int64_t frames_per_rank = 11;  // weak scaling
+  int64_t global_frames = 22;    // strong scaling (split over the ranks)
+  int warmup = 5, iters = 20;
+  std::string json;  // write the results here (rank 0) when set
+};
+
+// Initialises MPI if the caller has not (and finalises it then). Returns a
+// process exit code (0 = validated and timed).
+int run_cp_bench(const CpBenchConfig& config);
+
+}  // namespace bench
+}  // namespace gdncp

@@ -1,0 +1,464 @@
+// tests/mpi_test_cp_gpu.cpp — the CP kernels and layers on GPUs with NCCL.
+// Skips cleanly when gdncp has no CUDA or there are fewer GPUs than ranks.
+//   - every CUDA twin of src/cp against its CPU twin (outputs poisoned first);
+//   - the NCCL communicator's collectives;
+//   - cp_scan, cp_gdn_raw, bigdn_cp and the camera branch on P GPUs against one
+//     GPU over the gathered sequence (a one-rank NCCL communicator built from
+//     the caller's ncclComm_t, the third bootstrap), in f32 and bf16, and
+//     against the f64 CPU oracle; checkpoint on vs off bitwise.
+// gdncp-mpi-np: 1 2
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "bigdn_fixtures.h"
+#include "cp/cp_kernels.h"
+#include "mpi_cp_fixtures.h"
+
+#if GDNCP_WITH_CUDA
+#include "gdncp/cp_nccl.h"
+#endif
+
+namespace gdncp {
+namespace test {
+namespace {
+
+// NCCL over all ranks, and a one-rank NCCL group per process (null without GPUs).
+std::shared_ptr<cp::Communicator>& nccl_world() {
+  static std::shared_ptr<cp::Communicator> c;
+  return c;
+}
+std::shared_ptr<cp::Communicator>& nccl_self() {
+  static std::shared_ptr<cp::Communicator> c;
+  return c;
+}
+
+#define REQUIRE_GPUS()                                                                   \
+  do {                                                                                   \
+    if (!nccl_world()) GTEST_SKIP() << "needs CUDA and " << nranks() << " visible GPUs"; \
+  } while (0)
+
+Tensor gpu(const Tensor& t) { return t.defined() ? t.to(Device::cuda) : Tensor(); }
+Tensor cpu(const Tensor& t) { return t.defined() ? t.to(Device::cpu) : Tensor(); }
+
+// --- CUDA twins vs CPU twins -------------------------------------------------------------
+
+#if GDNCP_WITH_CUDA  // the cuda:: twins exist only in CUDA builds
+Tensor rnd(const Shape& s, uint64_t seed, double sd = 1.0) {
+  return Tensor::randn(s, DType::f32, Device::cpu, seed, sd);
+}
+Tensor poisoned(const Shape& s, Device dev) {
+  Tensor t = Tensor::empty(s, DType::f32, dev);
+  poison(t);
+  return t;
+}
+
+TEST(CudaTwins, ScanSweepMatchesCpu) {
+  REQUIRE_GPUS();
+  struct Case {
+    int64_t D, E;
+  };
+  for (const Case c : {Case{5, 5}, Case{5, 1}, Case{16, 16}, Case{112, 112}, Case{112, 1}, Case{128, 128}}) {
+    const int64_t BH = 3, F = 4, D = c.D, E = c.E;
+    const Tensor P = rnd({BH, F, D, D}, 1, 0.5 / D), V = rnd({BH, F, D, E}, 2), U = rnd({BH, F, D, E}, 3);
+    const Tensor X0 = rnd({BH, D, E}, 4);
+    const Tensor decay = Tensor::uniform({1, BH, F}, DType::f32, Device::cpu, 5, 0.5, 0.99);
+    for (int mode = 0; mode < 4; ++mode) {
+      cp::SweepSpec s;
+      s.BH = BH;
+      s.F = F;
+      s.D = D;
+      s.E = E;
+      s.active = F;
+      // 0: forward scan from X0 with 1 frozen frame; 1: anti-causal scan; 2: forward adjoint; 3: composite from I
+      s.descending = mode == 1 || mode == 2;
+      s.transpose = mode == 2;
+      s.init = mode == 3 ? (E == D ? cp::Init::identity : cp::Init::zero) : cp::Init::given;
+      if (mode == 0 || mode == 2) s.active = F - 1;
+      const bool use_vb = mode == 2, use_ua = mode != 2, use_ob = mode == 1 || mode == 2, use_oa = mode == 0;
+      Tensor res[2][3];
+      for (int g = 0; g < 2; ++g) {
+        const Device dev = g ? Device::cuda : Device::cpu;
+        auto mv = [&](const Tensor& t) { return g ? gpu(t) : t; };
+        Tensor ob = use_ob ? poisoned({BH, F, D, E}, dev) : Tensor();
+        Tensor oa = use_oa ? poisoned({BH, F, D, E}, dev) : Tensor();
+        Tensor fin = poisoned({BH, D, E}, dev);
+        const Tensor p = mv(P), dc = mv(decay), vb = use_vb ? mv(V) : Tensor(), ua = use_ua ? mv(U) : Tensor(),
+                     x0 = mv(X0);
+        if (g)
+          cp::cuda::scan_sweep(ob, oa, fin, p, dc, vb, ua, x0, s);
+        else
+          cp::cpu::scan_sweep(ob, oa, fin, p, dc, vb, ua, x0, s);
+        res[g][0] = cpu(ob);
+        res[g][1] = cpu(oa);
+        res[g][2] = cpu(fin);
+      }
+      const std::string what = "D=" + std::to_string(D) + " E=" + std::to_string(E) + " mode " + std::to_string(mode);
+      for (int k = 0; k < 3; ++k) {
+        if (!res[0][k].defined()) continue;
+        EXPECT_FALSE(has_nonfinite(res[1][k])) << what << " output " << k << " not fully written";
+        EXPECT_TRUE(close_rel(res[1][k], res[0][k], 1e-5, what));
+      }
+    }
+  }
+}
+
+TEST(CudaTwins, GradOuterAndFoldMatchCpu) {
+  REQUIRE_GPUS();
+  for (const int64_t D : {int64_t(7), int64_t(112)})
+    for (const int64_t E : {int64_t(1), D}) {
+      const int64_t BH = 2, F = 3;
+      const Tensor L = rnd({BH, F, D, E}, 10), R = rnd({BH, F, D, E}, 11), R0 = rnd({BH, D, E}, 12),
+                   P = rnd({BH, F, D, D}, 13, 0.3);
+      const Tensor decay = Tensor::uniform({1, BH, F}, DType::f32, Device::cpu, 14, 0.5, 0.99);
+      const Tensor dP0 = rnd({BH, F, D, D}, 15), dg0 = rnd({BH, F}, 16);
+      for (int variant = 0; variant < 3; ++variant) {
+        cp::SweepSpec s;
+        s.BH = BH;
+        s.F = F;
+        s.D = D;
+        s.E = E;
+        s.active = variant == 2 ? 2 : F;
+        const bool shifted = variant == 1, acc = variant != 0;
+        Tensor out[2][2];
+        for (int g = 0; g < 2; ++g) {
+          Tensor dP = g ? gpu(dP0) : dP0.clone(), dg = g ? gpu(dg0) : dg0.clone();
+          if (!acc) poison(dP);
+          if (g)
+            cp::cuda::scan_grad_outer(dP, dg, gpu(L), gpu(R), shifted ? Tensor() : gpu(R0), gpu(P), gpu(decay), s,
+                                      shifted, acc);
+          else
+            cp::cpu::scan_grad_outer(dP, dg, L, R, shifted ? Tensor() : R0, P, decay, s, shifted, acc);
+          out[g][0] = cpu(dP);
+          out[g][1] = cpu(dg);
+        }
+        const std::string what =
+            "outer D=" + std::to_string(D) + " E=" + std::to_string(E) + " v" + std::to_string(variant);
+        EXPECT_FALSE(has_nonfinite(out[1][0])) << what;
+        EXPECT_TRUE(close_rel(out[1][0], out[0][0], 1e-5, what + " dP"));
+        EXPECT_TRUE(close_rel(out[1][1], out[0][1], 1e-5, what + " dg"));
+      }
+      // fold over 3 "ranks" in the order 2, 0, 1, plain and transposed, and with identity M.
+      const int64_t per = BH * D * D + BH * D * E;
+      const Tensor buf = rnd({3 * per}, 17, 0.4), init = rnd({BH, D, E}, 18);
+      for (int variant = 0; variant < 3; ++variant) {
+        Tensor X[2];
+        for (int g = 0; g < 2; ++g) {
+          X[g] = poisoned({BH, D, E}, g ? Device::cuda : Device::cpu);
+          const Tensor b = g ? gpu(buf) : buf, x0 = g ? gpu(init) : init;
+          const Tensor M = variant == 2 ? Tensor() : b;
+          if (g)
+            cp::cuda::fold(X[g], x0, M, 0, per, variant == 1, b, BH * D * D, per, {2, 0, 1}, BH, D, E);
+          else
+            cp::cpu::fold(X[g], x0, M, 0, per, variant == 1, b, BH * D * D, per, {2, 0, 1}, BH, D, E);
+        }
+        EXPECT_TRUE(close_rel(cpu(X[1]), X[0], 1e-5, "fold v" + std::to_string(variant)));
+      }
+    }
+}
+
+TEST(CudaTwins, CameraKernelsMatchCpu) {
+  REQUIRE_GPUS();
+  for (const bool per_frame : {false, true})
+    for (const DType dt : {DType::f32, DType::bf16}) {
+      cp::CamDims d;
+      d.B = 1;
+      d.H = 2;
+      d.D = 112;
+      d.F = 2;
+      d.S = 37;  // not a multiple of the 16-token tile
+      d.beta_per_frame = per_frame;
+      const int64_t BH = d.BH(), D = d.D, N = d.N();
+      const Tensor q = Tensor::randn({1, 2, D, N}, dt, Device::cpu, 20),
+                   k = Tensor::randn({1, 2, D, N}, dt, Device::cpu, 21, 0.02),
+                   v = Tensor::randn({1, 2, D, N}, dt, Device::cpu, 22);
+      const Tensor beta = per_frame ? Tensor::uniform({1, 2, d.F}, dt, Device::cpu, 23, 0.1, 0.9)
+                                    : Tensor::uniform({1, 2, d.F, d.S}, dt, Device::cpu, 23, 0.1, 0.9);
+      const Tensor M = rnd({BH, d.F, D, D}, 24), dPc = rnd({BH, d.F, D, D}, 25), dAc = rnd({BH, d.F, D, D}, 26);
+      const Tensor dout = Tensor::randn({1, 2, D, N}, dt, Device::cpu, 27);
+      std::vector<Tensor> res[2];
+      for (int g = 0; g < 2; ++g) {
+        const Device dev = g ? Device::cuda : Device::cpu;
+        auto mv = [&](const Tensor& t) { return g ? gpu(t) : t; };
+        Tensor Pc = poisoned({BH, d.F, D, D}, dev), Ac = poisoned({BH, d.F, D, D}, dev);
+        Tensor out = Tensor::empty(q.shape(), dt, dev), dq = Tensor::empty(q.shape(), dt, dev);
+        Tensor dk = Tensor::empty(q.shape(), dt, dev), dv = Tensor::empty(q.shape(), dt, dev);
+        Tensor db = Tensor::empty(beta.shape(), dt, dev), dM = poisoned({BH, d.F, D, D}, dev);
+        for (Tensor* t : {&out, &dq, &dk, &dv, &db}) poison(*t);
+        if (g) {
+          cp::cuda::cam_phase_a_fwd(Pc, Ac, mv(k), mv(v), mv(beta), d);
+          cp::cuda::cam_phase_a_bwd(dk, dv, db, mv(dPc), mv(dAc), mv(k), mv(v), mv(beta), d);
+          cp::cuda::cam_out_fwd(out, mv(q), mv(M), d);
+          cp::cuda::cam_out_bwd(dq, dM, mv(dout), mv(q), mv(M), d);
+        } else {
+          cp::cpu::cam_phase_a_fwd(Pc, Ac, k, v, beta, d);
+          cp::cpu::cam_phase_a_bwd(dk, dv, db, dPc, dAc, k, v, beta, d);
+          cp::cpu::cam_out_fwd(out, q, M, d);
+          cp::cpu::cam_out_bwd(dq, dM, dout, q, M, d);
+        }
+        for (const Tensor& t : {Pc, Ac, out, dq, dk, dv, db, dM}) res[g].push_back(cpu(t));
+      }
+      const char* names[] = {"Pc", "Ac", "out", "dq", "dk", "dv", "dbeta", "dM"};
+      // f32 arithmetic on both sides; bf16-stored outputs differ by one rounding at most.
+      const double tol = dt == DType::bf16 ? 1e-2 : 1e-5;
+      for (size_t i = 0; i < res[0].size(); ++i) {
+        EXPECT_FALSE(has_nonfinite(res[1][i])) << names[i];
+        EXPECT_TRUE(close_rel(res[1][i], res[0][i], tol, std::string(names[i]) + (per_frame ? " per-frame" : "")));
+      }
+    }
+}
+
+#endif
+
+// --- the NCCL communicator -------------------------------------------------------------------
+
+TEST(NcclComm, Collectives) {
+  REQUIRE_GPUS();
+  cp::Communicator& c = *nccl_world();
+  const int P = c.size(), r = c.rank();
+  EXPECT_EQ(c.device(), Device::cuda);
+  EXPECT_STREQ(c.backend(), "nccl");
+  auto contribution = [](int rr) { return Tensor::randn({9}, DType::f32, Device::cpu, 100 + rr); };
+  Tensor out = Tensor::empty({P, 9}, DType::f32, Device::cuda);
+  poison(out);
+  c.all_gather(out, gpu(contribution(r)));
+  for (int k = 0; k < P; ++k) EXPECT_TRUE(bitwise_equal(slice(out, 0, k, k + 1).reshape({9}), contribution(k)));
+  Tensor s = gpu(contribution(r));
+  c.all_reduce_sum(s);
+  Tensor all = Tensor::empty({P, 9}, DType::f32, Device::cuda);
+  c.all_gather(all, s);
+  for (int k = 0; k < P; ++k) EXPECT_TRUE(bitwise_equal(slice(all, 0, k, k + 1).reshape({9}), cpu(s)));
+  Tensor b = gpu(contribution(r));
+  c.broadcast(b, P - 1);
+  EXPECT_TRUE(bitwise_equal(cpu(b), contribution(P - 1)));
+  Tensor recv = Tensor::zeros({9}, DType::f32, Device::cuda);
+  c.send_recv(gpu(contribution(r)), r > 0 ? r - 1 : -1, recv, r + 1 < P ? r + 1 : -1);
+  if (r + 1 < P) {
+    EXPECT_TRUE(bitwise_equal(cpu(recv), contribution(r + 1)));
+  }
+  int64_t mine = 7 * r + 3;
+  std::vector<int64_t> got(static_cast<size_t>(P));
+  c.all_gather_host(got.data(), &mine, sizeof mine);
+  for (int k = 0; k < P; ++k) EXPECT_EQ(got[static_cast<size_t>(k)], 7 * k + 3);
+  // CPU tensors are refused without desynchronising the group.
+  Tensor host = Tensor::zeros({2}, DType::f32);
+  EXPECT_THROW(c.all_reduce_sum(host), Error);
+  c.barrier();
+  EXPECT_FALSE(c.aborted());
+  EXPECT_GT(c.stats().calls, 0);
+}
+
+// --- layers on P GPUs vs one GPU and vs the f64 CPU oracle ---------------------------------
+
+LayerInputs block(const LayerInputs& g, int64_t F, int b) {
+  LayerInputs l = g;
+  l.d.F = F;
+  const int64_t N = F * g.d.S;
+  l.qkv = rank_block(g.qkv, 1, N, b);
+  l.beta = rank_block(g.beta, 2, F, b);
+  l.decay = rank_block(g.decay, 2, F, b);
+  l.rope_cos = rank_block(g.rope_cos, 0, N, b);
+  l.rope_sin = rank_block(g.rope_sin, 0, N, b);
+  return l;
+}
+
+std::vector<Tensor> leaves_on(const LayerInputs& in, Device dev) {
+  auto mk = [&](const Tensor& t) {
+    if (!t.defined()) return Tensor();
+    Tensor x = t.to(dev);
+    x.requires_grad_(true);
+    return x;
+  };
+  return {mk(in.qkv),      mk(in.beta),         mk(in.decay),       mk(in.q_norm_w),
+          mk(in.k_norm_w), in.rope_cos.to(dev), in.rope_sin.to(dev)};
+}
+
+struct Result {
+  Tensor out;
+  std::vector<Tensor> grads;  // qkv, beta, decay, q_norm_w, k_norm_w on the CPU
+};
+
+// f64 CPU copy of inputs (the oracle sees exactly the values the GPU saw).
+LayerInputs as_f64(const LayerInputs& in) { return convert(in, DType::f64); }
+
+void check_layer_gpu(DType dt, uint64_t seed) {
+  REQUIRE_GPUS();
+  const int P = nranks(), r = rank();
+  const int64_t F = 3, S = 37, D = 112, H = 2;
+  LayerInputs g = make_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
+  g.opt.precision = dt == DType::bf16 ? Precision::bf16 : Precision::ieee;
+  const Tensor w = Tensor::randn({1, F * P * S, H, D}, dt, Device::cpu, seed + 9);
+
+  auto run = [&](cp::Communicator* comm, const LayerInputs& in, const Tensor& wt, Device dev, bool reduce) {
+    const std::vector<Tensor> x = leaves_on(in, dev);
+    Tensor out = comm ? cp::bigdn_cp(*comm, x[0], x[1], x[2], x[3], x[4], x[5], x[6], in.d.F, S, in.opt)
+                      : bigdn(x[0], x[1], x[2], x[3], x[4], x[5], x[6], in.d.F, S, in.opt);
+    backward_weighted({out}, {wt.to(dev).to(out.dtype())});
+    if (reduce) cp::all_reduce_grads(*comm, {x[3], x[4]});
+    Result res{cpu(out), {}};
+    for (size_t k = 0; k < 5; ++k) res.grads.push_back(cpu(x[k].grad()));
+    return res;
+  };
+  const Result cpres = run(nccl_world().get(), block(g, F, r), rank_block(w, 1, F * S, r), Device::cuda, true);
+  const Result self = run(nccl_self().get(), g, w, Device::cuda, false);  // the same code on one GPU
+  const Result one = run(nullptr, g, w, Device::cuda, false);             // the single-GPU layer
+  const Result oracle = run(nullptr, as_f64(g), w, Device::cpu, false);   // f64 on the CPU
+
+  auto local = [&](const Tensor& t, size_t k) {
+    if (k == 0) return rank_block(t, 1, F * S, r);
+    if (k == 1 || k == 2) return rank_block(t, 2, F, r);
+    return t;
+  };
+  const char* names[] = {"dqkv", "dbeta", "ddecay", "dq_norm_w", "dk_norm_w"};
+  // P GPUs vs one GPU running the same code: the issue's tolerances. Against the
+  // single-GPU layer (other scan kernels) and the f64 oracle: the layer's own
+  // accuracy bar (issue 3: f32 IEEE 1e-5, bf16 ~1e-2; 2e-2 here).
+  const double loose = dt == DType::bf16 ? 2e-2 : 1e-5;
+  EXPECT_TRUE(close_rel(cpres.out, rank_block(self.out, 1, F * S, r), tol_fwd(dt), "out vs P=1")) << "rank " << r;
+  EXPECT_TRUE(close_rel(cpres.out, rank_block(one.out, 1, F * S, r), loose, "out vs bigdn")) << "rank " << r;
+  EXPECT_TRUE(close_rel(cpres.out, rank_block(oracle.out, 1, F * S, r), loose, "out vs f64")) << "rank " << r;
+  for (size_t k = 0; k < 5; ++k) {
+    const std::string n = names[k];
+    EXPECT_TRUE(close_rel(cpres.grads[k], local(self.grads[k], k), tol_grad(dt), n + " vs P=1")) << "rank " << r;
+    EXPECT_TRUE(close_rel(cpres.grads[k], local(one.grads[k], k), loose, n + " vs bigdn")) << "rank " << r;
+    EXPECT_TRUE(close_rel(cpres.grads[k], local(oracle.grads[k], k), loose, n + " vs f64")) << "rank " << r;
+  }
+}
+
+TEST(BigdnCpGpu, MatchesOneGpuAndOracleF32) { check_layer_gpu(DType::f32, 300); }
+TEST(BigdnCpGpu, MatchesOneGpuAndOracleBf16) { check_layer_gpu(DType::bf16, 310); }
+
+TEST(BigdnCpGpu, CheckpointOnEqualsOffBitwise) {
+  REQUIRE_GPUS();
+  const int r = rank();
+  const LayerInputs l = block(make_layer_inputs(dims(1, 2, 112, 2 * nranks(), 37), DType::bf16, 320), 2, r);
+  Result res[2];
+  for (int on = 0; on < 2; ++on) {
+    BigdnOptions opt = l.opt;
+    opt.checkpoint = on ? Checkpoint::on : Checkpoint::off;
+    const std::vector<Tensor> x = leaves_on(l, Device::cuda);
+    Tensor out = cp::bigdn_cp(*nccl_world(), x[0], x[1], x[2], x[3], x[4], x[5], x[6], 2, 37, opt);
+    backward_weighted({out}, {Tensor::randn(out.shape(), out.dtype(), Device::cuda, 321)});
+    res[on].out = cpu(out);
+    for (size_t k = 0; k < 5; ++k) res[on].grads.push_back(cpu(x[k].grad()));
+  }
+  EXPECT_TRUE(bitwise_equal(res[1].out, res[0].out));
+  for (size_t k = 0; k < 5; ++k) EXPECT_TRUE(bitwise_equal(res[1].grads[k], res[0].grads[k])) << "grad " << k;
+}
+
+// Raw single direction (truncated) and the camera branch: P GPUs vs one GPU (NCCL, one rank).
+void check_raw_gpu(DType dt, uint64_t seed) {
+  REQUIRE_GPUS();
+  const int P = nranks(), r = rank();
+  const int64_t F = 2, S = 21, D = 64, H = 2;
+  LayerInputs g = make_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
+  g.opt.precision = dt == DType::bf16 ? Precision::bf16 : Precision::ieee;
+  cp::CpOptions o;
+  o.truncate_to_active = F * P - 1;
+  const std::vector<Tensor> w = {Tensor::randn({1, F * P * S, H, D}, DType::f32, Device::cpu, seed + 1),
+                                 Tensor::randn({1, H, F * P * S}, DType::f32, Device::cpu, seed + 2),
+                                 Tensor::randn({H, D, D}, DType::f32, Device::cpu, seed + 3),
+                                 Tensor::randn({H, D}, DType::f32, Device::cpu, seed + 4)};
+  auto run = [&](cp::Communicator& comm, const LayerInputs& in, const std::vector<Tensor>& wt, double tscale) {
+    const std::vector<Tensor> x = leaves_on(in, Device::cuda);
+    const cp::RawResult rr = cp::cp_gdn_raw(comm, x[0], x[1], x[2], x[3], x[4], x[5], x[6], in.d.F, S, in.opt, o);
+    std::vector<Tensor> ws;
+    for (size_t k = 0; k < 4; ++k) {
+      std::vector<double> v = wt[k].to_vector();
+      if (k >= 2)
+        for (double& e : v) e *= tscale;
+      ws.push_back(Tensor::from_vector(v, wt[k].shape(), DType::f32, Device::cuda));
+    }
+    backward_weighted({rr.num, rr.den, rr.terminal_M, rr.terminal_z}, ws);
+    Result res{cpu(rr.num), {}};
+    res.grads = {cpu(rr.den), cpu(rr.terminal_M), cpu(x[0].grad()), cpu(x[1].grad()), cpu(x[2].grad())};
+    return res;
+  };
+  const Result a = run(*nccl_world(), block(g, F, r),
+                       {rank_block(w[0], 1, F * S, r), rank_block(w[1], 2, F * S, r), w[2], w[3]}, 1.0);
+  const Result b = run(*nccl_self(), g, w, P);
+  EXPECT_TRUE(close_rel(a.out, rank_block(b.out, 1, F * S, r), tol_fwd(dt), "num"));
+  EXPECT_TRUE(close_rel(a.grads[0], rank_block(b.grads[0], 2, F * S, r), tol_fwd(dt), "den"));
+  EXPECT_TRUE(close_rel(a.grads[1], b.grads[1], tol_fwd(dt), "terminal_M"));
+  EXPECT_TRUE(close_rel(a.grads[2], rank_block(b.grads[2], 1, F * S, r), tol_grad(dt), "dqkv"));
+  EXPECT_TRUE(close_rel(a.grads[3], rank_block(b.grads[3], 2, F, r), tol_grad(dt), "dbeta"));
+  EXPECT_TRUE(close_rel(a.grads[4], rank_block(b.grads[4], 2, F, r), tol_grad(dt), "ddecay"));
+}
+
+TEST(CpRawGpu, MatchesOneGpuF32) { check_raw_gpu(DType::f32, 400); }
+TEST(CpRawGpu, MatchesOneGpuBf16) { check_raw_gpu(DType::bf16, 410); }
+
+void check_cam_gpu(DType dt, uint64_t seed) {
+  REQUIRE_GPUS();
+  const int P = nranks(), r = rank();
+  const int64_t F = 2, S = 19, D = 48, H = 2, N = F * P * S;
+  const Tensor q = Tensor::randn({1, H, D, N}, dt, Device::cpu, seed + 1);
+  const Tensor k = Tensor::randn({1, H, D, N}, dt, Device::cpu, seed + 2, 1.0 / std::sqrt(double(S * D)));
+  const Tensor v = Tensor::randn({1, H, D, N}, dt, Device::cpu, seed + 3);
+  const Tensor beta = Tensor::uniform({1, H, F * P, S}, dt, Device::cpu, seed + 4, 0.1, 0.9);
+  const Tensor decay = Tensor::uniform({1, H, F * P}, dt, Device::cpu, seed + 5, 0.5, 0.99);
+  const Tensor w = Tensor::randn(q.shape(), dt, Device::cpu, seed + 6);
+  cp::CpOptions o;
+  o.reverse_rank_order = true;
+  const int b = P - 1 - r;
+  auto run = [&](cp::Communicator& comm, const std::vector<Tensor>& in, const Tensor& wt, int64_t Fl) {
+    std::vector<Tensor> x;
+    for (const Tensor& t : in) {
+      Tensor y = t.to(Device::cuda);
+      y.requires_grad_(true);
+      x.push_back(y);
+    }
+    const cp::CamResult cr = cp::cp_cam_gdn_num(comm, x[0], x[1], x[2], x[3], x[4], Fl, S, o);
+    backward_weighted({cr.out}, {wt.to(Device::cuda)});
+    std::vector<Tensor> res = {cpu(cr.out)};
+    for (const Tensor& t : x) res.push_back(cpu(t.grad()));
+    return res;
+  };
+  const std::vector<Tensor> mine =
+      run(*nccl_world(),
+          {rank_block(q, 3, F * S, b), rank_block(k, 3, F * S, b), rank_block(v, 3, F * S, b),
+           rank_block(beta, 2, F, b), rank_block(decay, 2, F, b)},
+          rank_block(w, 3, F * S, b), F);
+  cp::CpOptions ref_o;
+  o = ref_o;  // the reference runs the logical order directly
+  const std::vector<Tensor> ref = run(*nccl_self(), {q, k, v, beta, decay}, w, F * P);
+  const char* names[] = {"out", "dq", "dk", "dv", "dbeta", "ddecay"};
+  for (size_t i = 0; i < 6; ++i) {
+    const Tensor e = i <= 3 ? rank_block(ref[i], 3, F * S, b) : rank_block(ref[i], 2, F, b);
+    EXPECT_TRUE(close_rel(mine[i], e, i == 0 ? tol_fwd(dt) : tol_grad(dt), names[i])) << "rank " << r;
+  }
+}
+
+TEST(CpCamGpu, MatchesOneGpuF32) { check_cam_gpu(DType::f32, 500); }
+TEST(CpCamGpu, MatchesOneGpuBf16) { check_cam_gpu(DType::bf16, 510); }
+
+}  // namespace
+}  // namespace test
+}  // namespace gdncp
+
+int main(int argc, char** argv) {
+  using namespace gdncp;
+#if GDNCP_WITH_CUDA
+  ncclComm_t one = nullptr;
+  // The NCCL groups are made once, before the tests, on every rank or on none.
+  auto setup = [&] {
+    int ok = cuda_device_count() >= test::nranks() ? 1 : 0, all = 0;
+    GDNCP_MPI_CHECK(MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+    if (!all) return;
+    test::nccl_world() = cp::make_nccl_communicator(MPI_COMM_WORLD);  // sets this rank's device
+    test::nccl_world()->set_timeout_seconds(120);
+    ncclUniqueId id;
+    GDNCP_NCCL_CHECK(ncclGetUniqueId(&id));
+    GDNCP_NCCL_CHECK(ncclCommInitRank(&one, 1, id, 0));
+    test::nccl_self() = cp::make_nccl_communicator(one, nullptr);
+  };
+  auto teardown = [&] {
+    test::nccl_self().reset();
+    if (one) ncclCommDestroy(one);
+    test::nccl_world().reset();
+  };
+  return test::run_mpi_tests(argc, argv, setup, teardown);
+#else
+  return test::run_mpi_tests(argc, argv);
+#endif
+}
