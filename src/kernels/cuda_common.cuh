@@ -1,0 +1,302 @@
+// src/kernels/cuda_common.cuh — device helpers shared by the CUDA kernel twins.
+//
+// Note [warp tiles]: every matrix product of the layer (S×D by D×D, D×S by S×D)
+// runs on a per-warp tile of TM×TN accumulator fragments of 16×8 in the
+// register layout of mma.sync (thread (g = lane/4, t = lane%4) holds rows g and
+// g+8, columns 2t and 2t+1 of each fragment). The three matrix-unit modes share
+// that layout, so loads and epilogues are written once:
+//   bf16: mma.m16n8k16 on bf16 operands, f32 accumulation;
+//   tf32: mma.m16n8k8 on tf32 operands, f32 accumulation;
+//   ieee: the same fragments accumulated with plain f32 FMAs (the accuracy mode).
+// Operands live in shared memory as f32 and are rounded when a fragment is
+// built. An operand is read as element (mn, k): OpMK stores it as [mn][k]
+// (contiguous along k), OpKM as [k][mn]. The sum over a k slab does not care
+// in which order its k are fed to the matrix unit, so thread t's k-slots
+// {2t, 2t+1, 2t+8, 2t+9} of an m16n8k16 slab take k = 4t..4t+3 (one 16-byte
+// load from an OpMK tile), and its slots {t, t+4} of an m16n8k8 slab take
+// k = 2t, 2t+1; A and B use the same map. The row pitches below make the
+// fragment loads of each mode free of bank conflicts.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "gdncp/error.h"
+#include "gdncp/tensor.h"
+#include "kernels/kernels.h"
+
+namespace gdncp {
+namespace cuda {
+namespace detail {
+
+inline cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream()); }
+
+inline int sm_count() {
+  int dev = 0, n = 0;
+  GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
+  GDNCP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+// Raises a kernel's dynamic shared-memory limit (needed above 48 KB).
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    GDNCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+// Padded head dim of the tile kernels: 32, 64 or 128.
+inline int padded_dim(int64_t D) { return D <= 32 ? 32 : D <= 64 ? 64 : 128; }
+
+// Calls fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, M>{}) for the runtime (D, mode).
+template <int DP, typename Fn>
+void with_mode(MathMode mode, Fn&& fn) {
+  switch (mode) {
+    case MathMode::bf16: fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, MathMode::bf16>{}); return;
+    case MathMode::tf32: fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, MathMode::tf32>{}); return;
+    case MathMode::ieee: fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, MathMode::ieee>{}); return;
+  }
+  GDNCP_FAIL("unknown MathMode ", static_cast<int>(mode));
+}
+template <typename Fn>
+void with_dp_mode(int64_t D, MathMode mode, Fn&& fn) {
+  switch (padded_dim(D)) {
+    case 32: with_mode<32>(mode, fn); return;
+    case 64: with_mode<64>(mode, fn); return;
+    default: with_mode<128>(mode, fn); return;
+  }
+}
+
+// --- tensors seen from a kernel ------------------------------------------------
+// Storage that is bf16 or f32 (chosen at run time; the branch is uniform). Inputs are
+// read through the read-only global path (__ldg): explicit global loads also let the
+// compiler batch them ahead of shared-memory stores.
+struct In {
+  const void* p = nullptr;
+  bool bf = false;
+  __device__ __forceinline__ float operator[](int64_t i) const {
+    return bf ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(p) + i)) : __ldg(static_cast<const float*>(p) + i);
+  }
+  // Elements i, i+1 (i even).
+  __device__ __forceinline__ float2 pair(int64_t i) const {
+    if (bf) return __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(p) + i)));
+    return __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(p) + i));
+  }
+};
+struct Out {
+  void* p = nullptr;
+  bool bf = false;
+  __device__ __forceinline__ void set(int64_t i, float v) const {
+    if (bf)
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+    else
+      static_cast<float*>(p)[i] = v;
+  }
+  __device__ __forceinline__ void set_pair(int64_t i, float a, float b) const {
+    if (bf)
+      *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p) + i) = __floats2bfloat162_rn(a, b);
+    else
+      *reinterpret_cast<float2*>(static_cast<float*>(p) + i) = make_float2(a, b);
+  }
+};
+
+inline void require_float_storage(const Tensor& t, const char* what) {
+  GDNCP_CHECK(t.is_cuda(), "cuda kernel: ", what, " must be a CUDA tensor, got ", t.str());
+  GDNCP_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::bf16, "cuda kernel: ", what,
+              " must be f32 or bf16 on CUDA, got ", t.str());
+}
+inline void require_f32(const Tensor& t, const char* what) {
+  GDNCP_CHECK(t.is_cuda() && t.dtype() == DType::f32, "cuda kernel: ", what, " must be an f32 CUDA tensor, got ",
+              t.str());
+}
+inline In in_of(const Tensor& t, const char* what) {
+  if (!t.defined()) return In{};
+  require_float_storage(t, what);
+  return In{t.data(), t.dtype() == DType::bf16};
+}
+inline Out out_of(Tensor& t, const char* what) {
+  require_float_storage(t, what);
+  return Out{t.data(), t.dtype() == DType::bf16};
+}
+inline const float* f32_or_null(const Tensor& t, const char* what) {
+  if (!t.defined()) return nullptr;
+  require_f32(t, what);
+  return static_cast<const float*>(t.data());
+}
+inline float* f32_out(Tensor& t, const char* what) {
+  require_f32(t, what);
+  return static_cast<float*>(t.data());
+}
+
+// --- the qkv layout (B, N, 3, H, D) and the token prep (SPEC §2) ---------------
+__host__ __device__ __forceinline__ int64_t qkv_index(int64_t b, int64_t n, int c, int h, int d, int64_t N, int H,
+                                                      int D) {
+  return ((b * N + n) * 3 + c) * static_cast<int64_t>(H) * D + static_cast<int64_t>(h) * D + d;
+}
+
+// Channels d, d+1 (d even) of one q or k row: x̂ = x·r·w, x⁺ = relu(x̂)·scale, xʳ = rope(x⁺) with
+// rope(x)[d] = x[d]·cos[d] + x[d^1]·sin[d].
+__device__ __forceinline__ void prep_pair(float2 x, float r, float2 w, float scale, float2 c, float2 s, float2& plus,
+                                          float2& rot) {
+  const float h0 = x.x * r * w.x, h1 = x.y * r * w.y;
+  plus.x = (h0 > 0.f ? h0 : 0.f) * scale;
+  plus.y = (h1 > 0.f ? h1 : 0.f) * scale;
+  rot.x = plus.x * c.x + plus.y * s.x;
+  rot.y = plus.y * c.y + plus.x * s.y;
+}
+// Shared-memory pair, and read-only global pair.
+__device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 ldg2(const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); }
+__device__ __forceinline__ void st2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+__device__ __forceinline__ float2 weight_pair(const float* w, int i) { return w ? ldg2(w + i) : make_float2(1.f, 1.f); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// --- matrix fragments (Note [warp tiles]) --------------------------------------
+struct OpMK {  // element (mn, k) at p[mn·ld + k]
+  const float* p;
+  int ld;
+  __device__ __forceinline__ float at(int mn, int k) const { return p[mn * ld + k]; }
+  __device__ __forceinline__ float2 pair(int mn, int k) const { return ld2(p + mn * ld + k); }
+  __device__ __forceinline__ float4 quad(int mn, int k) const {  // k % 4 == 0
+    return *reinterpret_cast<const float4*>(p + mn * ld + k);
+  }
+};
+struct OpKM {  // element (mn, k) at p[k·ld + mn]
+  const float* p;
+  int ld;
+  __device__ __forceinline__ float at(int mn, int k) const { return p[k * ld + mn]; }
+  __device__ __forceinline__ float2 pair(int mn, int k) const { return make_float2(p[k * ld + mn], p[(k + 1) * ld + mn]); }
+  __device__ __forceinline__ float4 quad(int mn, int k) const {
+    return make_float4(p[k * ld + mn], p[(k + 1) * ld + mn], p[(k + 2) * ld + mn], p[(k + 3) * ld + mn]);
+  }
+};
+
+// Row pitches (in floats) of a tile with `cols` columns (a multiple of 32), for the loads of
+// warp_mma: OpMK 16-byte loads at g·ld + 4t (bf16) or 8-byte loads at g·ld + 2t (tf32);
+// OpKM words at (4t + j)·ld + g (bf16) or (2t + j)·ld + g (tf32). All pitches are even.
+constexpr int pitch_mk(int cols, MathMode m) { return cols + (m == MathMode::tf32 ? 8 : 16); }
+constexpr int pitch_km(int cols, MathMode m) { return cols + (m == MathMode::bf16 ? 2 : 4); }
+
+__device__ __forceinline__ uint32_t pack_bf16(float2 v) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);  // .x (lower k) in the low half
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t tf32_of(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// acc[i][j] += A[m0+16i .., 0..K) · B[0..K), n0+8j ..] for one warp. Fragments whose first
+// row (column) lies at or beyond mlim (nlim) are skipped: they hold padding only.
+// K must be a multiple of 16; A and B must be zero in the padded part of K.
+template <MathMode MODE, int TM, int TN, typename OA, typename OB>
+__device__ __forceinline__ void warp_mma(float (&acc)[TM][TN][4], const OA& a, int m0, const OB& b, int n0, int K,
+                                         int mlim, int nlim) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if constexpr (MODE == MathMode::bf16) {
+    for (int k = 0; k < K; k += 16) {
+      uint32_t af[TM][4] = {}, bfr[TN][2] = {};
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+        if (m0 + 16 * i < mlim) {
+          const int m = m0 + 16 * i + g;
+          const float4 lo = a.quad(m, k + 4 * t), hi = a.quad(m + 8, k + 4 * t);
+          af[i][0] = pack_bf16(make_float2(lo.x, lo.y));  // slots 2t, 2t+1   (row g)
+          af[i][1] = pack_bf16(make_float2(hi.x, hi.y));  //                  (row g+8)
+          af[i][2] = pack_bf16(make_float2(lo.z, lo.w));  // slots 2t+8, 2t+9 (row g)
+          af[i][3] = pack_bf16(make_float2(hi.z, hi.w));
+        }
+#pragma unroll
+      for (int j = 0; j < TN; ++j)
+        if (n0 + 8 * j < nlim) {
+          const float4 q = b.quad(n0 + 8 * j + g, k + 4 * t);
+          bfr[j][0] = pack_bf16(make_float2(q.x, q.y));
+          bfr[j][1] = pack_bf16(make_float2(q.z, q.w));
+        }
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j)
+          if (m0 + 16 * i < mlim && n0 + 8 * j < nlim) mma_bf16(acc[i][j], af[i], bfr[j]);
+    }
+  } else if constexpr (MODE == MathMode::tf32) {
+    for (int k = 0; k < K; k += 8) {
+      uint32_t af[TM][4] = {}, bfr[TN][2] = {};
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+        if (m0 + 16 * i < mlim) {
+          const int m = m0 + 16 * i + g;
+          const float2 lo = a.pair(m, k + 2 * t), hi = a.pair(m + 8, k + 2 * t);
+          af[i][0] = tf32_of(lo.x);  // slot t   (row g)
+          af[i][1] = tf32_of(hi.x);  //          (row g+8)
+          af[i][2] = tf32_of(lo.y);  // slot t+4 (row g)
+          af[i][3] = tf32_of(hi.y);
+        }
+#pragma unroll
+      for (int j = 0; j < TN; ++j)
+        if (n0 + 8 * j < nlim) {
+          const float2 q = b.pair(n0 + 8 * j + g, k + 2 * t);
+          bfr[j][0] = tf32_of(q.x);
+          bfr[j][1] = tf32_of(q.y);
+        }
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j)
+          if (m0 + 16 * i < mlim && n0 + 8 * j < nlim) mma_tf32(acc[i][j], af[i], bfr[j]);
+    }
+  } else {
+#pragma unroll 4
+    for (int k = 0; k < K; ++k) {
+      float av[TM][2], bv[TN][2];
+#pragma unroll
+      for (int i = 0; i < TM; ++i) {
+        av[i][0] = a.at(m0 + 16 * i + g, k);
+        av[i][1] = a.at(m0 + 16 * i + g + 8, k);
+      }
+#pragma unroll
+      for (int j = 0; j < TN; ++j) {
+        bv[j][0] = b.at(n0 + 8 * j + 2 * t, k);
+        bv[j][1] = b.at(n0 + 8 * j + 2 * t + 1, k);
+      }
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+          acc[i][j][0] = fmaf(av[i][0], bv[j][0], acc[i][j][0]);
+          acc[i][j][1] = fmaf(av[i][0], bv[j][1], acc[i][j][1]);
+          acc[i][j][2] = fmaf(av[i][1], bv[j][0], acc[i][j][2]);
+          acc[i][j][3] = fmaf(av[i][1], bv[j][1], acc[i][j][3]);
+        }
+    }
+  }
+}
+
+// K rounded up to the mma step (16 covers bf16 and tf32).
+__host__ __device__ __forceinline__ int round16(int k) { return (k + 15) / 16 * 16; }
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace gdncp

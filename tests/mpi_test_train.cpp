@@ -1,0 +1,399 @@
+// tests/mpi_test_train.cpp — gdncp_train's loop (examples/train/trainer.h)
+// driven in-process on sub-groups of 4 CPU ranks:
+//   - 2-rank training (DP=2 on ranks {0,1}, CP=2 on {2,3}) lowers the loss ≥ 50% in 30 steps;
+//   - CP=2 equals CP=1 on the same videos (first 5 losses, 1e-5 relative, f32);
+//   - DP=2 × CP=2 on 4 ranks equals one rank with the whole global batch, and keeps
+//     the parameters bitwise identical on every rank;
+//   - save at step 10 + resume to 20 equals 20 uninterrupted steps bitwise;
+//   - bad checkpoints and flags give UsageError on every rank, no hang.
+// Pass/fail is reduced over all ranks.
+// gdncp-mpi-np: 4
+#include <gtest/gtest.h>
+#include <mpi.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#if __has_include("trainer.h")  // examples/ built (GDNCP_BUILD_EXAMPLES): it links the trainer in
+#include <gdncp/error.h>
+
+#include "dist.h"
+#include "trainer.h"
+#define GDNCP_HAVE_TRAINER 1
+#endif
+
+namespace {
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+#if GDNCP_HAVE_TRAINER
+
+// Ranks with color >= 0 get a communicator of their color; the others MPI_COMM_NULL.
+class SubGroup {
+ public:
+  explicit SubGroup(int color) {
+    MPI_Comm_split(MPI_COMM_WORLD, color >= 0 ? color : MPI_UNDEFINED, world_rank(), &comm_);
+  }
+  ~SubGroup() {
+    if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  }
+  MPI_Comm comm() const { return comm_; }
+  bool member() const { return comm_ != MPI_COMM_NULL; }
+
+ private:
+  MPI_Comm comm_ = MPI_COMM_NULL;
+};
+
+// Rank root's vector, on every rank of the world.
+std::vector<double> from_rank(int root, std::vector<double> v) {
+  int n = static_cast<int>(v.size());
+  MPI_Bcast(&n, 1, MPI_INT, root, MPI_COMM_WORLD);
+  v.resize(static_cast<size_t>(n));
+  MPI_Bcast(v.data(), n, MPI_DOUBLE, root, MPI_COMM_WORLD);
+  return v;
+}
+
+// A scratch directory named by rank 0's pid, the same on every rank.
+std::string scratch_dir(const std::string& name) {
+  long pid = static_cast<long>(getpid());
+  MPI_Bcast(&pid, 1, MPI_LONG, 0, MPI_COMM_WORLD);
+  return (std::filesystem::temp_directory_path() / ("gdncp_train_test_" + std::to_string(pid)) / name).string();
+}
+
+train::Config small() {
+  train::Config c;
+  c.layers = 2;
+  c.heads = 2;
+  c.head_dim = 16;
+  c.frames = 4;
+  c.tokens = 16;
+  c.batch = 4;
+  c.pool = 8;
+  c.log_path = "";  // no files unless a test asks
+  c.print_every = 0;
+  c.check_every = 1;  // the bitwise parameter check runs every step
+  return c;
+}
+
+int world_size() {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+#define NEEDS_FOUR_RANKS() \
+  if (world_size() != 4) GTEST_SKIP() << "needs exactly 4 ranks (mpirun -np 4)"
+
+// train::train, with an exception turned into a test failure so that the
+// test's later collectives still run on every rank (no hang on a failure).
+train::Result run(const train::Config& c, MPI_Comm comm) {
+  try {
+    return train::train(c, comm);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "train() threw: " << e.what();
+    return {};
+  }
+}
+
+double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-300); }
+
+// Every rank fails if any rank failed.
+class TrainTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    int mine = HasFailure() ? 1 : 0, any = 0;
+    MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (any && !mine) ADD_FAILURE() << "another rank failed";
+  }
+};
+
+TEST_F(TrainTest, TwoRankTrainingHalvesTheLossIn30Steps) {
+  NEEDS_FOUR_RANKS();
+  // Ranks {0,1}: DP=2 × CP=1; ranks {2,3}: DP=1 × CP=2. Both are 2-rank CPU trainings.
+  const int color = world_rank() / 2;
+  SubGroup g(color);
+  train::Config c = small();
+  c.steps = 30;
+  c.cp = color == 0 ? 1 : 2;
+  const train::Result r = run(c, g.comm());
+  ASSERT_EQ(r.losses.size(), 30u);
+  double tail = 0;
+  for (size_t i = 25; i < 30; ++i) tail += r.losses[i] / 5;  // mean of steps 26..30: batch-to-batch noise averaged
+  EXPECT_LE(tail, 0.5 * r.losses[0]) << "cp=" << c.cp << ": loss " << r.losses[0] << " -> " << tail;
+  for (double l : r.losses) EXPECT_TRUE(std::isfinite(l));
+}
+
+TEST_F(TrainTest, CpTwoMatchesCpOneForTheFirstFiveSteps) {
+  NEEDS_FOUR_RANKS();
+  // Ranks {0,1} run CP=2; rank 2 runs the same videos on one rank; rank 3 idles.
+  const int r = world_rank();
+  SubGroup g(r < 2 ? 0 : r == 2 ? 1 : -1);
+  train::Config c = small();
+  c.steps = 5;
+  std::vector<double> losses;
+  if (g.member()) {
+    c.cp = r < 2 ? 2 : 1;
+    losses = run(c, g.comm()).losses;
+  }
+  const std::vector<double> cp2 = from_rank(0, losses), cp1 = from_rank(2, losses);
+  ASSERT_EQ(cp2.size(), 5u);
+  ASSERT_EQ(cp1.size(), 5u);
+  // f32 throughout; the two runs differ only in summation order (the CP scan's
+  // prefix merge, the split loss and gradient sums): 1e-5 relative.
+  for (size_t i = 0; i < 5; ++i)
+    EXPECT_LE(rel(cp2[i], cp1[i]), 1e-5) << "step " << i + 1 << ": " << cp2[i] << " vs " << cp1[i];
+}
+
+TEST_F(TrainTest, DataTimesContextParallelMatchesOneRankAndKeepsParametersIdentical) {
+  NEEDS_FOUR_RANKS();
+  // All 4 ranks: DP=2 × CP=2, batch 2 per DP group; rank 0 alone afterwards with
+  // the whole global batch (4 videos) — the same videos (see Note [data]).
+  train::Config c = small();
+  c.steps = 5;
+  c.cp = 2;
+  c.batch = 2;
+  const train::Result r = run(c, MPI_COMM_WORLD);  // check_every = 1: throws on any divergence
+  unsigned long long h = r.param_hash, h0 = h;
+  MPI_Bcast(&h0, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+  EXPECT_EQ(h, h0) << "final parameters differ from rank 0's";
+
+  SubGroup one(world_rank() == 0 ? 0 : -1);
+  std::vector<double> single;
+  if (one.member()) {
+    train::Config s = small();
+    s.steps = 5;
+    s.cp = 1;
+    s.batch = 4;
+    single = run(s, one.comm()).losses;
+  }
+  single = from_rank(0, single);
+  ASSERT_EQ(r.losses.size(), 5u);
+  ASSERT_EQ(single.size(), 5u);
+  for (size_t i = 0; i < 5; ++i)
+    EXPECT_LE(rel(r.losses[i], single[i]), 1e-5) << "step " << i + 1 << ": " << r.losses[i] << " vs " << single[i];
+}
+
+TEST_F(TrainTest, ResumeFromStep10EqualsTwentyUninterruptedStepsBitwise) {
+  NEEDS_FOUR_RANKS();
+  // Ranks {0,1}: CP=2; ranks {2,3}: DP=2 — both layouts are resumed.
+  const int color = world_rank() / 2;
+  SubGroup g(color);
+  const std::string dir = scratch_dir("resume" + std::to_string(color));
+  train::Config c = small();
+  c.cp = color == 0 ? 2 : 1;
+  c.check_every = 5;
+  c.steps = 20;
+  const train::Result full = run(c, g.comm());
+
+  train::Config first = c;
+  first.steps = 10;
+  first.save_dir = dir;
+  first.save_every = 10;
+  first.log_path = dir + "/log.jsonl";
+  const train::Result a = run(first, g.comm());
+  EXPECT_TRUE(std::filesystem::exists(dir + "/step_00000010.ckpt"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/step_00000010.ckpt.tmp"));
+
+  train::Config second = c;
+  second.resume = dir;  // a directory: its latest checkpoint
+  second.log_path = dir + "/log.jsonl";
+  const train::Result b = run(second, g.comm());
+  MPI_Barrier(MPI_COMM_WORLD);  // the last collective: asserts may return early after it
+  if (world_rank() % 2 == 0) std::filesystem::remove_all(dir);
+  ASSERT_EQ(full.losses.size(), 20u);
+  ASSERT_EQ(a.losses.size(), 10u);
+  ASSERT_EQ(b.losses.size(), 10u);
+  EXPECT_EQ(b.first_step, 11);
+  for (size_t i = 0; i < 10; ++i) {
+    EXPECT_EQ(a.losses[i], full.losses[i]) << "step " << i + 1;
+    EXPECT_EQ(b.losses[i], full.losses[10 + i]) << "step " << i + 11 << " after resume";
+  }
+  EXPECT_EQ(b.param_hash, full.param_hash) << "final parameters differ from the uninterrupted run";
+}
+
+TEST_F(TrainTest, ResumeLeavesLogAndPlotOfTheWholeRun) {
+  NEEDS_FOUR_RANKS();
+  const int color = world_rank() / 2;
+  SubGroup g(color);
+  const std::string dir = scratch_dir("logplot" + std::to_string(color));
+  train::Config c = small();
+  c.cp = color == 0 ? 2 : 1;
+  c.steps = 6;
+  c.save_dir = dir;
+  c.save_every = 3;
+  c.log_path = dir + "/log.jsonl";
+  train::Config first = c;
+  first.steps = 3;
+  run(first, g.comm());
+  c.resume = dir;
+  run(c, g.comm());
+  // The log has both halves and the plot exists.
+  int log_steps = 0;
+  std::ifstream log(dir + "/log.jsonl");
+  for (std::string line; std::getline(log, line);) log_steps += line.find("\"loss\"") != std::string::npos;
+  if (g.member() && world_rank() % 2 == 0) {
+    EXPECT_EQ(log_steps, 6);
+    EXPECT_TRUE(std::filesystem::exists(dir + "/loss.svg"));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() % 2 == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_F(TrainTest, ActivationCheckpointingGivesBitwiseTheSameTraining) {
+  NEEDS_FOUR_RANKS();
+  // Ranks {0,1}: CP=2 (the recompute re-enters the CP layer); ranks {2,3}: DP=2.
+  const int color = world_rank() / 2;
+  SubGroup g(color);
+  train::Config c = small();
+  c.cp = color == 0 ? 2 : 1;
+  c.steps = 4;
+  c.checkpointing = "off";
+  const train::Result off = run(c, g.comm());
+  c.checkpointing = "on";
+  const train::Result on = run(c, g.comm());
+  ASSERT_EQ(off.losses.size(), 4u);
+  ASSERT_EQ(on.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(on.losses[i], off.losses[i]) << "step " << i + 1;
+  EXPECT_EQ(on.param_hash, off.param_hash);
+}
+
+TEST_F(TrainTest, ParameterCheckCatchesOneUlpOnOneRank) {
+  NEEDS_FOUR_RANKS();
+  train::Dist dist(MPI_COMM_WORLD, 2, gdncp::Device::cpu);
+  gdncp::Tensor p = gdncp::Tensor::randn({5, 7}, gdncp::DType::f32, gdncp::Device::cpu, 99);
+  EXPECT_NO_THROW(dist.check_identical(train::hash_tensors({p}), "same"));
+  if (world_rank() == 3) {
+    float* v = p.data_ptr<float>();
+    v[17] = std::nextafter(v[17], 1e30f);
+  }
+  try {
+    dist.check_identical(train::hash_tensors({p}), "params");
+    ADD_FAILURE() << "a one-ulp difference on rank 3 went unnoticed";
+  } catch (const gdncp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks 3 differ"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(TrainTest, BadCheckpointsAreUsageErrorsOnEveryRank) {
+  NEEDS_FOUR_RANKS();
+  const int color = world_rank() / 2;
+  SubGroup g(color);
+  const std::string dir = scratch_dir("bad" + std::to_string(color));
+  train::Config c = small();
+  c.steps = 2;
+  c.cp = 1;
+  c.save_dir = dir;
+  run(c, g.comm());  // writes step_00000002.ckpt
+  const std::string ck = dir + "/step_00000002.ckpt";
+
+  auto expect_usage = [&](train::Config bad, const std::string& needle) {
+    try {
+      train::train(bad, g.comm());
+      ADD_FAILURE() << "no UsageError; expected one mentioning '" << needle << "'";
+    } catch (const train::UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  train::Config r = c;
+  r.save_dir = "";
+  r.steps = 4;
+  r.resume = dir + "/missing.ckpt";
+  expect_usage(r, "does not exist");
+  r.resume = ck;
+  train::Config other = r;
+  other.heads = 4;
+  other.head_dim = 8;
+  expect_usage(other, "heads = 2, this run 4");
+  train::Config done = r;
+  done.steps = 2;
+  expect_usage(done, "nothing to do");
+  MPI_Barrier(g.comm());
+  if (world_rank() % 2 == 0) {  // truncate a copy
+    std::filesystem::copy_file(ck, dir + "/cut.ckpt");
+    std::filesystem::resize_file(dir + "/cut.ckpt", std::filesystem::file_size(ck) / 2);
+    std::ofstream(dir + "/junk.ckpt") << "not a checkpoint";
+  }
+  MPI_Barrier(g.comm());
+  r.resume = dir + "/cut.ckpt";
+  expect_usage(r, "corrupt");
+  r.resume = dir + "/junk.ckpt";
+  expect_usage(r, "bad magic");
+  r.resume = dir;
+  const train::Result ok = run(r, g.comm());  // the directory's latest: step 2 -> 3, 4
+  EXPECT_EQ(ok.first_step, 3);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() % 2 == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_F(TrainTest, BadFlagsAreUsageErrors) {
+  NEEDS_FOUR_RANKS();
+  auto parse = [](std::vector<std::string> args) {
+    std::vector<char*> argv{const_cast<char*>("gdncp_train")};
+    for (auto& a : args) argv.push_back(a.data());
+    train::Config c;
+    return train::parse_args(static_cast<int>(argv.size()), argv.data(), c);
+  };
+  auto expect_usage = [&](std::vector<std::string> args, const std::string& needle) {
+    try {
+      parse(args);
+      ADD_FAILURE() << "no UsageError for " << args[0];
+    } catch (const train::UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  EXPECT_TRUE(parse({"--steps", "5", "--lr=0.1", "--device", "cpu"}));
+  EXPECT_FALSE(parse({"--help"}));
+  expect_usage({"--stepz", "5"}, "unknown flag --stepz");
+  expect_usage({"--steps"}, "missing value");
+  expect_usage({"--steps", "five"}, "expected an integer");
+  expect_usage({"--steps", "0"}, "out of range");
+  expect_usage({"--head-dim", "130"}, "out of range");
+  expect_usage({"--lr", "1e"}, "expected a number");
+  expect_usage({"--device", "tpu"}, "cpu | cuda");
+  expect_usage({"--checkpointing", "maybe"}, "on | off | auto");
+  expect_usage({"steps"}, "unexpected argument");
+  // Checks against the world, raised by train() before any work.
+  SubGroup g(world_rank() < 2 ? 0 : 1);
+  train::Config c = small();
+  c.cp = 3;
+  EXPECT_THROW(train::train(c, g.comm()), train::UsageError);  // 3 does not divide 2 ranks
+  c.cp = 2;
+  c.frames = 5;
+  EXPECT_THROW(train::train(c, g.comm()), train::UsageError);  // 5 frames over 2 CP ranks
+  c = small();
+  c.head_dim = 15;
+  EXPECT_THROW(train::train(c, g.comm()), train::UsageError);
+}
+
+#else
+TEST(TrainTest, SkippedWithoutExamples) { GTEST_SKIP() << "built with GDNCP_BUILD_EXAMPLES=OFF"; }
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  if (world_rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int rc = RUN_ALL_TESTS();
+#if GDNCP_HAVE_TRAINER
+  const std::string scratch = std::filesystem::path(scratch_dir("x")).parent_path().string();
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) std::filesystem::remove_all(scratch);
+#endif
+  int any = 0;
+  MPI_Allreduce(&rc, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return any;
+}
