@@ -157,6 +157,34 @@ TEST(CudaTwins, GradOuterAndFoldMatchCpu) {
     }
 }
 
+TEST(CudaTwins, CorrectionMatchesCpu) {
+  REQUIRE_GPUS();
+  for (const int64_t D : {int64_t(9), int64_t(112), int64_t(128)}) {
+    const int64_t BH = 3, F = 5;
+    std::vector<Tensor> X0, C, v;
+    for (const int64_t E : {D, int64_t(1)}) {
+      X0.push_back(rnd({BH, F, D, E}, 40 + E));
+      C.push_back(rnd({BH, F, D, D}, 41, 0.3));
+      v.push_back(rnd({BH, D, E}, 42 + E));
+    }
+    Tensor out[2][2];
+    for (int g = 0; g < 2; ++g) {
+      std::vector<cp::Correction> cs;
+      for (size_t k = 0; k < 2; ++k) {
+        out[g][k] = g ? gpu(X0[k]) : X0[k].clone();
+        cs.push_back(cp::Correction{out[g][k], g ? gpu(C[k]) : C[k], g ? gpu(v[k]) : v[k], k == 0 ? D : 1});
+      }
+      if (g)
+        cp::cuda::scan_correct(cs, BH, F, D);
+      else
+        cp::cpu::scan_correct(cs, BH, F, D);
+    }
+    for (size_t k = 0; k < 2; ++k)
+      EXPECT_TRUE(
+          close_rel(cpu(out[1][k]), out[0][k], 1e-5, "correct D=" + std::to_string(D) + " E" + std::to_string(k)));
+  }
+}
+
 TEST(CudaTwins, CameraKernelsMatchCpu) {
   REQUIRE_GPUS();
   for (const bool per_frame : {false, true})

@@ -61,6 +61,11 @@ void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int6
   GDNCP_CP_DISPATCH(groups.front().P, scan_grad_outers(groups, decay, BH, F, D));
 }
 
+void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D) {
+  if (cs.empty()) return;
+  GDNCP_CP_DISPATCH(cs.front().X, scan_correct(cs, BH, F, D));
+}
+
 void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
   if (fs.empty()) return;
   GDNCP_CP_DISPATCH(fs.front().X, folds(fs, BH, D));

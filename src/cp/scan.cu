@@ -237,6 +237,43 @@ __global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_const
   if (threadIdx.x == 0) a.dg[bt] += total;
 }
 
+struct CorrectArgs {
+  float* X = nullptr;
+  const float* C = nullptr;
+  const float* v = nullptr;
+  int E = 0;
+};
+constexpr int kMaxCorrections = 4;
+struct CorrectBatch {
+  CorrectArgs c[kMaxCorrections];
+  int D = 0, F = 0;
+};
+
+// blockIdx = (column block, b·h·F + t, correction): X_t += C_t · v (Note [row threads]).
+template <int NC>
+__global__ void __launch_bounds__(kRowThreads) correct_kernel(const __grid_constant__ CorrectBatch batch) {
+  __shared__ float Ps[kRowThreads * kPitch];
+  __shared__ __align__(16) float Ys[kRowThreads * NC];
+  const CorrectArgs& a = batch.c[blockIdx.z];
+  if (static_cast<int>(blockIdx.x) * NC >= a.E) return;
+  const int D = batch.D, c0 = blockIdx.x * NC, i = threadIdx.x;
+  const int nc = min(NC, a.E - c0);
+  const int64_t bt = blockIdx.y, bh = bt / batch.F;
+  const int64_t DE = static_cast<int64_t>(D) * a.E, DD = static_cast<int64_t>(D) * D;
+  for (int idx = threadIdx.x; idx < D * NC; idx += blockDim.x) {
+    const int k = idx / NC, c = idx % NC;
+    Ys[k * NC + c] = c < nc ? a.v[bh * DE + static_cast<int64_t>(k) * a.E + c0 + c] : 0.f;
+  }
+  float acc[NC];
+  apply_mat<NC>(acc, a.C + bt * DD, false, Ys, Ps, D, i);
+  if (i < D) {
+    float* x = a.X + bt * DE + static_cast<int64_t>(i) * a.E + c0;
+#pragma unroll
+    for (int c = 0; c < NC; ++c)
+      if (c < nc) x[c] += acc[c];
+  }
+}
+
 __global__ void add_kernel(float* out, const float* x, const float* y, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) out[i] = x[i] + y[i];
@@ -351,6 +388,35 @@ void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, c
   src.active = s.active;
   one[0].sources.push_back(src);
   scan_grad_outers(one, decay, s.BH, s.F, s.D);
+}
+
+void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D) {
+  GDNCP_CHECK(D >= 1 && D <= kRowThreads, "cp cuda correct: D = ", D, " must be in [1, ", kRowThreads, "]");
+  for (size_t first = 0; first < cs.size(); first += kMaxCorrections) {
+    const size_t n = std::min<size_t>(kMaxCorrections, cs.size() - first);
+    CorrectBatch batch;
+    batch.D = static_cast<int>(D);
+    batch.F = static_cast<int>(F);
+    int64_t maxE = 1;
+    for (size_t k = 0; k < n; ++k) {
+      Correction& c = cs[first + k];
+      GDNCP_CHECK(c.E == 1 || c.E == D, "cp cuda correct: E = ", c.E, " must be 1 or D");
+      batch.c[k].X = f32_out(c.X, "X");
+      batch.c[k].C = f32_in(c.C, "C");
+      batch.c[k].v = f32_in(c.v, "v");
+      batch.c[k].E = static_cast<int>(c.E);
+      maxE = std::max(maxE, c.E);
+    }
+    const dim3 grid(static_cast<unsigned>((maxE + kCols - 1) / kCols), static_cast<unsigned>(BH * F),
+                    static_cast<unsigned>(n));
+    if (maxE == 1) {
+      correct_kernel<1><<<grid, kRowThreads, 0, stream()>>>(batch);
+      check_launch("correct_kernel<1>");
+    } else {
+      correct_kernel<kCols><<<grid, kRowThreads, 0, stream()>>>(batch);
+      check_launch("correct_kernel<16>");
+    }
+  }
 }
 
 void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {

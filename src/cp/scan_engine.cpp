@@ -30,7 +30,6 @@ SweepSpec spec_of(const ScanContext& c, const ScanJob& j) {
   return s;
 }
 
-
 // Offsets (elements) of each job's pieces inside one rank's packed slice.
 struct Layout {
   std::vector<int64_t> h, M;  // forward: composite state, composite transition
@@ -79,95 +78,95 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
   const Layout L = layout_of(ctx, jobs);
 
-  if (P > 1) {
-    if (!ctx.gathered.defined()) {
-      // 1. The composites of every job, all in one batch of sweeps.
-      std::vector<Sweep> sweeps;
-      std::vector<Tensor> h(jobs.size()), M(jobs.size());
-      for (size_t i = 0; i < jobs.size(); ++i) {
-        const ScanJob& j = jobs[i];
-        h[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-        M[i] = Tensor::empty({BH, D, D}, dt, dev);
-        Sweep sh;
-        sh.final_state = h[i];
-        sh.P = j.P;
-        sh.add_after = j.U;
-        sh.spec = spec_of(ctx, j);
-        sh.spec.descending = j.anti;
-        sh.spec.init = Init::zero;
-        Sweep sm = sh;
-        sm.final_state = M[i];
-        sm.add_after = Tensor();
-        sm.spec.init = Init::identity;
-        sm.spec.E = D;
-        sweeps.push_back(sh);
-        sweeps.push_back(sm);
-      }
-      kern::scan_sweeps(sweeps, ctx.decay);
-      // 2. One all-gather of all of them.
-      Tensor pack = Tensor::empty({L.fwd_total}, dt, dev);
-      for (size_t i = 0; i < jobs.size(); ++i) {
-        kern::copy_region(pack, L.h[i], h[i], 0, h[i].numel());
-        kern::copy_region(pack, L.M[i], M[i], 0, M[i].numel());
-      }
-      Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * L.fwd_total}, dt, dev);
-      comm.all_gather(gathered, pack);
-      ctx.gathered = gathered;
-    }
-    GDNCP_CHECK(ctx.gathered.numel() == static_cast<int64_t>(P) * L.fwd_total,
-                "cp scan: kept composites do not match this call (", ctx.gathered.numel(), " elements)");
-    // 3. The incoming state of every job (and the terminal states): folds over the ranks.
-    std::vector<Fold> fs;
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      ScanJob& j = jobs[i];
-      Fold f;
-      f.Mbuf = f.Hbuf = ctx.gathered;
-      f.m_off = L.M[i];
-      f.h_off = L.h[i];
-      f.m_stride = f.h_stride = L.fwd_total;
-      f.E = j.E;
-      for (int pos = 0; pos < logical(j, r, P); ++pos) f.order.push_back(physical(j, pos, P));
-      j.X0 = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-      f.X = j.X0;
-      fs.push_back(f);
-      if (j.terminal) {
-        GDNCP_CHECK(!j.anti && !j.rank_reverse, "cp scan: a terminal state needs the forward rank order");
-        Fold ft = f;
-        ft.order.clear();
-        for (int p = 0; p < P; ++p) ft.order.push_back(p);
-        j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-        ft.X = j.T;
-        fs.push_back(ft);
-      }
-    }
-    kern::folds(fs, BH, D);
-  } else {
-    for (auto& j : jobs) j.X0 = Tensor::zeros(state_shape(BH, D, j.E), dt, dev);
-  }
-
-  // 4. The rescans from the incoming states, one batch.
+  // 1. The local scans from a zero state (all jobs in one batch of sweeps):
+  //    states Y_loc into Y, and with P > 1 the composites h (last state) and
+  //    M (product of the transitions) and, where a correction will follow, the
+  //    cumulative products Wcum per frame.
   std::vector<Sweep> sweeps;
-  for (auto& j : jobs) {
-    Sweep w;
-    w.P = j.P;
-    w.add_after = j.U;
-    w.init = j.X0;
-    w.spec = spec_of(ctx, j);
-    w.spec.init = Init::given;
+  std::vector<Tensor> h(jobs.size()), M(jobs.size()), cum(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ScanJob& j = jobs[i];
     j.Y = Tensor::empty(states_shape(BH, F, D, j.E), dt, dev);
+    Sweep sh;
+    sh.P = j.P;
+    sh.add_after = j.U;
+    sh.spec = spec_of(ctx, j);
+    sh.spec.descending = j.anti;
+    sh.spec.init = Init::zero;
+    (j.anti ? sh.out_before : sh.out_after) = j.Y;
     if (P == 1 && j.terminal) {  // one rank: the terminal state is its last state
       j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-      w.final_state = j.T;
+      sh.final_state = j.T;
     }
-    if (j.anti) {
-      w.spec.descending = true;
-      w.out_before = j.Y;
-    } else {
-      w.out_after = j.Y;
+    if (P > 1) {
+      h[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
+      sh.final_state = h[i];
+      M[i] = Tensor::empty({BH, D, D}, dt, dev);
+      Sweep sm = sh;
+      sm.out_before = sm.out_after = Tensor();
+      sm.final_state = M[i];
+      sm.add_after = Tensor();
+      sm.spec.init = Init::identity;
+      sm.spec.E = D;
+      if (logical(j, r, P) > 0) {  // X0 ≠ 0 here: keep Wcum for the correction
+        cum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
+        (j.anti ? sm.out_before : sm.out_after) = cum[i];
+      }
+      sweeps.push_back(sm);
     }
-    sweeps.push_back(w);
+    sweeps.push_back(sh);
   }
   kern::scan_sweeps(sweeps, ctx.decay);
+  if (P == 1) {
+    for (auto& j : jobs) j.X0 = Tensor::zeros(state_shape(BH, D, j.E), dt, dev);
+    return;
+  }
+
+  // 2. One all-gather of every job's composites (kept: a checkpoint recompute passes them back in).
+  if (!ctx.gathered.defined()) {
+    Tensor pack = Tensor::empty({L.fwd_total}, dt, dev);
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      kern::copy_region(pack, L.h[i], h[i], 0, h[i].numel());
+      kern::copy_region(pack, L.M[i], M[i], 0, M[i].numel());
+    }
+    Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * L.fwd_total}, dt, dev);
+    comm.all_gather(gathered, pack);
+    ctx.gathered = gathered;
+  }
+  GDNCP_CHECK(ctx.gathered.numel() == static_cast<int64_t>(P) * L.fwd_total,
+              "cp scan: kept composites do not match this call (", ctx.gathered.numel(), " elements)");
+
+  // 3. The incoming state of every job (and the terminal states): folds over the ranks.
+  std::vector<Fold> fs;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ScanJob& j = jobs[i];
+    Fold f;
+    f.Mbuf = f.Hbuf = ctx.gathered;
+    f.m_off = L.M[i];
+    f.h_off = L.h[i];
+    f.m_stride = f.h_stride = L.fwd_total;
+    f.E = j.E;
+    for (int pos = 0; pos < logical(j, r, P); ++pos) f.order.push_back(physical(j, pos, P));
+    j.X0 = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
+    f.X = j.X0;
+    fs.push_back(f);
+    if (j.terminal) {
+      GDNCP_CHECK(!j.anti && !j.rank_reverse, "cp scan: a terminal state needs the forward rank order");
+      Fold ft = f;
+      ft.order.clear();
+      for (int p = 0; p < P; ++p) ft.order.push_back(p);
+      j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
+      ft.X = j.T;
+      fs.push_back(ft);
+    }
+  }
+  kern::folds(fs, BH, D);
+
+  // 4. The correction of SPEC §6, all frames at once: Y_t = Y_loc,t + Wcum_t X0.
+  std::vector<Correction> cs;
+  for (size_t i = 0; i < jobs.size(); ++i)
+    if (cum[i].defined()) cs.push_back(Correction{jobs[i].Y, cum[i], jobs[i].X0, jobs[i].E});
+  kern::scan_correct(cs, BH, F, D);
 }
 
 void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
@@ -175,7 +174,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   const int P = comm.size(), r = comm.rank();
   const DType dt = compute_dtype(jobs);
   const Device dev = jobs.front().P.device();
-  const int64_t BH = ctx.BH, D = ctx.D;
+  const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
   const Layout L = layout_of(ctx, jobs);
 
   // Sweeps of the state adjoint: anti jobs run ascending with the slot
@@ -196,20 +195,38 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       w.add_before = j.dY;
     return w;
   };
+  // Does the adjoint arriving from later ranks (a) exist for job j?
+  auto seeded = [&](const ScanJob& j) { return j.terminal || logical(j, r, P) < P - 1; };
 
-  std::vector<Tensor> seed(jobs.size());  // the adjoint a of each job's last state
+  // 1. The adjoint sweep of every job from its own output gradients (λ, into
+  //    dU; its final state is the adjoint of X0), and where an adjoint a will
+  //    arrive from later ranks, the cumulative products Rcum_t of the
+  //    transposed transitions it passes through. One batch.
+  std::vector<Sweep> sweeps;
+  std::vector<Tensor> dX0(jobs.size()), rcum(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ScanJob& j = jobs[i];
+    j.dU = Tensor::empty(states_shape(BH, F, D, j.E), dt, dev);
+    if (P == 1) {  // one rank: the only seed is the terminal state's gradient
+      sweeps.push_back(adjoint(j, j.dU, Tensor(), j.terminal ? j.dT : Tensor()));
+      continue;
+    }
+    if (logical(j, r, P) > 0) dX0[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
+    sweeps.push_back(adjoint(j, j.dU, dX0[i], Tensor()));
+    if (seeded(j)) {
+      rcum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
+      Sweep w = adjoint(j, rcum[i], Tensor(), Tensor());
+      w.add_before = w.add_after = Tensor();
+      w.spec.init = Init::identity;
+      w.spec.E = D;
+      sweeps.push_back(w);
+    }
+  }
+  kern::scan_sweeps(sweeps, ctx.decay);
+
   if (P > 1) {
     GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
-    // 1. The adjoint of every job's incoming state (none on the logically first rank: its X0 is 0).
-    std::vector<Sweep> sweeps;
-    std::vector<Tensor> dX0(jobs.size());
-    for (size_t i = 0; i < jobs.size(); ++i)
-      if (logical(jobs[i], r, P) > 0) {
-        dX0[i] = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
-        sweeps.push_back(adjoint(jobs[i], Tensor(), dX0[i], Tensor()));
-      }
-    kern::scan_sweeps(sweeps, ctx.decay);
-    // 2. One all-gather of them and of the terminal states' gradients.
+    // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients.
     Tensor pack = Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev);
     for (size_t i = 0; i < jobs.size(); ++i) {
       if (dX0[i].defined()) kern::copy_region(pack, L.dX0[i], dX0[i], 0, dX0[i].numel());
@@ -219,9 +236,9 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     comm.all_gather(gathered, pack);
     const int64_t stride = pack.numel();
     // 3. Σ over ranks of dT (rank order: the same bits everywhere), then the
-    //    adjoint arriving from the logically later ranks.
-    std::vector<Fold> sums, sweeps_back;
-    std::vector<Tensor> a0(jobs.size());
+    //    adjoint a arriving from the logically later ranks: a ← dX0_j + M_jᵀ a.
+    std::vector<Fold> sums, backs;
+    std::vector<Tensor> a0(jobs.size()), seed(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
       if (!jobs[i].terminal) continue;
       Fold f;
@@ -254,23 +271,21 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       f.h_off = L.dX0[i];
       f.h_stride = stride;
       f.E = j.E;
-      sweeps_back.push_back(f);
+      backs.push_back(f);
     }
-    kern::folds(sweeps_back, BH, D);
-  } else {
+    kern::folds(backs, BH, D);
+    // 4. The composite's gradient folded into the last state (Note [CP scan]):
+    //    the adjoint seeded with a is λ_t + Rcum_t a, all frames at once.
+    std::vector<Correction> cs;
     for (size_t i = 0; i < jobs.size(); ++i)
-      if (jobs[i].terminal) seed[i] = jobs[i].dT;
+      if (seed[i].defined()) {
+        GDNCP_CHECK(rcum[i].defined(), "cp scan backward: missing cumulative products");
+        cs.push_back(Correction{jobs[i].dU, rcum[i], seed[i], jobs[i].E});
+      }
+    kern::scan_correct(cs, BH, F, D);
   }
 
-  // 4. The adjoint sweeps seeded with a (one batch), then the transition
-  //    gradients, grouped by the P they belong to (one launch).
-  std::vector<Sweep> sweeps;
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    ScanJob& j = jobs[i];
-    j.dU = Tensor::empty(states_shape(BH, ctx.F, D, j.E), dt, dev);
-    sweeps.push_back(adjoint(j, j.dU, Tensor(), seed[i]));
-  }
-  kern::scan_sweeps(sweeps, ctx.decay);
+  // 5. The transition gradients, grouped by the P they belong to (one launch).
   std::vector<OuterGroup> groups;
   for (const ScanJob& j : jobs) {
     OuterSource src;
@@ -290,11 +305,11 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     g.P = j.P;
     g.E = j.E;
     g.accumulate_dP = j.dP_accumulate;
-    g.dg = Tensor::zeros({BH, ctx.F}, dt, dev);
+    g.dg = Tensor::zeros({BH, F}, dt, dev);
     g.sources.push_back(src);
     groups.push_back(g);
   }
-  kern::scan_grad_outers(groups, ctx.decay, BH, ctx.F, D);
+  kern::scan_grad_outers(groups, ctx.decay, BH, F, D);
   for (OuterGroup& g : groups) kern::add(dg, dg, g.dg);
 }
 

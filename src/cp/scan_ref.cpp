@@ -257,6 +257,40 @@ void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int6
     }
 }
 
+namespace {
+template <typename T>
+void correct_impl(Correction& c, int64_t BH, int64_t F, int64_t D) {
+  const int64_t E = c.E, DE = D * E, DD = D * D;
+  T* x = c.X.data_ptr<T>();
+  const T* m = c.C.data_ptr<T>();
+  const T* v = c.v.data_ptr<T>();
+  std::vector<T> tmp(static_cast<size_t>(DE));
+  for (int64_t bh = 0; bh < BH; ++bh)
+    for (int64_t t = 0; t < F; ++t) {
+      const T* ct = m + (bh * F + t) * DD;
+      const T* vb = v + bh * DE;
+      std::fill(tmp.begin(), tmp.end(), T(0));
+      for (int64_t i = 0; i < D; ++i)
+        for (int64_t k = 0; k < D; ++k) {
+          const T cik = ct[i * D + k];
+          for (int64_t e = 0; e < E; ++e) tmp[static_cast<size_t>(i * E + e)] += cik * vb[k * E + e];
+        }
+      T* xt = x + (bh * F + t) * DE;
+      for (int64_t i = 0; i < DE; ++i) xt[i] += tmp[static_cast<size_t>(i)];
+    }
+}
+}  // namespace
+
+void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D) {
+  for (Correction& c : cs) {
+    check_compute(c.X, "scan_correct: X");
+    if (is_f64(c.X))
+      correct_impl<double>(c, BH, F, D);
+    else
+      correct_impl<float>(c, BH, F, D);
+  }
+}
+
 void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
   for (Fold& f : fs)
     fold(f.X, f.init, f.Mbuf, f.m_off, f.m_stride, f.transpose, f.Hbuf, f.h_off, f.h_stride, f.order, BH, D, f.E);
