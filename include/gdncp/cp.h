@@ -90,8 +90,9 @@ class Communicator {
 // keeps comm alive and MPI initialised while the communicator lives).
 std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm = MPI_COMM_WORLD);
 
-// NCCL communicator bootstrapped over comm: local rank from
-// MPI_Comm_split_type(MPI_COMM_TYPE_SHARED), device = local rank mod device
+// NCCL communicator bootstrapped over comm: device = this process's local rank
+// on its node (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) of MPI_COMM_WORLD, so
+// that the CP groups of a DP×CP layout land on distinct GPUs) mod the device
 // count (made the calling thread's current device), rank 0 makes the NCCL id
 // and broadcasts it over MPI. Collectives run on the current stream.
 // Throws when gdncp was built without CUDA or no device is visible.

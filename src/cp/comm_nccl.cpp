@@ -298,7 +298,9 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device_a
               " CUDA devices; some rank of the group has none (", cudaGetErrorString(dev_err), ")");
   GDNCP_CHECK(device_arg < ndev, "make_nccl_communicator: device ", device_arg, " but rank ", rank, " sees ", ndev,
               " devices");
-  const int device = device_arg >= 0 ? device_arg : local_rank(comm) % ndev;
+  // The node-local rank over the world, not over comm: two CP groups of a
+  // DP×CP layout on one node would otherwise both start at device 0.
+  const int device = device_arg >= 0 ? device_arg : local_rank(MPI_COMM_WORLD) % ndev;
   GDNCP_CUDA_CHECK(cudaSetDevice(device));
   ncclUniqueId id;
   if (rank == 0) GDNCP_NCCL_CHECK(ncclGetUniqueId(&id));
