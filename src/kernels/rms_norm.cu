@@ -63,50 +63,32 @@ __global__ void rms_bwd_kernel(Out dqkv, float* __restrict__ dw_part, const floa
   __syncwarp();
 
   const float invC = 1.f / static_cast<float>(C);
-  if (!w) {  // unnormalised stream: x̂ = x
-    for (int64_t t = t0 + warp; t < t1; t += warps) {
-      const float* g = dxh + t * C;
+  for (int64_t t = t0 + warp; t < t1; t += warps) {
+    const int64_t xrow = (t * 3 + c) * C;
+    const float* g = dxh + t * C;
+    if (!w) {  // unnormalised stream: x̂ = x
       for (int e = 2 * lane; e < C; e += 64) {
         const float2 gv = ldg2(g + e);
-        dqkv.set_pair((t * 3 + c) * C + e, gv.x, gv.y);
+        dqkv.set_pair(xrow + e, gv.x, gv.y);
       }
+      continue;
     }
-    return;
-  }
-  // Two tokens per pass (t and t + warps): twice the loads in flight per warp.
-  for (int64_t t = t0 + warp; t < t1; t += 2 * warps) {
-    const int64_t tt[2] = {t, t + warps};
-    const bool two = tt[1] < t1;
-    const float* g[2] = {dxh + tt[0] * C, dxh + (two ? tt[1] : tt[0]) * C};
-    const int64_t xrow[2] = {(tt[0] * 3 + c) * C, ((two ? tt[1] : tt[0]) * 3 + c) * C};
-    const float r[2] = {rstd[tt[0] * 2 + c], two ? rstd[tt[1] * 2 + c] : 0.f};
-    float corr[2] = {0.f, 0.f};  // Σ_c w_c dx̂_c x_c
-#pragma unroll 4
+    const float r = rstd[t * 2 + c];
+    float corr = 0.f;  // Σ_c w_c dx̂_c x_c
+#pragma unroll 8
     for (int e = 2 * lane; e < C; e += 64) {
-      const float2 wv = ldg2(w + e);
-      const float2 g0 = ldg2(g[0] + e), x0 = qkv.pair(xrow[0] + e);
-      const float2 g1 = ldg2(g[1] + e), x1 = qkv.pair(xrow[1] + e);
-      corr[0] = fmaf(wv.x * g0.x, x0.x, corr[0]);
-      corr[0] = fmaf(wv.y * g0.y, x0.y, corr[0]);
-      corr[1] = fmaf(wv.x * g1.x, x1.x, corr[1]);
-      corr[1] = fmaf(wv.y * g1.y, x1.y, corr[1]);
+      const float2 gv = ldg2(g + e), xv = qkv.pair(xrow + e), wv = ldg2(w + e);
+      corr = fmaf(wv.x * gv.x, xv.x, corr);
+      corr = fmaf(wv.y * gv.y, xv.y, corr);
     }
-    const float k0 = r[0] * r[0] * r[0] * invC * warp_sum(corr[0]);
-    const float k1 = r[1] * r[1] * r[1] * invC * warp_sum(corr[1]);
-#pragma unroll 4
+    corr = warp_sum(corr);
+    const float k = r * r * r * invC * corr;
+#pragma unroll 8
     for (int e = 2 * lane; e < C; e += 64) {
-      const float2 wv = ldg2(w + e);
-      const float2 g0 = ldg2(g[0] + e), x0 = qkv.pair(xrow[0] + e);
-      const float2 g1 = ldg2(g[1] + e), x1 = qkv.pair(xrow[1] + e);
-      dqkv.set_pair(xrow[0] + e, r[0] * wv.x * g0.x - k0 * x0.x, r[0] * wv.y * g0.y - k0 * x0.y);
-      float a0 = g0.x * x0.x * r[0], a1 = g0.y * x0.y * r[0];
-      if (two) {
-        dqkv.set_pair(xrow[1] + e, r[1] * wv.x * g1.x - k1 * x1.x, r[1] * wv.y * g1.y - k1 * x1.y);
-        a0 += g1.x * x1.x * r[1];
-        a1 += g1.y * x1.y * r[1];
-      }
-      mine[e] += a0;
-      mine[e + 1] += a1;
+      const float2 gv = ldg2(g + e), xv = qkv.pair(xrow + e), wv = ldg2(w + e);
+      dqkv.set_pair(xrow + e, r * wv.x * gv.x - k * xv.x, r * wv.y * gv.y - k * xv.y);
+      mine[e] += gv.x * xv.x * r;
+      mine[e + 1] += gv.y * xv.y * r;
     }
   }
   if (!w) return;
