@@ -9,6 +9,8 @@
 //   layer, CUDA vs the f64 CPU layer on the same (rounded) inputs: ieee 1e-5 (issue 3),
 //   bf16 1e-2 (issue 3).
 // GDNCP_TEST_SMALL=1 keeps only the small shapes (used under compute-sanitizer).
+// The CUDA twins are reached through the kernels:: dispatchers (CUDA tensors pick gdncp::cuda::),
+// so this file also builds and skips where gdncp is built without CUDA.
 //
 // Note [no F=1 with S=1]: with a single token RoPE rotates q and k of that token alike, so
 // qʳ·kʳ = q⁺·k⁺ and out = v·den/(den + eps): the gradients of q, k, beta and the norm weights
@@ -101,7 +103,7 @@ TEST(CudaTwins, RmsStats) {
       for (int norm = 0; norm < 3; ++norm) {
         const Prepared p = prepare(d, dt, ++seed, norm != 1, norm != 2);
         Tensor r = poisoned({d.B, d.N(), 2}, DType::f32);
-        cuda::rms_stats(r, gpu(p.in.qkv), gpu(p.in.q_norm_w), gpu(p.in.k_norm_w), d, p.in.opt.norm_eps);
+        kernels::rms_stats(r, gpu(p.in.qkv), gpu(p.in.q_norm_w), gpu(p.in.k_norm_w), d, p.in.opt.norm_eps);
         expect_close(r, p.rstd, 1e-6, "rms_stats " + dims_str(d) + " " + dtype_name(dt) + " norm " + std::to_string(norm));
       }
 }
@@ -122,7 +124,7 @@ TEST(CudaTwins, PhaseA) {
       cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, in.opt.k_scale, m);
       Tensor gP = poisoned(mat, DType::f32), gA = poisoned(mat, DType::f32), gPz = poisoned(mat, DType::f32),
              gbz = poisoned(vec, DType::f32);
-      cuda::phase_a_fwd(gP, gA, gPz, gbz, gpu(in.qkv), gpu(p.rstd), gpu(in.k_norm_w), gpu(in.rope_cos),
+      kernels::phase_a_fwd(gP, gA, gPz, gbz, gpu(in.qkv), gpu(p.rstd), gpu(in.k_norm_w), gpu(in.rope_cos),
                         gpu(in.rope_sin), gpu(in.beta), d, in.opt.k_scale, m);
       expect_close(gP, P, twin_tol(m), "phase_a_fwd P" + tag);
       expect_close(gA, A, twin_tol(m), "phase_a_fwd A" + tag);
@@ -137,7 +139,7 @@ TEST(CudaTwins, PhaseA) {
                        d, in.opt.k_scale, m);
       Tensor gdk = poisoned(dk.shape(), DType::f32), gdqkv = poisoned(in.qkv.shape(), dt),
              gdbeta = poisoned(in.beta.shape(), in.beta.dtype());
-      cuda::phase_a_bwd(gdk, gdqkv, gdbeta, gpu(dP), gpu(dA), gpu(dPz), gpu(dbz), gpu(in.qkv), gpu(p.rstd),
+      kernels::phase_a_bwd(gdk, gdqkv, gdbeta, gpu(dP), gpu(dA), gpu(dPz), gpu(dbz), gpu(in.qkv), gpu(p.rstd),
                         gpu(in.k_norm_w), gpu(in.rope_cos), gpu(in.rope_sin), gpu(in.beta), d, in.opt.k_scale, m);
       expect_close(gdk, dk, twin_tol(m), "phase_a_bwd dk_hat" + tag);
       expect_close(channel(gdqkv, 2), channel(dqkv, 2), twin_tol(m), "phase_a_bwd dv" + tag);
@@ -163,7 +165,7 @@ TEST(CudaTwins, ScanBidi) {
     cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, d);
     Tensor gMf = poisoned(mat, DType::f32), gMr = poisoned(mat, DType::f32), gMs = poisoned(mat, DType::f32);
     Tensor gzf = poisoned(vec, DType::f32), gzr = poisoned(vec, DType::f32), gzs = poisoned(vec, DType::f32);
-    cuda::scan_bidi_fwd(gMf, gMr, gMs, gzf, gzr, gzs, gpu(P), gpu(A), gpu(Pz), gpu(bz), gpu(in.decay), d);
+    kernels::scan_bidi_fwd(gMf, gMr, gMs, gzf, gzr, gzs, gpu(P), gpu(A), gpu(Pz), gpu(bz), gpu(in.decay), d);
     expect_close(gMf, Mf, 1e-5, "scan_bidi_fwd Mf" + tag);
     expect_close(gMr, Mr, 1e-5, "scan_bidi_fwd Mr" + tag);
     expect_close(gMs, Ms, 1e-5, "scan_bidi_fwd Msum" + tag);
@@ -177,7 +179,7 @@ TEST(CudaTwins, ScanBidi) {
     cpu::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, d);
     Tensor gdP = poisoned(mat, DType::f32), gdA = poisoned(mat, DType::f32), gdPz = poisoned(mat, DType::f32),
            gdbz = poisoned(vec, DType::f32), gddecay = poisoned(in.decay.shape(), in.decay.dtype());
-    cuda::scan_bidi_bwd(gdP, gdA, gdPz, gdbz, gddecay, gpu(dMs), gpu(dzs), gpu(P), gpu(Pz), gpu(in.decay), gpu(Mf),
+    kernels::scan_bidi_bwd(gdP, gdA, gdPz, gdbz, gddecay, gpu(dMs), gpu(dzs), gpu(P), gpu(Pz), gpu(in.decay), gpu(Mf),
                         gpu(Mr), gpu(zf), gpu(zr), d);
     expect_close(gdP, dP, 1e-5, "scan_bidi_bwd dP" + tag);
     expect_close(gdA, dA, 1e-5, "scan_bidi_bwd dA" + tag);
@@ -211,7 +213,7 @@ TEST(CudaTwins, PhaseC) {
         Tensor out = Tensor::empty(tok, out_dt), den = Tensor::empty({d.B, d.H, d.N()}, DType::f32);
         cpu::phase_c_fwd(out, den, in.qkv, p.rstd, in.q_norm_w, in.rope_cos, in.rope_sin, M, z, d, in.opt.eps, divide, m);
         Tensor gout = poisoned(tok, out_dt), gden = poisoned({d.B, d.H, d.N()}, DType::f32);
-        cuda::phase_c_fwd(gout, gden, gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w), gpu(in.rope_cos), gpu(in.rope_sin),
+        kernels::phase_c_fwd(gout, gden, gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w), gpu(in.rope_cos), gpu(in.rope_sin),
                           gpu(M), gpu(z), d, in.opt.eps, divide, m);
         expect_close(gout, out, twin_tol(m), "phase_c_fwd out" + tag);
         expect_close(gden, den, 1e-5, "phase_c_fwd den" + tag);  // f32 dot in every mode
@@ -223,7 +225,7 @@ TEST(CudaTwins, PhaseC) {
         cpu::phase_c_bwd(dq, dM, dz, dout, dden, in.qkv, p.rstd, in.q_norm_w, in.rope_cos, in.rope_sin, M, z, d,
                          in.opt.eps, divide, m);
         Tensor gdq = poisoned(tok, DType::f32), gdM = poisoned(mat, DType::f32), gdz = poisoned(vec, DType::f32);
-        cuda::phase_c_bwd(gdq, gdM, gdz, gpu(dout), gpu(dden), gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w),
+        kernels::phase_c_bwd(gdq, gdM, gdz, gpu(dout), gpu(dden), gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w),
                           gpu(in.rope_cos), gpu(in.rope_sin), gpu(M), gpu(z), d, in.opt.eps, divide, m);
         expect_close(gdq, dq, twin_tol(m), "phase_c_bwd dq_hat" + tag);
         expect_close(gdM, dM, twin_tol(m), "phase_c_bwd dM" + tag);
@@ -253,7 +255,7 @@ TEST(CudaTwins, RmsNormBwd) {
         }
         cpu::rms_norm_bwd(dqkv, dqw, dkw, dqh, dkh, in.qkv, p.rstd, in.q_norm_w, in.k_norm_w, d);
         Tensor gdqkv = poisoned(in.qkv.shape(), dt);
-        cuda::rms_norm_bwd(gdqkv, gdqw, gdkw, gpu(dqh), gpu(dkh), gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w),
+        kernels::rms_norm_bwd(gdqkv, gdqw, gdkw, gpu(dqh), gpu(dkh), gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w),
                            gpu(in.k_norm_w), d);
         // bf16 storage of dqkv rounds each element once (2^-9).
         const double t = dt == DType::bf16 ? 5e-3 : 1e-5;

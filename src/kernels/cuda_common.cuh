@@ -21,7 +21,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "gdncp/error.h"
 #include "gdncp/tensor.h"
@@ -45,6 +47,23 @@ template <typename Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024)
     GDNCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+// How many blocks to split each of `units` work items into so that the grid fills whole waves
+// of `slots` resident blocks: minimises waves per unit of work, with a small charge per split
+// (each split re-reads its block's matrices).
+inline int wave_splits(int64_t units, int64_t slots, int max_splits) {
+  int best = 1;
+  double best_cost = 1e300;
+  for (int s = 1; s <= std::max(1, max_splits); ++s) {
+    const double waves = static_cast<double>((units * s + slots - 1) / slots);
+    const double cost = waves / s + 0.01 * s;
+    if (cost < best_cost - 1e-9) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  return best;
 }
 
 // Padded head dim of the tile kernels: 32, 64 or 128.
@@ -178,6 +197,18 @@ struct OpKM {  // element (mn, k) at p[k·ld + mn]
   }
 };
 
+// A bf16 operand stored [mn][k] (bf16 mode only): the k-quad of a fragment is one 8-byte
+// load that already holds the two packed bf16 pairs. Pitch ≡ 16 (mod 64) elements keeps
+// the loads at g·ld + 4t conflict-free.
+struct OpH {
+  const __nv_bfloat16* p;
+  int ld;
+  __device__ __forceinline__ uint2 quad_bits(int mn, int k) const {  // k % 4 == 0
+    return *reinterpret_cast<const uint2*>(p + mn * ld + k);
+  }
+};
+constexpr int pitch_h(int cols) { return cols + 16; }
+
 // Row pitches (in floats) of a tile with `cols` columns (a multiple of 32), for the loads of
 // warp_mma: OpMK 16-byte loads at g·ld + 4t (bf16) or 8-byte loads at g·ld + 2t (tf32);
 // OpKM words at (4t + j)·ld + g (bf16) or (2t + j)·ld + g (tf32). All pitches are even.
@@ -231,9 +262,15 @@ __device__ __forceinline__ void warp_mma(float (&acc)[TM][TN][4], const OA& a, i
 #pragma unroll
       for (int j = 0; j < TN; ++j)
         if (n0 + 8 * j < nlim) {
-          const float4 q = b.quad(n0 + 8 * j + g, k + 4 * t);
-          bfr[j][0] = pack_bf16(make_float2(q.x, q.y));
-          bfr[j][1] = pack_bf16(make_float2(q.z, q.w));
+          if constexpr (std::is_same<OB, OpH>::value) {
+            const uint2 q = b.quad_bits(n0 + 8 * j + g, k + 4 * t);
+            bfr[j][0] = q.x;
+            bfr[j][1] = q.y;
+          } else {
+            const float4 q = b.quad(n0 + 8 * j + g, k + 4 * t);
+            bfr[j][0] = pack_bf16(make_float2(q.x, q.y));
+            bfr[j][1] = pack_bf16(make_float2(q.z, q.w));
+          }
         }
 #pragma unroll
       for (int i = 0; i < TM; ++i)

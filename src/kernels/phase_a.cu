@@ -323,6 +323,199 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// bf16 mode: the gradients live in shared memory as bf16 in [n][k] layout (OpH): half the
+// footprint of f32, so the token tile grows to 32 rows at DP = 128 and every B fragment (one
+// 8-byte load, no conversion) feeds two row fragments. Ps = dP + dPᵀ is formed in f32 in a
+// scratch area (the later token tiles) and rounded once, as the f32 path rounds it.
+template <int DP>
+struct HTile {
+  static constexpr int WN = DP / 16 < 8 ? DP / 16 : 8, WM = 8 / WN, TM = DP == 128 ? 2 : 1, TN = 2,
+                       KS = 16 * WM * TM;
+};
+
+template <int DP>
+constexpr size_t h_smem_bytes() {
+  using Tl = HTile<DP>;
+  constexpr size_t mats = 4 * static_cast<size_t>(DP) * pitch_h(DP) * 2;
+  constexpr size_t tiles = (3 * static_cast<size_t>(Tl::KS) * pitch_mk(DP, MathMode::bf16) + Tl::KS + DP +
+                            Tl::KS * Tl::WN) * 4;
+  constexpr size_t scratch = static_cast<size_t>(DP) * DP * 4;
+  return mats + (tiles > scratch ? tiles : scratch);
+}
+
+template <int DP>
+__global__ void __launch_bounds__(kThreads, 1)
+    phase_a_bwd_h_kernel(float* __restrict__ dk_hat, Out dqkv, Out dbeta, const float* __restrict__ dP,
+                         const float* __restrict__ dA, const float* __restrict__ dPz, const float* __restrict__ dbz,
+                         In qkv, const float* __restrict__ rstd, const float* __restrict__ kw,
+                         const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, In beta, int H,
+                         int D, int F, int S, int tiles_per_block, float k_scale) {
+  using Tl = HTile<DP>;
+  constexpr int KS = Tl::KS, TM = Tl::TM, TN = Tl::TN, LH = pitch_h(DP), LDT = pitch_mk(DP, MathMode::bf16);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* HP = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // Ps   [j][i]  (B of kʳ Ps; symmetric)
+  __nv_bfloat16* HA = HP + DP * LH;                                 // dA   [i][j]  (B of v dAᵀ)
+  __nv_bfloat16* HAT = HA + DP * LH;                                // dAᵀ  [j][i]  (B of kʳ dA)
+  __nv_bfloat16* HPz = HAT + DP * LH;                               // Pzs  [j][i]
+  float* f32 = reinterpret_cast<float*>(HPz + DP * LH);
+  float* T = f32;                // scratch [DP][DP] while the gradients are loaded
+  float* Kr = f32;               // kʳ  [KS][LDT]
+  float* Vt = Kr + KS * LDT;     // v
+  float* Kp = Vt + KS * LDT;     // k⁺
+  float* bs = Kp + KS * LDT;     // β   [KS]
+  float* db = bs + KS;           // dbz [DP]
+  float* part = db + DP;         // dβ partials [KS][WN]
+
+  const int bhf = blockIdx.y, bh = bhf / F, f = bhf % F, b = bh / H, h = bh % H;
+  const int64_t N = static_cast<int64_t>(F) * S, DD = static_cast<int64_t>(D) * D, mat0 = bhf * DD;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+
+  // dA and dAᵀ straight from global; Ps and Pzs through the f32 scratch.
+  for (int e = tid; e < DP * DP; e += kThreads) {
+    const int i = e / DP, j = e % DP;
+    const float a = (i < D && j < D) ? dA[mat0 + i * D + j] : 0.f;
+    HA[i * LH + j] = __float2bfloat16_rn(a);
+    HAT[j * LH + i] = __float2bfloat16_rn(a);
+  }
+  for (int which = 0; which < 2; ++which) {
+    const float* src = which == 0 ? dP : dPz;
+    __nv_bfloat16* dst = which == 0 ? HP : HPz;
+    __syncthreads();  // scratch free
+    for (int e = tid; e < DP * DP; e += kThreads) {
+      const int i = e / DP, j = e % DP;
+      T[e] = (i < D && j < D) ? src[mat0 + i * D + j] : 0.f;
+    }
+    __syncthreads();
+    for (int e = tid; e < DP * DP; e += kThreads) {
+      const int i = e / DP, j = e % DP;
+      dst[i * LH + j] = __float2bfloat16_rn(T[i * DP + j] + T[j * DP + i]);
+    }
+  }
+  __syncthreads();  // scratch no longer needed
+  if (tid < DP) db[tid] = tid < D ? dbz[static_cast<int64_t>(bhf) * D + tid] : 0.f;
+
+  const int wm = warp / Tl::WN, wn = warp % Tl::WN;
+  const int m0 = wm * TM * 16, n0 = wn * TN * 8, Kd = round16(D);
+  constexpr int RPW = KS / 8, PPL = DP >= 64 ? DP / 64 : 1;
+  float2 wk[PPL];
+#pragma unroll
+  for (int j = 0; j < PPL; ++j) {
+    const int d = 2 * lane + 64 * j;
+    wk[j] = d < D ? weight_pair(kw, h * D + d) : make_float2(0.f, 0.f);
+  }
+  const int ntiles = (S + KS - 1) / KS;
+  const int tile_end = min(ntiles, (static_cast<int>(blockIdx.x) + 1) * tiles_per_block);
+  for (int tile = blockIdx.x * tiles_per_block; tile < tile_end; ++tile) {
+    const int s0 = tile * KS;
+    __syncthreads();  // previous tile consumed
+    {
+      float2 xk[RPW][PPL], xv[RPW][PPL], xc[RPW][PPL], xs[RPW][PPL];
+      float rk[RPW], bt[RPW];
+#pragma unroll
+      for (int i = 0; i < RPW; ++i) {
+        const int s = s0 + warp + 8 * i;
+        const bool valid = s < S;
+        const int64_t n = static_cast<int64_t>(f) * S + s;
+        rk[i] = valid ? __ldg(rstd + (b * N + n) * 2 + 1) : 0.f;
+        bt[i] = valid ? beta[static_cast<int64_t>(bhf) * S + s] : 0.f;
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          const bool ok = valid && d < D;
+          const float2 zero = make_float2(0.f, 0.f);
+          xk[i][j] = ok ? qkv.pair(qkv_index(b, n, 1, h, d, N, H, D)) : zero;
+          xv[i][j] = ok ? qkv.pair(qkv_index(b, n, 2, h, d, N, H, D)) : zero;
+          xc[i][j] = ok ? ldg2(rope_cos + n * D + d) : zero;
+          xs[i][j] = ok ? ldg2(rope_sin + n * D + d) : zero;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < RPW; ++i) {
+        const int r = warp + 8 * i;
+        if (lane == 0) bs[r] = bt[i];
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          if (d >= DP) continue;
+          float2 kp, kr;
+          prep_pair(xk[i][j], rk[i], wk[j], k_scale, xc[i][j], xs[i][j], kp, kr);
+          st2(Kr + r * LDT + d, kr.x, kr.y);
+          st2(Kp + r * LDT + d, kp.x, kp.y);
+          st2(Vt + r * LDT + d, xv[i][j].x, xv[i][j].y);
+        }
+      }
+    }
+    __syncthreads();
+    // The rope of this thread's epilogue elements, fetched now so that the loads overlap the products.
+    float2 ec[TM][2][TN], es[TM][2][TN];
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int s = s0 + m0 + 16 * i + g + 8 * half;
+        const int64_t n = static_cast<int64_t>(f) * S + s;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+          const int col = n0 + 8 * j + 2 * t;
+          const bool ok = s < S && col < D;
+          ec[i][half][j] = ok ? ldg2(rope_cos + n * D + col) : make_float2(0.f, 0.f);
+          es[i][half][j] = ok ? ldg2(rope_sin + n * D + col) : make_float2(0.f, 0.f);
+        }
+      }
+
+    const int rows = min(KS, S - s0);
+    float x1[TM][TN][4] = {}, x2[TM][TN][4] = {}, x3[TM][TN][4] = {}, x4[TM][TN][4] = {};
+    warp_mma<MathMode::bf16, TM, TN>(x1, OpMK{Kr, LDT}, m0, OpH{HP, LH}, n0, Kd, rows, D);   // kʳ Ps
+    warp_mma<MathMode::bf16, TM, TN>(x2, OpMK{Vt, LDT}, m0, OpH{HA, LH}, n0, Kd, rows, D);   // v dAᵀ
+    warp_mma<MathMode::bf16, TM, TN>(x3, OpMK{Kr, LDT}, m0, OpH{HAT, LH}, n0, Kd, rows, D);  // kʳ dA
+    warp_mma<MathMode::bf16, TM, TN>(x4, OpMK{Kp, LDT}, m0, OpH{HPz, LH}, n0, Kd, rows, D);  // k⁺ Pzs
+
+    float dbeta_part[TM][2] = {};
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) {
+        const int col = n0 + 8 * j + 2 * t;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = m0 + 16 * i + g + 8 * half, s = s0 + r;
+          const float a1 = x1[i][j][2 * half], b1 = x1[i][j][2 * half + 1];
+          const float a2 = x2[i][j][2 * half], b2 = x2[i][j][2 * half + 1];
+          const float a3 = x3[i][j][2 * half], b3 = x3[i][j][2 * half + 1];
+          const float a4 = x4[i][j][2 * half], b4 = x4[i][j][2 * half + 1];
+          const float btr = bs[r];
+          const float2 kr = ld2(Kr + r * LDT + col), kp = ld2(Kp + r * LDT + col), dbv = ld2(db + col);
+          dbeta_part[i][half] += kr.x * (0.5f * a1 + a2) + kr.y * (0.5f * b1 + b2) + kp.x * (0.5f * a4 + dbv.x) +
+                                 kp.y * (0.5f * b4 + dbv.y);
+          if (s >= S || col >= D) continue;
+          const int64_t n = static_cast<int64_t>(f) * S + s;
+          const float dkr0 = btr * (a1 + a2), dkr1 = btr * (b1 + b2);
+          const float2 c = ec[i][half][j], sn = es[i][half][j];
+          const float dkp0 = btr * (a4 + dbv.x) + dkr0 * c.x + dkr1 * sn.y;
+          const float dkp1 = btr * (b4 + dbv.y) + dkr1 * c.y + dkr0 * sn.x;
+          st2(dk_hat + ((b * N + n) * H + h) * D + col, kp.x != 0.f ? dkp0 * k_scale : 0.f,
+              kp.y != 0.f ? dkp1 * k_scale : 0.f);
+          dqkv.set_pair(qkv_index(b, n, 2, h, col, N, H, D), btr * a3, btr * b3);
+        }
+      }
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float v = dbeta_part[i][half];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (t == 0) part[(m0 + 16 * i + g + 8 * half) * Tl::WN + wn] = v;
+      }
+    __syncthreads();
+    if (tid < KS && s0 + tid < S) {
+      float v = 0.f;
+      for (int w = 0; w < Tl::WN; ++w) v += part[tid * Tl::WN + w];
+      dbeta.set(static_cast<int64_t>(bhf) * S + s0 + tid, v);
+    }
+  }
+}
+
 struct Sizes {
   int H, D, F, S;
   int64_t BHF;
@@ -375,17 +568,26 @@ void phase_a_bwd(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor& dP, 
   with_dp_mode(d.D, mode, [&](auto dp, auto md) {
     constexpr int DP = decltype(dp)::value;
     constexpr MathMode MODE = decltype(md)::value;
-    const int ntiles = (z.S + BwdTile<DP>::KS - 1) / BwdTile<DP>::KS;
-    // Split a frame's tokens over blocks only while the grid is smaller than the machine.
-    const int64_t want = (sms + z.BHF - 1) / z.BHF;
-    const int splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, ntiles)));
+    constexpr bool half = MODE == MathMode::bf16;
+    constexpr int KS = half ? HTile<DP>::KS : BwdTile<DP>::KS;
+    const int ntiles = (z.S + KS - 1) / KS;
+    // One block per SM (shared memory): split a frame's tokens so that the grid fills whole waves.
+    const int splits = wave_splits(z.BHF, sms, std::min(4, ntiles));
     const int per_block = (ntiles + splits - 1) / splits;
     const dim3 grid(static_cast<unsigned>((ntiles + per_block - 1) / per_block), static_cast<unsigned>(z.BHF));
-    const size_t smem = bwd_smem_floats<DP, MODE>() * sizeof(float);
-    allow_smem(phase_a_bwd_kernel<DP, MODE>, smem);
-    phase_a_bwd_kernel<DP, MODE><<<grid, kThreads, smem, stream()>>>(dk, dx, dbt, gp, ga, gpz, gb, x, r, kw, cs, sn,
-                                                                      bt, z.H, z.D, z.F, z.S, per_block,
-                                                                      static_cast<float>(k_scale));
+    if constexpr (half) {
+      const size_t smem = h_smem_bytes<DP>();
+      allow_smem(phase_a_bwd_h_kernel<DP>, smem);
+      phase_a_bwd_h_kernel<DP><<<grid, kThreads, smem, stream()>>>(dk, dx, dbt, gp, ga, gpz, gb, x, r, kw, cs, sn,
+                                                                    bt, z.H, z.D, z.F, z.S, per_block,
+                                                                    static_cast<float>(k_scale));
+    } else {
+      const size_t smem = bwd_smem_floats<DP, MODE>() * sizeof(float);
+      allow_smem(phase_a_bwd_kernel<DP, MODE>, smem);
+      phase_a_bwd_kernel<DP, MODE><<<grid, kThreads, smem, stream()>>>(dk, dx, dbt, gp, ga, gpz, gb, x, r, kw, cs,
+                                                                        sn, bt, z.H, z.D, z.F, z.S, per_block,
+                                                                        static_cast<float>(k_scale));
+    }
     GDNCP_CUDA_CHECK(cudaGetLastError());
   });
 }

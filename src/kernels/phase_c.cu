@@ -32,9 +32,16 @@ struct FwdTile {  // 2 × 4 warps over a KS×DP output tile
   static constexpr int KS = 64, WM = 2, WN = 4, TM = KS / (16 * WM), TN = DP / (8 * WN);
 };
 
+// M_f in shared memory: bf16 mode keeps it as bf16 in [n][k] (transposed) layout (OpH: one load
+// per B fragment), the f32 modes as f32 [k][n].
 template <int DP, MathMode MODE>
-constexpr size_t fwd_smem_floats() {
-  return static_cast<size_t>(DP) * pitch_km(DP, MODE) + FwdTile<DP>::KS * pitch_mk(DP, MODE) + DP + FwdTile<DP>::KS;
+constexpr size_t m_bytes() {
+  return MODE == MathMode::bf16 ? static_cast<size_t>(DP) * pitch_h(DP) * 2
+                                : static_cast<size_t>(DP) * pitch_km(DP, MODE) * 4;
+}
+template <int DP, MathMode MODE>
+constexpr size_t fwd_smem_bytes() {
+  return m_bytes<DP, MODE>() + (FwdTile<DP>::KS * pitch_mk(DP, MODE) + DP + FwdTile<DP>::KS) * 4;
 }
 
 template <int DP, MathMode MODE>
@@ -44,10 +51,12 @@ __global__ void __launch_bounds__(kThreads)
                        const float* __restrict__ rope_sin, const float* __restrict__ M, const float* __restrict__ z,
                        int H, int D, int F, int S, int tiles_per_block, float eps, bool divide) {
   using Tl = FwdTile<DP>;
-  constexpr int KS = Tl::KS, LDM = pitch_km(DP, MODE), LDQ = pitch_mk(DP, MODE);
-  extern __shared__ __align__(16) float smem[];
-  float* Ms = smem;              // M_f     [DP][LDM]  (B operand: (n = j, k = i) at [i][j])
-  float* Qr = Ms + DP * LDM;     // qʳ      [KS][LDQ]  (A operand: (m = s, k = d))
+  constexpr int KS = Tl::KS, LDM = MODE == MathMode::bf16 ? pitch_h(DP) : pitch_km(DP, MODE),
+                LDQ = pitch_mk(DP, MODE);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* Ms = reinterpret_cast<float*>(smem_raw);                  // f32 modes: M_f [i][j]  (OpKM)
+  __nv_bfloat16* Mh = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // bf16 mode: M_f [j][i] (OpH)
+  float* Qr = reinterpret_cast<float*>(smem_raw + m_bytes<DP, MODE>());  // qʳ [KS][LDQ] (A: (m = s, k = d))
   float* zs = Qr + KS * LDQ;     // z_f     [DP]
   float* dens = zs + DP;         // den     [KS]
 
@@ -56,7 +65,11 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   for (int e = tid; e < DP * DP; e += kThreads) {
     const int i = e / DP, j = e % DP;
-    Ms[i * LDM + j] = (i < D && j < D) ? M[mat0 + i * D + j] : 0.f;
+    const float v = (i < D && j < D) ? M[mat0 + i * D + j] : 0.f;
+    if constexpr (MODE == MathMode::bf16)
+      Mh[j * LDM + i] = __float2bfloat16_rn(v);
+    else
+      Ms[i * LDM + j] = v;
   }
   if (tid < DP) zs[tid] = tid < D ? z[static_cast<int64_t>(bhf) * D + tid] : 0.f;
 
@@ -120,7 +133,10 @@ __global__ void __launch_bounds__(kThreads)
 
     const int rows = min(KS, S - s0);
     float acc[Tl::TM][Tl::TN][4] = {};
-    warp_mma<MODE, Tl::TM, Tl::TN>(acc, OpMK{Qr, LDQ}, m0, OpKM{Ms, LDM}, n0, Kd, rows, D);
+    if constexpr (MODE == MathMode::bf16)
+      warp_mma<MODE, Tl::TM, Tl::TN>(acc, OpMK{Qr, LDQ}, m0, OpH{Mh, LDM}, n0, Kd, rows, D);
+    else
+      warp_mma<MODE, Tl::TM, Tl::TN>(acc, OpMK{Qr, LDQ}, m0, OpKM{Ms, LDM}, n0, Kd, rows, D);
 #pragma unroll
     for (int i = 0; i < Tl::TM; ++i)
 #pragma unroll
@@ -150,11 +166,17 @@ struct BwdTile {
   static constexpr int TM2 = DP / (16 * WM), TN2 = DP / (8 * WN);  // dM += qʳᵀ dnum (DP × DP)
 };
 
+// M_f in shared memory: bf16 [i][j] (OpH) in bf16 mode, f32 [i][j] (OpMK) otherwise.
 template <int DP, MathMode MODE>
-constexpr size_t bwd_smem_floats() {
+constexpr size_t bwd_m_bytes() {
+  return MODE == MathMode::bf16 ? static_cast<size_t>(DP) * pitch_h(DP) * 2
+                                : static_cast<size_t>(DP) * pitch_mk(DP, MODE) * 4;
+}
+template <int DP, MathMode MODE>
+constexpr size_t bwd_smem_bytes() {
   constexpr int KS = BwdTile<DP>::KS;
-  return static_cast<size_t>(DP) * pitch_mk(DP, MODE) + KS * pitch_km(DP, MODE) + 3 * KS * (DP + 8) +
-         KS * (DP + 4) + DP + 3 * KS + KS * BwdTile<DP>::WN;
+  return bwd_m_bytes<DP, MODE>() +
+         (KS * pitch_km(DP, MODE) + 3 * KS * (DP + 8) + KS * (DP + 4) + DP + 3 * KS + KS * BwdTile<DP>::WN) * 4;
 }
 
 template <int DP, MathMode MODE>
@@ -166,10 +188,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                        float eps, bool divide) {
   using Tl = BwdTile<DP>;
   // dnum is read both ways (A of dnum Mᵀ, B of qʳᵀ dnum): DP + 4 keeps both at most 2-way.
-  constexpr int KS = Tl::KS, LDM = pitch_mk(DP, MODE), LDR = pitch_km(DP, MODE), LDP = DP + 8, LDD = DP + 4;
-  extern __shared__ __align__(16) float smem[];
-  float* Ms = smem;             // M_f   [DP][LDM]  (B of dnum Mᵀ: (n = i, k = j) at [i][j])
-  float* Qr = Ms + DP * LDM;    // qʳ    [KS][LDR]  (A of qʳᵀ dnum: (m = d, k = s))
+  constexpr int KS = Tl::KS, LDM = MODE == MathMode::bf16 ? pitch_h(DP) : pitch_mk(DP, MODE),
+                LDR = pitch_km(DP, MODE), LDP = DP + 8, LDD = DP + 4;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* Ms = reinterpret_cast<float*>(smem_raw);                  // M_f [i][j]: B of dnum Mᵀ, (n = i, k = j)
+  __nv_bfloat16* Mh = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // the same in bf16 (bf16 mode)
+  float* Qr = reinterpret_cast<float*>(smem_raw + bwd_m_bytes<DP, MODE>());  // qʳ [KS][LDR] (A of qʳᵀ dnum)
   float* Qp = Qr + KS * LDR;    // q⁺    [KS][LDP]
   float* Cs = Qp + KS * LDP;    // cos   [KS][LDP]  (for the epilogue's unrope)
   float* Sn = Cs + KS * LDP;    // sin   [KS][LDP]
@@ -185,7 +209,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   for (int e = tid; e < DP * DP; e += kThreads) {
     const int i = e / DP, j = e % DP;
-    Ms[i * LDM + j] = (i < D && j < D) ? M[mat0 + i * D + j] : 0.f;
+    const float v = (i < D && j < D) ? M[mat0 + i * D + j] : 0.f;
+    if constexpr (MODE == MathMode::bf16)
+      Mh[i * LDM + j] = __float2bfloat16_rn(v);
+    else
+      Ms[i * LDM + j] = v;
   }
   if (tid < DP) zs[tid] = tid < D ? z[static_cast<int64_t>(bhf) * D + tid] : 0.f;
 
@@ -258,7 +286,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     const int rows = min(KS, S - s0);
     float acc1[Tl::TM1][Tl::TN1][4] = {};
-    warp_mma<MODE, Tl::TM1, Tl::TN1>(acc1, OpMK{Dn, LDD}, m1, OpMK{Ms, LDM}, n1, Kd, rows, D);  // dqʳ = dnum Mᵀ
+    if constexpr (MODE == MathMode::bf16)  // dqʳ = dnum Mᵀ
+      warp_mma<MODE, Tl::TM1, Tl::TN1>(acc1, OpMK{Dn, LDD}, m1, OpH{Mh, LDM}, n1, Kd, rows, D);
+    else
+      warp_mma<MODE, Tl::TM1, Tl::TN1>(acc1, OpMK{Dn, LDD}, m1, OpMK{Ms, LDM}, n1, Kd, rows, D);
     warp_mma<MODE, Tl::TM2, Tl::TN2>(acc2, OpKM{Qr, LDR}, m2, OpKM{Dn, LDD}, n2, KS, D, D);     // dM += qʳᵀ dnum
     if (divide) {
 #pragma unroll
@@ -353,12 +384,11 @@ void phase_c_fwd(Tensor& out, Tensor& den, const Tensor& qkv, const Tensor& rstd
     constexpr int DP = decltype(dp)::value;
     constexpr MathMode MODE = decltype(md)::value;
     const int ntiles = (sz.S + FwdTile<DP>::KS - 1) / FwdTile<DP>::KS;
-    // About two blocks per SM: split a frame's tokens only while the grid is smaller than that.
-    const int64_t want = (2 * sms + sz.BHF - 1) / sz.BHF;
-    const int splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, ntiles)));
+    // Two blocks per SM: split a frame's tokens so that the grid fills whole waves.
+    const int splits = wave_splits(sz.BHF, 2 * sms, std::min(6, ntiles));
     const int per_block = (ntiles + splits - 1) / splits;
     const dim3 grid(static_cast<unsigned>((ntiles + per_block - 1) / per_block), static_cast<unsigned>(sz.BHF));
-    const size_t smem = fwd_smem_floats<DP, MODE>() * sizeof(float);
+    const size_t smem = fwd_smem_bytes<DP, MODE>();
     allow_smem(phase_c_fwd_kernel<DP, MODE>, smem);
     phase_c_fwd_kernel<DP, MODE><<<grid, kThreads, smem, stream()>>>(o, dn, x, r, qw, cs, sn, m, zz, sz.H, sz.D, sz.F,
                                                                       sz.S, per_block, static_cast<float>(eps),
@@ -380,7 +410,7 @@ void phase_c_bwd(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, con
   with_dp_mode(d.D, mode, [&](auto dp, auto md) {
     constexpr int DP = decltype(dp)::value;
     constexpr MathMode MODE = decltype(md)::value;
-    const size_t smem = bwd_smem_floats<DP, MODE>() * sizeof(float);
+    const size_t smem = bwd_smem_bytes<DP, MODE>();
     allow_smem(phase_c_bwd_kernel<DP, MODE>, smem);
     phase_c_bwd_kernel<DP, MODE><<<static_cast<unsigned>(sz.BHF), kThreads, smem, stream()>>>(
         dq, dm, dzz, go, gd, x, r, qw, cs, sn, m, zz, sz.H, sz.D, sz.F, sz.S, static_cast<float>(eps), divide);
