@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "cp_bench.h"
 #include "gdncp/gdncp.h"
 #include "kernels/kernels.h"
 
@@ -449,9 +450,20 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
 }
 
 // Extension point for the context-parallel helper (issue 4): `--cp` runs the CP layer benchmark.
-int run_cp(const Args&) {
-  std::printf("gdncp_bench --cp: the context-parallel benchmark is not implemented yet (issue 4)\n");
-  return 1;
+// --cp: the bidirectional CP layer under mpirun (bench/cp_bench.cpp): weak
+// scaling at --frames per rank, strong scaling over 2x that many frames.
+int run_cp(const Args& a) {
+  bench::CpBenchConfig c;
+  c.batch = a.batches.at(0);
+  c.tokens = a.tokens;
+  c.heads = a.heads;
+  c.head_dim = a.head_dims.at(0);
+  c.frames_per_rank = a.frames;
+  c.global_frames = 2 * a.frames;
+  c.warmup = a.warmup;
+  c.iters = a.iters;
+  c.json = a.json;
+  return bench::run_cp_bench(c);
 }
 
 int run(const Args& a) {
