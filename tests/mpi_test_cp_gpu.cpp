@@ -103,6 +103,78 @@ TEST(CudaTwins, ScanSweepMatchesCpu) {
   }
 }
 
+// Large B·H: the CUDA launches then put 2 and 4 state slices (warps) in one block,
+// sharing the staged transitions, with idle warps where D/16 slices do not divide
+// (src/cp/scan.cu, Note [warp tiles]); a wide and a narrow sweep in one batch, a
+// correction over many (b·h, t) and a fold.
+TEST(CudaTwins, ScanKernelsManySlicesMatchCpu) {
+  REQUIRE_GPUS();
+  const int64_t D = 112, F = 3;
+  for (const int64_t BH : {int64_t(80), int64_t(160)}) {
+    const Tensor P = rnd({BH, F, D, D}, 60, 0.5 / D), U = rnd({BH, F, D, D}, 61), u = rnd({BH, F, D, 1}, 62);
+    const Tensor X0 = rnd({BH, D, D}, 63);
+    const Tensor decay = Tensor::uniform({1, BH, F}, DType::f32, Device::cpu, 64, 0.5, 0.99);
+    Tensor res[2][4];
+    for (int g = 0; g < 2; ++g) {
+      const Device dev = g ? Device::cuda : Device::cpu;
+      auto mv = [&](const Tensor& t) { return g ? gpu(t) : t; };
+      std::vector<cp::Sweep> sw(2);
+      // A forward scan from X0 (one frozen frame) and a transposed, descending narrow one.
+      sw[0].P = sw[1].P = mv(P);
+      sw[0].add_after = mv(U);
+      sw[0].init = mv(X0);
+      sw[0].out_after = poisoned({BH, F, D, D}, dev);
+      sw[0].final_state = poisoned({BH, D, D}, dev);
+      sw[0].spec = cp::SweepSpec{BH, F, D, D, false, false, cp::Init::given, F - 1};
+      sw[1].add_before = mv(u);
+      sw[1].out_before = poisoned({BH, F, D, 1}, dev);
+      sw[1].final_state = poisoned({BH, D, 1}, dev);
+      sw[1].spec = cp::SweepSpec{BH, F, D, 1, true, true, cp::Init::zero, F};
+      const Tensor dc = mv(decay);
+      if (g)
+        cp::cuda::scan_sweeps(sw, dc);
+      else
+        cp::cpu::scan_sweeps(sw, dc);
+      res[g][0] = cpu(sw[0].out_after);
+      res[g][1] = cpu(sw[0].final_state);
+      res[g][2] = cpu(sw[1].out_before);
+      res[g][3] = cpu(sw[1].final_state);
+    }
+    for (int k = 0; k < 4; ++k) {
+      const std::string what = "B*H=" + std::to_string(BH) + " output " + std::to_string(k);
+      EXPECT_FALSE(has_nonfinite(res[1][k])) << what << " not fully written";
+      EXPECT_TRUE(close_rel(res[1][k], res[0][k], 1e-5, what));
+    }
+  }
+  {  // 40·4 (b·h, t) × 7 slices: 4 warps per block; and a fold over 2 "ranks" with B·H = 160.
+    const int64_t BH = 40, Fc = 4;
+    const Tensor X = rnd({BH, Fc, D, D}, 70), C = rnd({BH, Fc, D, D}, 71, 0.3), v = rnd({BH, D, D}, 72);
+    Tensor got[2];
+    for (int g = 0; g < 2; ++g) {
+      std::vector<cp::Correction> cs{cp::Correction{g ? gpu(X) : X.clone(), g ? gpu(C) : C, g ? gpu(v) : v, D}};
+      if (g)
+        cp::cuda::scan_correct(cs, BH, Fc, D);
+      else
+        cp::cpu::scan_correct(cs, BH, Fc, D);
+      got[g] = cpu(cs[0].X);
+    }
+    EXPECT_TRUE(close_rel(got[1], got[0], 1e-5, "correct B*H=40 F=4"));
+    const int64_t BHf = 160, per = BHf * D * D * 2;
+    const Tensor buf = rnd({2 * per}, 73, 0.05), init = rnd({BHf, D, D}, 74);
+    Tensor Xf[2];
+    for (int g = 0; g < 2; ++g) {
+      Xf[g] = poisoned({BHf, D, D}, g ? Device::cuda : Device::cpu);
+      const Tensor b = g ? gpu(buf) : buf, x0 = g ? gpu(init) : init;
+      if (g)
+        cp::cuda::fold(Xf[g], x0, b, 0, per, true, b, BHf * D * D, per, {1, 0}, BHf, D, D);
+      else
+        cp::cpu::fold(Xf[g], x0, b, 0, per, true, b, BHf * D * D, per, {1, 0}, BHf, D, D);
+    }
+    EXPECT_FALSE(has_nonfinite(cpu(Xf[1])));
+    EXPECT_TRUE(close_rel(cpu(Xf[1]), Xf[0], 1e-5, "fold B*H=160"));
+  }
+}
+
 TEST(CudaTwins, GradOuterAndFoldMatchCpu) {
   REQUIRE_GPUS();
   for (const int64_t D : {int64_t(7), int64_t(112)})

@@ -117,6 +117,7 @@ __device__ __forceinline__ void apply_mat(float (&acc)[NC], const float* __restr
 // Note [outer tiles]. C (D×D) = Σ_e L(i, e) R(k, e) for one block of 256
 // threads: thread (ty, tx) of 16×16 owns rows ty + 16a and columns tx + 16b
 // (a, b < 8). L and R stream through shared memory in chunks of 32 along e.
+// Launch with kOuterThreads threads.
 constexpr int kOuterThreads = 256;
 constexpr int kOuterPitch = 129;
 
@@ -130,12 +131,23 @@ __device__ __forceinline__ void outer_tile(float (&acc)[8][8], LoadL ldl, LoadR 
     for (int b = 0; b < 8; ++b) acc[a][b] = 0.f;
   for (int e0 = 0; e0 < E; e0 += kChunk) {
     const int ec = min(kChunk, E - e0);
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < 128 * kChunk; idx += blockDim.x) {
-      const int ee = idx % kChunk, r = idx / kChunk;
+    // All loads of the chunk first, then the stores: the loads are in flight
+    // together instead of one round trip each (blockDim.x == kOuterThreads).
+    constexpr int kPer = 128 * kChunk / kOuterThreads;
+    float lin[kPer], rin[kPer];
+#pragma unroll
+    for (int m = 0; m < kPer; ++m) {
+      const int idx = threadIdx.x + m * kOuterThreads, ee = idx % kChunk, r = idx / kChunk;
       const bool ok = r < D && ee < ec;
-      Ls[ee * kOuterPitch + r] = ok ? ldl(r, e0 + ee) : 0.f;
-      Rs[ee * kOuterPitch + r] = ok ? ldr(r, e0 + ee) : 0.f;
+      lin[m] = ok ? ldl(r, e0 + ee) : 0.f;
+      rin[m] = ok ? ldr(r, e0 + ee) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < kPer; ++m) {
+      const int idx = threadIdx.x + m * kOuterThreads, ee = idx % kChunk, r = idx / kChunk;
+      Ls[ee * kOuterPitch + r] = lin[m];
+      Rs[ee * kOuterPitch + r] = rin[m];
     }
     __syncthreads();
     for (int ee = 0; ee < ec; ++ee) {

@@ -1,15 +1,37 @@
 // src/cp/scan.cu — CUDA twins of the CP scan kernels (Note [scan step] in
 // cp_kernels.h), f32, same signatures and semantics as scan_ref.cpp.
 //
-//   sweep_kernel   one block per (column block of 16 state columns, b·h): the
-//                  block walks the frames with its slice of the state in
-//                  registers (Note [row threads]); the Z stream is one column.
-//   fold_kernel    the same structure over the gathered composites of the ranks.
-//   outer_kernel   one block per (b·h, frame): Gr = L Rᵀ (Note [outer tiles]),
-//                  then dP (=, +=) −g·Gr and dg += ⟨Gr, I − P⟩ (fixed-order sum).
+//   sweep_kernel    the sequential sweeps over frames: one warp per (sweep,
+//                   b·h, slice of 16 state columns), Note [warp tiles]; the
+//                   frames' transitions stream through a cp.async ring that
+//                   the warps of a block share.
+//   fold_kernel     the same over the gathered composites of the ranks.
+//   correct_kernel  X_t += C_t·v for every (b·h, t) at once, the same tiles.
+//   outer_kernel    one block per (b·h, frame): Gr = L Rᵀ (Note [outer tiles]),
+//                   then dP (=, +=) −g·Gr and dg += ⟨Gr, I − P⟩ (fixed-order sum).
 // Gradient rule as the CPU twin: dg accumulates, dP when asked; the rest overwritten.
 // No atomics: every result is bitwise reproducible.
+//
+// Note [warp tiles]. Each step of a sweep (fold, correction) multiplies a D×D
+// matrix op(A) into the state, a D×E matrix whose columns evolve on their own.
+// One warp owns a slice of 16 columns: lane (r, h) = (lane % 16, lane / 16)
+// accumulates rows r + 16a (a < RA, 16·RA ≥ D) × columns 8h … 8h+7 in 8·RA
+// registers; the slice itself lives in shared memory (pitch kYP) and is read
+// as broadcasts. A streams through a ring of kStages shared buffers in chunks
+// of kKC values of k, issued kStages − 1 chunks ahead with cp.async and across
+// frame boundaries (A does not depend on the state, so the next frame's A is
+// in flight while this frame's product runs). A chunk keeps A's row-major
+// order: for op(A) = A it is A[:, k0 … k0+kKC) (pitch kKCP, 5 float4: read
+// along k as float4 without bank conflicts), for op(A) = Aᵀ it is
+// A[k0 … k0+kKC, :] (read along i). The warps of a block are slices of the
+// same (sweep, b·h) and share the ring; a step costs one barrier per chunk.
+// Sums over k run in index order, like the CPU twin. The additive terms of a
+// step (U_t, or the next frame's add_before) are loaded into registers before
+// the product, so their latency hides behind it.
 #include <algorithm>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include "cp/cp_cuda.cuh"
 #include "cp/cp_kernels.h"
@@ -21,9 +43,213 @@ namespace {
 
 using namespace dev;
 
-constexpr int kCols = 16;
 constexpr int kMaxRanks = 64;
+constexpr int kTileCols = 16;  // state columns per warp (Note [warp tiles])
+constexpr int kKC = 16;        // values of k per staged chunk
+constexpr int kKCP = 20;       // pitch of a chunk of op(A) = A: 5 float4 (odd: conflict-free along k)
+constexpr int kYP = 20;        // pitch of the state slice: 5 float4
+constexpr int kStages = 4;     // depth of the cp.async ring
+constexpr int kMaxWarps = 4;   // slices per block
 
+// Floats of one ring stage and of one warp's state slice, for RA row slots.
+__host__ __device__ constexpr int stage_floats(int ra) { return 16 * ra * kKCP; }
+__host__ __device__ constexpr int slice_floats(int ra) { return 16 * ra * kYP; }
+constexpr int smem_bytes(int ra, int warps) {
+  return (kStages * stage_floats(ra) + warps * slice_floats(ra)) * static_cast<int>(sizeof(float));
+}
+static_assert(kKC <= kKCP, "a chunk of op(A) = Aᵀ (kKC rows of 16·RA) fits a stage");
+
+// --- cp.async ------------------------------------------------------------------------------
+// ok = false: the destination is zero-filled and nothing is read.
+__device__ __forceinline__ void cp_async(float* dst, const float* src, bool ok, bool vec) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if (vec)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_ring() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Stages chunk j of the row-major D×D matrix A into buf (Note [warp tiles]);
+// vec: 16-byte copies (D % 4 == 0, A 16-byte aligned). Entries with k ≥ D are
+// zero-filled; rows (columns of Aᵀ) i ≥ D stay unwritten: they only reach the
+// sums of rows ≥ D, which are never stored. Called by every thread of the block.
+__device__ __forceinline__ void stage_chunk(float* buf, const float* A, int D, int Dp, int j, bool transpose,
+                                            bool vec) {
+  const int k0 = j * kKC, tid = threadIdx.x, nt = blockDim.x;
+  if (transpose) {  // rows k0 … of A, each contiguous along i
+    for (int kk = 0; kk < kKC; ++kk) {
+      const bool ok = k0 + kk < D;
+      const float* row = A + (ok ? (k0 + kk) * D : 0);
+      if (vec)
+        for (int i = 4 * tid; i < D; i += 4 * nt) cp_async(buf + kk * Dp + i, row + (ok ? i : 0), ok, true);
+      else
+        for (int i = tid; i < D; i += nt) cp_async(buf + kk * Dp + i, row + (ok ? i : 0), ok, false);
+    }
+  } else if (vec) {  // columns k0 … of every row of A, 4 pieces of 4 per row
+    for (int idx = tid; idx < D * (kKC / 4); idx += nt) {
+      const int i = idx / (kKC / 4), kk = 4 * (idx % (kKC / 4));
+      const bool ok = k0 + kk < D;
+      cp_async(buf + i * kKCP + kk, A + (ok ? i * D + k0 + kk : 0), ok, true);
+    }
+  } else {
+    for (int idx = tid; idx < D * kKC; idx += nt) {
+      const int i = idx / kKC, kk = idx % kKC;
+      const bool ok = k0 + kk < D;
+      cp_async(buf + i * kKCP + kk, A + (ok ? i * D + k0 + kk : 0), ok, false);
+    }
+  }
+}
+
+__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float comp(const float4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ void fma8(float (&acc)[8], float p, const float4& y0, const float4& y1) {
+  acc[0] = fmaf(p, y0.x, acc[0]);
+  acc[1] = fmaf(p, y0.y, acc[1]);
+  acc[2] = fmaf(p, y0.z, acc[2]);
+  acc[3] = fmaf(p, y0.w, acc[3]);
+  acc[4] = fmaf(p, y1.x, acc[4]);
+  acc[5] = fmaf(p, y1.y, acc[5]);
+  acc[6] = fmaf(p, y1.z, acc[6]);
+  acc[7] = fmaf(p, y1.w, acc[7]);
+}
+
+// acc += op(A)[rows of this lane][k0 … k0+kKC) · slice[k0 … k0+kKC)[columns of this lane], k in order.
+template <int RA>
+__device__ __forceinline__ void mma_chunk(float (&acc)[RA][8], const float* buf, const float* ys, int k0,
+                                          bool transpose) {
+  const int lane = threadIdx.x % 32, r = lane % 16, h = lane / 16;
+  const float* y = ys + k0 * kYP + 8 * h;
+  if (transpose) {
+#pragma unroll 4
+    for (int kk = 0; kk < kKC; ++kk) {
+      float p[RA];
+#pragma unroll
+      for (int a = 0; a < RA; ++a) p[a] = buf[kk * (16 * RA) + r + 16 * a];
+      const float4 y0 = ld4(y + kk * kYP), y1 = ld4(y + kk * kYP + 4);
+#pragma unroll
+      for (int a = 0; a < RA; ++a) fma8(acc[a], p[a], y0, y1);
+    }
+  } else {
+#pragma unroll
+    for (int k4 = 0; k4 < kKC; k4 += 4) {
+      float4 p[RA];
+#pragma unroll
+      for (int a = 0; a < RA; ++a) p[a] = ld4(buf + (r + 16 * a) * kKCP + k4);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float4 y0 = ld4(y + (k4 + j) * kYP), y1 = ld4(y + (k4 + j) * kYP + 4);
+#pragma unroll
+        for (int a = 0; a < RA; ++a) fma8(acc[a], comp(p[a], j), y0, y1);
+      }
+    }
+  }
+}
+
+// The lane's elements of its warp's slice: rows r + 16a, columns c0 + 8h + c (c < 8).
+struct Slice {
+  int D, E, c0, r, h;
+  __device__ bool ok(int a, int c) const { return r + 16 * a < D && c0 + 8 * h + c < E; }
+  __device__ int64_t at(int a, int c) const {  // offset in a D×E matrix
+    return static_cast<int64_t>(r + 16 * a) * E + c0 + 8 * h + c;
+  }
+  __device__ int sh(int a, int c) const { return (r + 16 * a) * kYP + 8 * h + c; }  // offset in the slice
+};
+__device__ __forceinline__ Slice slice_of(int D, int E, int tile) {
+  const int lane = threadIdx.x % 32;
+  return Slice{D, E, tile * kTileCols, lane % 16, lane / 16};
+}
+
+// The whole slice: value(i, col) inside D×E (live warps), 0 elsewhere.
+template <int RA, typename Value>
+__device__ __forceinline__ void fill_slice(float* ys, const Slice& s, bool live, Value value) {
+  for (int idx = threadIdx.x % 32; idx < slice_floats(RA); idx += 32) {
+    const int i = idx / kYP, cc = idx % kYP, col = s.c0 + cc;
+    ys[idx] = (live && cc < kTileCols && i < s.D && col < s.E) ? value(i, col) : 0.f;
+  }
+  __syncwarp();
+}
+// dst = the lane's elements of the D×E matrix src (0 outside); all loads issued before any use.
+template <int RA>
+__device__ __forceinline__ void load_own(float (&dst)[RA][8], const float* src, const Slice& s, bool live) {
+#pragma unroll
+  for (int a = 0; a < RA; ++a)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) dst[a][c] = (live && s.ok(a, c)) ? src[s.at(a, c)] : 0.f;
+}
+// dst (D×E) = the lane's elements of the slice (or zeros).
+template <int RA>
+__device__ __forceinline__ void store_own(float* dst, const float* ys, const Slice& s, bool live, bool zeros = false) {
+  if (!live) return;
+#pragma unroll
+  for (int a = 0; a < RA; ++a)
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+      if (s.ok(a, c)) dst[s.at(a, c)] = zeros ? 0.f : ys[s.sh(a, c)];
+}
+template <int RA>
+__device__ __forceinline__ void zero(float (&acc)[RA][8]) {
+#pragma unroll
+  for (int a = 0; a < RA; ++a)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[a][c] = 0.f;
+}
+
+// The ring of one block: chunk q = part q % nch of the matrix of step q / nch
+// (mat(step) gives it), staged in buffer q % kStages.
+template <int RA, typename MatOf>
+struct Ring {
+  float* buf;
+  MatOf mat;
+  int D, nch, total;
+  bool transpose, vec;
+  int q = 0;  // next chunk to consume
+  __device__ void issue(int c) const {
+    if (c < total)
+      stage_chunk(buf + (c % kStages) * stage_floats(RA), mat(c / nch), D, 16 * RA, c % nch, transpose, vec);
+    cp_async_commit();  // possibly empty: keeps the group count uniform
+  }
+  __device__ void start() const {
+    for (int c = 0; c < kStages - 1; ++c) issue(c);
+  }
+  // acc = op(A_step) · slice over the next nch chunks; every thread of the block calls it.
+  __device__ void product(float (&acc)[RA][8], const float* ys, bool compute) {
+    zero<RA>(acc);
+    for (int j = 0; j < nch; ++j, ++q) {
+      cp_async_wait_ring();  // chunk q has landed (this thread's copies)
+      __syncthreads();       // everyone's copies visible; everyone done with chunk q − 1
+      issue(q + kStages - 1);
+      if (compute) mma_chunk<RA>(acc, buf + (q % kStages) * stage_floats(RA), ys, j * kKC, transpose);
+    }
+  }
+};
+template <int RA, typename MatOf>
+__device__ __forceinline__ Ring<RA, MatOf> make_ring(float* buf, MatOf mat, int D, int steps, bool transpose,
+                                                     bool vec) {
+  const int nch = (D + kKC - 1) / kKC;
+  return Ring<RA, MatOf>{buf, mat, D, nch, steps * nch, transpose, vec};
+}
+
+// Which (job, unit, slice) a block works on: jobs laid out one after another,
+// units × groups blocks each, `warps` slices per group.
+struct Place {
+  int job, unit, tile, warp;
+};
+template <typename Job>
+__device__ __forceinline__ Place place_of(const Job* jobs, int n, int warps) {
+  int k = 0;
+  while (k + 1 < n && static_cast<int>(blockIdx.x) >= jobs[k + 1].block0) ++k;
+  const int rel = static_cast<int>(blockIdx.x) - jobs[k].block0, warp = threadIdx.x / 32;
+  return Place{k, rel / jobs[k].groups, (rel % jobs[k].groups) * warps + warp, warp};
+}
+
+// --- sweeps -----------------------------------------------------------------------------------
 struct SweepArgs {
   float* ob = nullptr;
   float* oa = nullptr;
@@ -33,74 +259,90 @@ struct SweepArgs {
   const float* ua = nullptr;
   const float* init = nullptr;
   int D = 0, F = 0, E = 0, active = 0, init_kind = 0;
-  bool descending = false, transpose = false;
+  bool descending = false, transpose = false, vec = false;
+  int tiles = 0, groups = 0, block0 = 0;  // slices per b·h, blocks per b·h, first block
 };
-
 constexpr int kMaxSweeps = 8;
 struct SweepBatch {
   SweepArgs s[kMaxSweeps];
   In decay;
+  int n = 0, warps = 1;
 };
 
-// blockIdx = (column block, b·h, sweep).
-template <int NC>
-__global__ void __launch_bounds__(kRowThreads) sweep_kernel(const __grid_constant__ SweepBatch batch) {
-  const SweepArgs& a = batch.s[blockIdx.z];
-  if (static_cast<int>(blockIdx.x) * NC >= a.E) return;  // a sweep with fewer columns than the widest
-  __shared__ float Ps[kRowThreads * kPitch];
-  __shared__ __align__(16) float Ys[kRowThreads * NC];
-  const int c0 = blockIdx.x * NC, bh = blockIdx.y, i = threadIdx.x;
-  const int nc = min(NC, a.E - c0);
-  const bool row = i < a.D;
-  const int64_t DE = static_cast<int64_t>(a.D) * a.E;
-  float y[NC], acc[NC];
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    float v = 0.f;
-    if (row && c < nc) {
-      if (a.init_kind == static_cast<int>(Init::identity)) v = (i == c0 + c) ? 1.f : 0.f;
-      if (a.init_kind == static_cast<int>(Init::given)) v = a.init[bh * DE + static_cast<int64_t>(i) * a.E + c0 + c];
-    }
-    y[c] = v;
-  }
-  for (int step = 0; step < a.F; ++step) {
-    const int t = a.descending ? a.F - 1 - step : step;
-    const int64_t base = (static_cast<int64_t>(bh) * a.F + t) * DE + static_cast<int64_t>(i) * a.E + c0;
+// One warp per (sweep, b·h, slice); the steps of Note [scan step] in frame order.
+template <int RA>
+__global__ void __launch_bounds__(32 * kMaxWarps) sweep_kernel(const __grid_constant__ SweepBatch batch) {
+  extern __shared__ __align__(16) float smem[];
+  const Place pl = place_of(batch.s, batch.n, batch.warps);
+  const SweepArgs& a = batch.s[pl.job];
+  const int bh = pl.unit, D = a.D, E = a.E, F = a.F;
+  const bool live = pl.tile < a.tiles;  // dead warps only help stage the ring
+  const Slice sl = slice_of(D, E, pl.tile);
+  float* ys = smem + kStages * stage_floats(RA) + pl.warp * slice_floats(RA);
+  const int64_t DE = static_cast<int64_t>(D) * E, DD = static_cast<int64_t>(D) * D;
+  auto frame = [&](int step) { return a.descending ? F - 1 - step : step; };
+  auto at = [&](auto* base, int t) { return base + (static_cast<int64_t>(bh) * F + t) * DE; };
+  auto mat = [&](int step) { return a.P + (static_cast<int64_t>(bh) * F + frame(step)) * DD; };
+  Ring<RA, decltype(mat)> ring = make_ring<RA>(smem, mat, D, F, a.transpose, a.vec);
+  ring.start();
+
+  fill_slice<RA>(ys, sl, live, [&](int i, int col) {
+    if (a.init_kind == static_cast<int>(Init::identity)) return i == col ? 1.f : 0.f;
+    if (a.init_kind == static_cast<int>(Init::given)) return a.init[bh * DE + static_cast<int64_t>(i) * E + col];
+    return 0.f;
+  });
+  // pre: the additive term of the next use — U_t (add_after), else the next frame's add_before.
+  const bool pre_u = a.ua != nullptr, pre_v = a.vb != nullptr && !pre_u;
+  float pre[RA][8], acc[RA][8];
+  zero<RA>(pre);
+  if (pre_v) load_own<RA>(pre, at(a.vb, frame(0)), sl, live);
+  for (int step = 0; step < F; ++step) {
+    const int t = frame(step);
     const bool frozen = t >= a.active;  // uniform over the block
-    if (row) {
+    if (a.vb && live) {                 // 1. Y += Vb_t
+      if (pre_v) {
 #pragma unroll
-      for (int c = 0; c < NC; ++c)
-        if (c < nc) {
-          if (a.vb) y[c] += a.vb[base + c];
-          if (a.ob) a.ob[base + c] = frozen ? 0.f : y[c];
-        }
-    }
-    if (!frozen) {
-      if (row) {
+        for (int i = 0; i < RA; ++i)
 #pragma unroll
-        for (int c = 0; c < NC; ++c) Ys[i * NC + c] = y[c];
-      }
-      apply_mat<NC>(acc, a.P + (static_cast<int64_t>(bh) * a.F + t) * a.D * a.D, a.transpose, Ys, Ps, a.D, i);
-      const float g = batch.decay[static_cast<int64_t>(bh) * a.F + t];
+          for (int c = 0; c < 8; ++c)
+            if (sl.ok(i, c)) ys[sl.sh(i, c)] += pre[i][c];
+      } else {  // both add terms given: this one unprefetched
+        const float* v = at(a.vb, t);
 #pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        y[c] = g * (y[c] - acc[c]);
-        if (row && c < nc && a.ua) y[c] += a.ua[base + c];
+        for (int i = 0; i < RA; ++i)
+#pragma unroll
+          for (int c = 0; c < 8; ++c)
+            if (sl.ok(i, c)) ys[sl.sh(i, c)] += v[sl.at(i, c)];
       }
     }
-    if (row && a.oa) {
-#pragma unroll
-      for (int c = 0; c < NC; ++c)
-        if (c < nc) a.oa[base + c] = y[c];
+    if (a.ob) store_own<RA>(at(a.ob, t), ys, sl, live, frozen);  // 2. out_before
+    if (pre_u) {
+      if (!frozen) load_own<RA>(pre, at(a.ua, t), sl, live);
+    } else if (pre_v && step + 1 < F) {
+      load_own<RA>(pre, at(a.vb, frame(step + 1)), sl, live);
     }
-  }
-  if (row && a.fin) {
+    ring.product(acc, ys, live && !frozen);  // 3. op(P_t) Y
+    __syncwarp();                            // the slice has been read
+    if (live && !frozen) {
+      const float g = batch.decay[static_cast<int64_t>(bh) * F + t];
 #pragma unroll
-    for (int c = 0; c < NC; ++c)
-      if (c < nc) a.fin[bh * DE + static_cast<int64_t>(i) * a.E + c0 + c] = y[c];
+      for (int i = 0; i < RA; ++i)
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+          if (sl.ok(i, c)) {
+            float y = g * (ys[sl.sh(i, c)] - acc[i][c]);
+            if (pre_u) y += pre[i][c];  // 4. Y += Ua_t
+            ys[sl.sh(i, c)] = y;
+          }
+    }
+    __syncwarp();
+    if (a.oa) store_own<RA>(at(a.oa, t), ys, sl, live);  // 5. out_after
   }
+  if (a.fin) store_own<RA>(a.fin + bh * DE, ys, sl, live);
+  cp_async_wait_all();
 }
 
+// --- folds over ranks ---------------------------------------------------------------------------
 struct FoldArgs {
   float* X = nullptr;
   const float* init = nullptr;
@@ -108,54 +350,103 @@ struct FoldArgs {
   const float* H = nullptr;
   int64_t m_off = 0, m_stride = 0, h_off = 0, h_stride = 0;
   int D = 0, E = 0, n = 0;
-  bool transpose = false;
+  bool transpose = false, vec = false;
+  int tiles = 0, groups = 0, block0 = 0;
   int order[kMaxRanks];
 };
 constexpr int kMaxFolds = 4;
 struct FoldBatch {
   FoldArgs f[kMaxFolds];
+  int n = 0, warps = 1;
 };
 
-// blockIdx = (column block, b·h, fold).
-template <int NC>
-__global__ void __launch_bounds__(kRowThreads) fold_kernel(const __grid_constant__ FoldBatch batch) {
-  __shared__ float Ps[kRowThreads * kPitch];
-  __shared__ __align__(16) float Ys[kRowThreads * NC];
-  const FoldArgs& a = batch.f[blockIdx.z];
-  if (static_cast<int>(blockIdx.x) * NC >= a.E) return;
-  const int c0 = blockIdx.x * NC, bh = blockIdx.y, i = threadIdx.x;
-  const int nc = min(NC, a.E - c0);
-  const bool row = i < a.D;
-  const int64_t DE = static_cast<int64_t>(a.D) * a.E, DD = static_cast<int64_t>(a.D) * a.D;
-  const int64_t at = bh * DE + static_cast<int64_t>(i) * a.E + c0;
-  float y[NC], acc[NC];
-#pragma unroll
-  for (int c = 0; c < NC; ++c) y[c] = (row && c < nc && a.init) ? a.init[at + c] : 0.f;
+// X = init; for j in order: X = op(M_j) X + H_j (X += H_j without M). One warp per (fold, b·h, slice).
+template <int RA>
+__global__ void __launch_bounds__(32 * kMaxWarps) fold_kernel(const __grid_constant__ FoldBatch batch) {
+  extern __shared__ __align__(16) float smem[];
+  const Place pl = place_of(batch.f, batch.n, batch.warps);
+  const FoldArgs& a = batch.f[pl.job];
+  const int bh = pl.unit, D = a.D, E = a.E;
+  const bool live = pl.tile < a.tiles;
+  const Slice sl = slice_of(D, E, pl.tile);
+  float* ys = smem + kStages * stage_floats(RA) + pl.warp * slice_floats(RA);
+  const int64_t DE = static_cast<int64_t>(D) * E, DD = static_cast<int64_t>(D) * D;
+  auto mat = [&](int q) { return a.M + a.m_off + a.order[q] * a.m_stride + bh * DD; };
+  Ring<RA, decltype(mat)> ring = make_ring<RA>(smem, mat, D, a.n, a.transpose, a.vec);
+  if (a.M) ring.start();
+  fill_slice<RA>(ys, sl, live,
+                 [&](int i, int col) { return a.init ? a.init[bh * DE + static_cast<int64_t>(i) * E + col] : 0.f; });
+  float h[RA][8], acc[RA][8];
   for (int q = 0; q < a.n; ++q) {
-    const int j = a.order[q];
-    const float* h = a.H + a.h_off + j * a.h_stride;
+    load_own<RA>(h, a.H + a.h_off + a.order[q] * a.h_stride + bh * DE, sl, live);
     if (a.M) {
-      if (row) {
+      ring.product(acc, ys, live);
+      __syncwarp();
+    } else {
 #pragma unroll
-        for (int c = 0; c < NC; ++c) Ys[i * NC + c] = y[c];
-      }
-      apply_mat<NC>(acc, a.M + a.m_off + j * a.m_stride + bh * DD, a.transpose, Ys, Ps, a.D, i);
+      for (int i = 0; i < RA; ++i)
 #pragma unroll
-      for (int c = 0; c < NC; ++c) y[c] = acc[c];
+        for (int c = 0; c < 8; ++c) acc[i][c] = live && sl.ok(i, c) ? ys[sl.sh(i, c)] : 0.f;
     }
-    if (row) {
+    if (live) {
 #pragma unroll
-      for (int c = 0; c < NC; ++c)
-        if (c < nc) y[c] += h[at + c];
+      for (int i = 0; i < RA; ++i)
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+          if (sl.ok(i, c)) ys[sl.sh(i, c)] = acc[i][c] + h[i][c];  // CPU: tmp + h, or x + h
     }
+    __syncwarp();
   }
-  if (row) {
-#pragma unroll
-    for (int c = 0; c < NC; ++c)
-      if (c < nc) a.X[at + c] = y[c];
-  }
+  store_own<RA>(a.X + bh * DE, ys, sl, live);
+  cp_async_wait_all();
 }
 
+// --- corrections --------------------------------------------------------------------------------
+struct CorrectArgs {
+  float* X = nullptr;
+  const float* C = nullptr;
+  const float* v = nullptr;
+  int E = 0;
+  bool vec = false;
+  int tiles = 0, groups = 0, block0 = 0;
+};
+constexpr int kMaxCorrections = 4;
+struct CorrectBatch {
+  CorrectArgs c[kMaxCorrections];
+  int D = 0, F = 0, n = 0, warps = 1;
+};
+
+// X_t += C_t · v for one (correction, b·h·F + t, slice) per warp.
+template <int RA>
+__global__ void __launch_bounds__(32 * kMaxWarps) correct_kernel(const __grid_constant__ CorrectBatch batch) {
+  extern __shared__ __align__(16) float smem[];
+  const Place pl = place_of(batch.c, batch.n, batch.warps);
+  const CorrectArgs& a = batch.c[pl.job];
+  const int D = batch.D, E = a.E;
+  const int64_t bt = pl.unit, bh = bt / batch.F;
+  const bool live = pl.tile < a.tiles;
+  const Slice sl = slice_of(D, E, pl.tile);
+  float* ys = smem + kStages * stage_floats(RA) + pl.warp * slice_floats(RA);
+  const int64_t DE = static_cast<int64_t>(D) * E, DD = static_cast<int64_t>(D) * D;
+  auto mat = [&](int) { return a.C + bt * DD; };
+  Ring<RA, decltype(mat)> ring = make_ring<RA>(smem, mat, D, 1, false, a.vec);
+  ring.start();
+  fill_slice<RA>(ys, sl, live, [&](int i, int col) { return a.v[bh * DE + static_cast<int64_t>(i) * E + col]; });
+  float x[RA][8], acc[RA][8];
+  float* Xt = a.X + bt * DE;
+  load_own<RA>(x, Xt, sl, live);
+  ring.product(acc, ys, live);
+  if (live) {
+#pragma unroll
+    for (int i = 0; i < RA; ++i)
+#pragma unroll
+      for (int c = 0; c < 8; ++c)
+        if (sl.ok(i, c)) Xt[sl.at(i, c)] = x[i][c] + acc[i][c];
+  }
+  cp_async_wait_all();
+}
+
+// --- transition gradients -----------------------------------------------------------------------
 struct OuterSrc {
   const float* L = nullptr;
   const float* R = nullptr;
@@ -237,53 +528,79 @@ __global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_const
   if (threadIdx.x == 0) a.dg[bt] += total;
 }
 
-struct CorrectArgs {
-  float* X = nullptr;
-  const float* C = nullptr;
-  const float* v = nullptr;
-  int E = 0;
-};
-constexpr int kMaxCorrections = 4;
-struct CorrectBatch {
-  CorrectArgs c[kMaxCorrections];
-  int D = 0, F = 0;
-};
-
-// blockIdx = (column block, b·h·F + t, correction): X_t += C_t · v (Note [row threads]).
-template <int NC>
-__global__ void __launch_bounds__(kRowThreads) correct_kernel(const __grid_constant__ CorrectBatch batch) {
-  __shared__ float Ps[kRowThreads * kPitch];
-  __shared__ __align__(16) float Ys[kRowThreads * NC];
-  const CorrectArgs& a = batch.c[blockIdx.z];
-  if (static_cast<int>(blockIdx.x) * NC >= a.E) return;
-  const int D = batch.D, c0 = blockIdx.x * NC, i = threadIdx.x;
-  const int nc = min(NC, a.E - c0);
-  const int64_t bt = blockIdx.y, bh = bt / batch.F;
-  const int64_t DE = static_cast<int64_t>(D) * a.E, DD = static_cast<int64_t>(D) * D;
-  for (int idx = threadIdx.x; idx < D * NC; idx += blockDim.x) {
-    const int k = idx / NC, c = idx % NC;
-    Ys[k * NC + c] = c < nc ? a.v[bh * DE + static_cast<int64_t>(k) * a.E + c0 + c] : 0.f;
-  }
-  float acc[NC];
-  apply_mat<NC>(acc, a.C + bt * DD, false, Ys, Ps, D, i);
-  if (i < D) {
-    float* x = a.X + bt * DE + static_cast<int64_t>(i) * a.E + c0;
-#pragma unroll
-    for (int c = 0; c < NC; ++c)
-      if (c < nc) x[c] += acc[c];
-  }
-}
-
 __global__ void add_kernel(float* out, const float* x, const float* y, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) out[i] = x[i] + y[i];
 }
 
+// --- launchers ----------------------------------------------------------------------------------
 In decay_of(const Tensor& decay) { return in_of(decay, "decay"); }
 
 void check_dims(const SweepSpec& s) {
   GDNCP_CHECK(s.D >= 1 && s.D <= kRowThreads, "cp cuda scan: D = ", s.D, " must be in [1, ", kRowThreads, "]");
   GDNCP_CHECK(s.E == 1 || s.E == s.D, "cp cuda scan: E = ", s.E, " must be 1 or D");
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int current_device() {
+  int dev = 0;
+  GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
+  return dev;
+}
+
+int sm_count() {
+  static std::mutex m;
+  static std::vector<int> counts;  // per device, 0 = not asked yet
+  const int dev = current_device();
+  std::lock_guard<std::mutex> lock(m);
+  if (counts.size() <= static_cast<size_t>(dev)) counts.resize(static_cast<size_t>(dev) + 1, 0);
+  if (!counts[static_cast<size_t>(dev)])
+    GDNCP_CUDA_CHECK(cudaDeviceGetAttribute(&counts[static_cast<size_t>(dev)], cudaDevAttrMultiProcessorCount, dev));
+  return counts[static_cast<size_t>(dev)];
+}
+
+// Slices per block (Note [warp tiles]): one warp per block while the launch
+// holds at most one warp per SM sub-partition; beyond that 2, then 4, so the
+// warps of a block share the staged transitions (less L2 traffic).
+int warps_for(int64_t slices) {
+  const int64_t sms = sm_count();
+  return slices <= 4 * sms ? 1 : slices <= 8 * sms ? 2 : kMaxWarps;
+}
+
+// Lets `fn` take `bytes` of dynamic shared memory (once per kernel and device).
+void allow_smem(const void* fn, int bytes) {
+  static std::mutex m;
+  static std::set<std::pair<const void*, int>> done;
+  const int dev = current_device();
+  std::lock_guard<std::mutex> lock(m);
+  if (done.count({fn, dev})) return;
+  GDNCP_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  done.insert({fn, dev});
+}
+
+// Lays the jobs' blocks out one after another (units × groups each) and launches
+// kernel<7> (D ≤ 112) or kernel<8> (D ≤ 128) with `warps` warps per block.
+template <typename Batch, typename Job>
+void launch_tiles(void (*k7)(Batch), void (*k8)(Batch), Batch& batch, Job* jobs, const int64_t* units, int D,
+                  const char* name) {
+  int64_t slices = 0;
+  for (int k = 0; k < batch.n; ++k) slices += units[k] * jobs[k].tiles;
+  batch.warps = warps_for(slices);
+  int64_t blocks = 0;
+  for (int k = 0; k < batch.n; ++k) {
+    jobs[k].groups = static_cast<int>(cdiv(jobs[k].tiles, batch.warps));
+    jobs[k].block0 = static_cast<int>(blocks);
+    blocks += units[k] * jobs[k].groups;
+    GDNCP_CHECK(blocks < (int64_t{1} << 31), name, ": too many blocks (", blocks, ")");
+  }
+  if (blocks == 0) return;
+  const int ra = D <= 112 ? 7 : 8;
+  void (*fn)(Batch) = ra == 7 ? k7 : k8;
+  allow_smem(reinterpret_cast<const void*>(fn), smem_bytes(ra, kMaxWarps));
+  fn<<<static_cast<unsigned>(blocks), 32 * batch.warps, smem_bytes(ra, batch.warps), stream()>>>(batch);
+  check_launch(name);
 }
 
 }  // namespace
@@ -294,19 +611,23 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
     const size_t n = std::min<size_t>(kMaxSweeps, sweeps.size() - first);
     SweepBatch batch;
     batch.decay = dc;
-    int64_t BH = 0, maxE = 1;
+    batch.n = static_cast<int>(n);
+    int64_t units[kMaxSweeps];
+    int64_t BH = 0, D = 0;
     for (size_t k = 0; k < n; ++k) {
       Sweep& w = sweeps[first + k];
       const SweepSpec& s = w.spec;
       check_dims(s);
-      GDNCP_CHECK(k == 0 || s.BH == BH, "scan_sweeps: sweeps of one batch must share B·H");
+      GDNCP_CHECK(k == 0 || (s.BH == BH && s.D == D), "scan_sweeps: sweeps of one batch must share B·H and D");
+      GDNCP_CHECK(s.init != Init::identity || s.E == s.D, "scan_sweep: identity init needs E == D");
       BH = s.BH;
-      maxE = std::max(maxE, s.E);
+      D = s.D;
       SweepArgs& a = batch.s[k];
       a.ob = f32_out(w.out_before, "out_before");
       a.oa = f32_out(w.out_after, "out_after");
       a.fin = f32_out(w.final_state, "final_state");
       a.P = f32_in(w.P, "P");
+      GDNCP_CHECK(a.P, "scan_sweep: P is undefined");
       a.vb = f32_in(w.add_before, "add_before");
       a.ua = f32_in(w.add_after, "add_after");
       a.init = s.init == Init::given ? f32_in(w.init, "init") : nullptr;
@@ -318,17 +639,11 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
       a.init_kind = static_cast<int>(s.init);
       a.descending = s.descending;
       a.transpose = s.transpose;
+      a.vec = s.D % 4 == 0 && aligned16(a.P);
+      a.tiles = static_cast<int>(cdiv(s.E, kTileCols));
+      units[k] = s.BH;
     }
-    if (maxE == 1) {
-      sweep_kernel<1>
-          <<<dim3(1, static_cast<unsigned>(BH), static_cast<unsigned>(n)), kRowThreads, 0, stream()>>>(batch);
-      check_launch("sweep_kernel<1>");
-    } else {
-      const unsigned blocks = static_cast<unsigned>((maxE + kCols - 1) / kCols);
-      sweep_kernel<kCols>
-          <<<dim3(blocks, static_cast<unsigned>(BH), static_cast<unsigned>(n)), kRowThreads, 0, stream()>>>(batch);
-      check_launch("sweep_kernel<16>");
-    }
+    launch_tiles(sweep_kernel<7>, sweep_kernel<8>, batch, batch.s, units, static_cast<int>(D), "sweep_kernel");
   }
 }
 
@@ -366,6 +681,7 @@ void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int6
         a.src[q].active = static_cast<int>(std::min(src.active, F));
       }
     }
+    if (BH * F == 0) continue;
     outer_kernel<<<dim3(static_cast<unsigned>(BH * F), static_cast<unsigned>(n)), kOuterThreads, 0, stream()>>>(batch);
     check_launch("outer_kernel");
   }
@@ -397,25 +713,22 @@ void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D)
     CorrectBatch batch;
     batch.D = static_cast<int>(D);
     batch.F = static_cast<int>(F);
-    int64_t maxE = 1;
+    batch.n = static_cast<int>(n);
+    int64_t units[kMaxCorrections];
     for (size_t k = 0; k < n; ++k) {
       Correction& c = cs[first + k];
       GDNCP_CHECK(c.E == 1 || c.E == D, "cp cuda correct: E = ", c.E, " must be 1 or D");
-      batch.c[k].X = f32_out(c.X, "X");
-      batch.c[k].C = f32_in(c.C, "C");
-      batch.c[k].v = f32_in(c.v, "v");
-      batch.c[k].E = static_cast<int>(c.E);
-      maxE = std::max(maxE, c.E);
+      CorrectArgs& a = batch.c[k];
+      a.X = f32_out(c.X, "X");
+      a.C = f32_in(c.C, "C");
+      a.v = f32_in(c.v, "v");
+      GDNCP_CHECK(a.X && a.C && a.v, "scan_correct: X, C and v must be defined");
+      a.E = static_cast<int>(c.E);
+      a.vec = D % 4 == 0 && aligned16(a.C);
+      a.tiles = static_cast<int>(cdiv(c.E, kTileCols));
+      units[k] = BH * F;
     }
-    const dim3 grid(static_cast<unsigned>((maxE + kCols - 1) / kCols), static_cast<unsigned>(BH * F),
-                    static_cast<unsigned>(n));
-    if (maxE == 1) {
-      correct_kernel<1><<<grid, kRowThreads, 0, stream()>>>(batch);
-      check_launch("correct_kernel<1>");
-    } else {
-      correct_kernel<kCols><<<grid, kRowThreads, 0, stream()>>>(batch);
-      check_launch("correct_kernel<16>");
-    }
+    launch_tiles(correct_kernel<7>, correct_kernel<8>, batch, batch.c, units, static_cast<int>(D), "correct_kernel");
   }
 }
 
@@ -424,7 +737,8 @@ void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
   for (size_t first = 0; first < fs.size(); first += kMaxFolds) {
     const size_t n = std::min<size_t>(kMaxFolds, fs.size() - first);
     FoldBatch batch;
-    int64_t maxE = 1;
+    batch.n = static_cast<int>(n);
+    int64_t units[kMaxFolds];
     for (size_t k = 0; k < n; ++k) {
       Fold& f = fs[first + k];
       GDNCP_CHECK(f.order.size() <= static_cast<size_t>(kMaxRanks), "cp cuda fold: more than ", kMaxRanks, " ranks");
@@ -434,6 +748,7 @@ void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
       a.init = f32_in(f.init, "init");
       a.M = f32_in(f.Mbuf, "Mbuf");
       a.H = f32_in(f.Hbuf, "Hbuf");
+      GDNCP_CHECK(a.X && a.H, "fold: X and Hbuf must be defined");
       a.m_off = f.m_off;
       a.m_stride = f.m_stride;
       a.h_off = f.h_off;
@@ -442,18 +757,12 @@ void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
       a.E = static_cast<int>(f.E);
       a.n = static_cast<int>(f.order.size());
       a.transpose = f.transpose;
+      a.vec = D % 4 == 0 && a.M && aligned16(a.M) && f.m_off % 4 == 0 && f.m_stride % 4 == 0;
       std::copy(f.order.begin(), f.order.end(), a.order);
-      maxE = std::max(maxE, f.E);
+      a.tiles = static_cast<int>(cdiv(f.E, kTileCols));
+      units[k] = BH;
     }
-    if (maxE == 1) {
-      fold_kernel<1><<<dim3(1, static_cast<unsigned>(BH), static_cast<unsigned>(n)), kRowThreads, 0, stream()>>>(batch);
-      check_launch("fold_kernel<1>");
-    } else {
-      const unsigned blocks = static_cast<unsigned>((maxE + kCols - 1) / kCols);
-      fold_kernel<kCols>
-          <<<dim3(blocks, static_cast<unsigned>(BH), static_cast<unsigned>(n)), kRowThreads, 0, stream()>>>(batch);
-      check_launch("fold_kernel<16>");
-    }
+    launch_tiles(fold_kernel<7>, fold_kernel<8>, batch, batch.f, units, static_cast<int>(D), "fold_kernel");
   }
 }
 
