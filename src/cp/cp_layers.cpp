@@ -35,8 +35,6 @@ using detail::ScanJob;
 
 enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kNumInputs };
 
-DType compute_dtype(DType t) { return t == DType::f64 ? DType::f64 : DType::f32; }
-
 // Jobs of a layer over P (KV) and Pz (Z): fwd KV, fwd Z [, anti KV, anti Z].
 std::vector<ScanJob> layer_jobs(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz, const Dims& d,
                                 bool bidi, const CpOptions& o, int rank) {

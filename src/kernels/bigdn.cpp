@@ -38,8 +38,6 @@ namespace {
 // Inputs of the layer, in the order given to autograd::record.
 enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kNumInputs };
 
-DType compute_dtype(DType qkv) { return qkv == DType::f64 ? DType::f64 : DType::f32; }
-
 // Forward intermediates that backward needs (besides the inputs).
 struct Intermediates {
   Tensor rstd, P, Pz, Mf, Mr, zf, zr, Msum, zsum;

@@ -154,9 +154,6 @@ std::vector<T> values(const Tensor& t, int64_t n) {
   return std::vector<T>(in.data(), in.data() + n);
 }
 
-// f64 inputs compute in f64, f32 and bf16 inputs in f32.
-inline DType compute_dtype(DType dtype) { return dtype == DType::f64 ? DType::f64 : DType::f32; }
-
 // The fine-grained ops run on the CPU only.
 inline void require_cpu(const Tensor& t, const char* op, const char* arg) {
   GDNCP_CHECK(t.defined(), op, ": ", arg, " is undefined");
