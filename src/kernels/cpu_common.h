@@ -160,6 +160,25 @@ inline void require_cpu(const Tensor& t, const char* op, const char* arg) {
   GDNCP_CHECK(!t.is_cuda(), op, ": ", arg, " is a CUDA tensor; this op runs on the CPU only (use gdncp::bigdn)");
 }
 
+// --- the fine ops' token tensors (B, N, H, D), N = F·S -----------------------
+struct TokenGeometry {
+  int64_t B, N, H, D, F, S;
+  // Offset of row (b, n, h).
+  size_t row(int64_t b, int64_t n, int64_t h) const { return static_cast<size_t>(((b * N + n) * H + h) * D); }
+};
+
+// Sizes of the pair x, y of (B, N, H, D) tensors over F frames of S tokens:
+// checks F, S > 0, x 4-d with N = F·S and y of x's shape.
+inline TokenGeometry token_pair_geometry(const char* op, const Tensor& x, const char* x_name, const Tensor& y,
+                                         const char* y_name, int64_t F, int64_t S) {
+  GDNCP_CHECK(F > 0 && S > 0, op, ": F and S must be > 0, got F = ", F, ", S = ", S);
+  GDNCP_CHECK(x.dim() == 4, op, ": ", x_name, " must be (B, N, H, D), got ", x.str());
+  const TokenGeometry g{x.size(0), x.size(1), x.size(2), x.size(3), F, S};
+  GDNCP_CHECK(g.N == F * S, op, ": ", x_name, ": N = ", g.N, " must equal F·S = ", F * S);
+  GDNCP_CHECK(y.shape() == x.shape(), op, ": ", y_name, " must have ", x_name, "'s shape, got ", y.str());
+  return g;
+}
+
 // Cheap guard at the twin entries: a shape that does not match the Dims would
 // make the loops read or write out of bounds.
 inline void check_shape(const Tensor& t, const Shape& shape, const char* op, const char* name) {
