@@ -14,6 +14,7 @@
 
 #include "gdncp/error.h"
 #include "gdncp/tensor.h"
+#include "kernels/kernels.h"
 
 namespace gdncp {
 namespace cpu {
@@ -187,6 +188,17 @@ inline void check_shape(const Tensor& t, const Shape& shape, const char* op, con
 }
 inline void check_shape_if_defined(const Tensor& t, const Shape& shape, const char* op, const char* name) {
   if (t.defined()) check_shape(t, shape, op, name);
+}
+
+// What the token prep of phase A (k) and phase C (q) reads: qkv (B, N, 3, H, D),
+// rstd (B, N, 2), the stream's norm weight (C) when defined, the rope tables (N, D).
+inline void check_prep_inputs(const Tensor& qkv, const Tensor& rstd, const Tensor& norm_w, const char* norm_w_name,
+                              const Tensor& rope_cos, const Tensor& rope_sin, const Dims& d, const char* op) {
+  check_shape(qkv, {d.B, d.N(), 3, d.H, d.D}, op, "qkv");
+  check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
+  check_shape_if_defined(norm_w, {d.C()}, op, norm_w_name);
+  check_shape(rope_cos, {d.N(), d.D}, op, "rope_cos");
+  check_shape(rope_sin, {d.N(), d.D}, op, "rope_sin");
 }
 
 // --- the qkv layout (B, N, 3, H, D) -----------------------------------------
