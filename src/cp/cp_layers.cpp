@@ -24,6 +24,7 @@
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
 #include "kernels/kernels.h"
+#include "kernels/layer_prep.h"
 #include "kernels/validate.h"
 
 namespace gdncp {
@@ -84,22 +85,15 @@ class CpLayerNode : public autograd::Node {
         detail::kv_z_backward(ctx, jobs, bidi_, dM, dz, terminal ? grads[2] : Tensor(), terminal ? grads[3] : Tensor());
 
     // Prep (phase A + RMSNorm) backward.
-    Tensor dk_hat = Tensor::empty({B, N, H, D}, ct, dev);
-    Tensor dqkv = Tensor::empty(qkv.shape(), qkv.dtype(), dev);
-    Tensor dbeta = Tensor::empty(beta.shape(), beta.dtype(), dev);
-    kernels::phase_a_bwd(dk_hat, dqkv, dbeta, s.dP, s.dA, s.dPz, s.dbz, qkv, rstd, kw, cs, sn, beta, d, opt_.k_scale,
-                         mode_);
-    Tensor dqw, dkw;
-    if (qw.defined() && needs_input_grad(kQNormW)) dqw = Tensor::empty(qw.shape(), qw.dtype(), dev);
-    if (kw.defined() && needs_input_grad(kKNormW)) dkw = Tensor::empty(kw.shape(), kw.dtype(), dev);
-    kernels::rms_norm_bwd(dqkv, dqw, dkw, dq_hat, dk_hat, qkv, rstd, qw, kw, d);
+    const PrepGrads g = prep_backward(dq_hat, s.dP, s.dA, s.dPz, s.dbz, qkv, rstd, qw, kw, cs, sn, beta, d,
+                                      opt_.k_scale, mode_, needs_input_grad(kQNormW), needs_input_grad(kKNormW));
 
     std::vector<Tensor> out(kNumInputs);
-    if (needs_input_grad(kQkv)) out[kQkv] = dqkv;
-    if (needs_input_grad(kBeta)) out[kBeta] = dbeta;
+    if (needs_input_grad(kQkv)) out[kQkv] = g.dqkv;
+    if (needs_input_grad(kBeta)) out[kBeta] = g.dbeta;
     if (needs_input_grad(kDecay)) out[kDecay] = s.dg.to(decay.dtype()).reshape(decay.shape());
-    out[kQNormW] = dqw;
-    out[kKNormW] = dkw;
+    out[kQNormW] = g.dq_norm_w;
+    out[kKNormW] = g.dk_norm_w;
     return out;
   }
 
@@ -125,11 +119,8 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
 
   // Prep: RMSNorm statistics and phase A, once for both directions.
-  Tensor rstd = Tensor::empty({B, N, 2}, ct, dev);
-  kernels::rms_stats(rstd, qkv, qw, kw, d, opt.norm_eps);
-  Tensor P = Tensor::empty({BH, F, D, D}, ct, dev), A = Tensor::empty({BH, F, D, D}, ct, dev);
-  Tensor Pz = Tensor::empty({BH, F, D, D}, ct, dev), bz = Tensor::empty({BH, F, D}, ct, dev);
-  kernels::phase_a_fwd(P, A, Pz, bz, qkv, rstd, kw, cs, sn, beta, d, opt.k_scale, mode);
+  const Prep prep = prep_forward(qkv, qw, kw, cs, sn, beta, d, opt, mode);
+  const Tensor &rstd = prep.rstd, &P = prep.P, &A = prep.A, &Pz = prep.Pz, &bz = prep.bz;
 
   // The CP scans: every direction's composites in one all-gather.
   ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor()};
