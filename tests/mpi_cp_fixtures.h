@@ -82,6 +82,19 @@ inline void backward_weighted(const std::vector<Tensor>& outs, const std::vector
 inline double tol_fwd(DType t) { return t == DType::f64 ? 1e-12 : t == DType::f32 ? 1e-6 : 2e-2; }
 inline double tol_grad(DType t) { return t == DType::f64 ? 1e-12 : t == DType::f32 ? 1e-5 : 2e-2; }
 
+// Runs fn on every rank; each must throw gdncp::Error containing `what` (on
+// the rank that caused it, the local message; on the others `others`).
+inline void expect_all_throw(const std::function<void()>& fn, const std::string& what, const std::string& others = "") {
+  try {
+    fn();
+    ADD_FAILURE() << "rank " << rank() << ": no error, expected one mentioning '" << what << "'";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    const bool ok = msg.find(what) != std::string::npos || (!others.empty() && msg.find(others) != std::string::npos);
+    EXPECT_TRUE(ok) << "rank " << rank() << ": message '" << msg << "' does not mention '" << what << "'";
+  }
+}
+
 // Prints failures of non-zero ranks with a rank prefix (rank 0 prints the usual report).
 class RankFailurePrinter : public ::testing::EmptyTestEventListener {
  public:

@@ -254,17 +254,6 @@ TEST(BigdnCp, CheckpointAutoFollowsGradMode) {
 
 // --- bad arguments, on one rank or differing between ranks ---------------------------
 
-void expect_all_throw(const std::function<void()>& fn, const std::string& what, const std::string& others = "") {
-  try {
-    fn();
-    ADD_FAILURE() << "rank " << rank() << ": no error, expected one mentioning '" << what << "'";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    const bool ok = msg.find(what) != std::string::npos || (!others.empty() && msg.find(others) != std::string::npos);
-    EXPECT_TRUE(ok) << "rank " << rank() << ": message '" << msg << "' does not mention '" << what << "'";
-  }
-}
-
 Tensor call_bigdn_cp(const LayerInputs& l, int64_t F, int64_t S) {
   return cp::bigdn_cp(*world(), l.qkv, l.beta, l.decay, l.q_norm_w, l.k_norm_w, l.rope_cos, l.rope_sin, F, S, l.opt);
 }

@@ -438,19 +438,6 @@ TEST(CpCam, CheckpointOnEqualsOffBitwise) {
 
 // --- bad arguments and cross-rank mismatches -----------------------------------------
 
-// Runs fn on every rank; each must throw gdncp::Error containing `what` (on
-// the rank that caused it, the local message; on the others `others`).
-void expect_all_throw(const std::function<void()>& fn, const std::string& what, const std::string& others = "") {
-  try {
-    fn();
-    ADD_FAILURE() << "rank " << rank() << ": no error, expected one mentioning '" << what << "'";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    const bool ok = msg.find(what) != std::string::npos || (!others.empty() && msg.find(others) != std::string::npos);
-    EXPECT_TRUE(ok) << "rank " << rank() << ": message '" << msg << "' does not mention '" << what << "'";
-  }
-}
-
 TEST(CpScanErrors, FramesDifferBetweenRanks) {
   if (nranks() < 2) GTEST_SKIP() << "needs 2 ranks";
   const ScanInputs in = make_scan_inputs(1, 2, 3, rank() == 1 ? 3 : 2, DType::f64, 1000);

@@ -29,12 +29,16 @@ struct AdamWOptions {
 
 class AdamW {
  public:
-  // params: leaves that require grad (checked); their handles are kept.
+  // params: leaves that require grad, f32 or (CPU) f64; their handles are kept.
+  // Throws gdncp::Error for a parameter that is undefined, not a leaf requiring
+  // grad or of another dtype, and for options out of range (lr, weight_decay
+  // >= 0; beta1, beta2 in [0, 1); eps > 0).
   explicit AdamW(std::vector<Tensor> params, const AdamWOptions& options = {});
 
   // One update of every parameter that has a gradient (others are skipped and
   // keep their moments). grad_scale multiplies the gradients (e.g. 1/DP to turn
-  // a sum over data-parallel groups into a mean).
+  // a sum over data-parallel groups into a mean). Throws gdncp::Error when a
+  // gradient's shape or device differs from its parameter's.
   void step(double grad_scale = 1.0);
   // Drops every parameter's accumulated gradient.
   void zero_grad();
@@ -45,7 +49,8 @@ class AdamW {
   // First and second moments, one per parameter (same shape, dtype, device).
   const std::vector<Tensor>& exp_avg() const { return m_; }
   const std::vector<Tensor>& exp_avg_sq() const { return v_; }
-  // Steps taken so far (t of the bias correction); restored from checkpoints.
+  // Steps taken so far (t of the bias correction); restored from checkpoints
+  // (set_steps throws gdncp::Error for t < 0).
   int64_t steps() const { return t_; }
   void set_steps(int64_t t);
 

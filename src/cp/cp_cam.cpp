@@ -14,6 +14,7 @@
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
+#include "kernels/kernels.h"
 
 namespace gdncp {
 namespace cp {
@@ -93,7 +94,7 @@ std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& i
                                 Tensor* keep) {
   const Tensor &q = in[kQ], &k = in[kK], &v = in[kV], &beta = in[kBeta], &decay = in[kDecay];
   const Device dev = q.device();
-  const DType ct = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  const DType ct = compute_dtype(q.dtype());
   const int64_t BH = d.BH(), F = d.F, D = d.D;
   Tensor Pc = Tensor::empty({BH, F, D, D}, ct, dev), Ac = Tensor::empty({BH, F, D, D}, ct, dev);
   kern::cam_phase_a_fwd(Pc, Ac, k, v, beta, d);

@@ -18,12 +18,13 @@
 // theirs, partial per rank (all_reduce_grads sums them). All fresh tensors.
 #include <memory>
 
-#include "cp/cp_kernels.h"
+#include "cp/kv_z_scan.h"
 #include "cp/scan_engine.h"
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
 #include "kernels/kernels.h"
+#include "kernels/layer_prep.h"
 #include "kernels/validate.h"
 
 namespace gdncp {
@@ -34,32 +35,6 @@ using detail::ScanContext;
 using detail::ScanJob;
 
 enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kNumInputs };
-
-DType compute_dtype(DType t) { return t == DType::f64 ? DType::f64 : DType::f32; }
-
-// Jobs of a layer over P (KV) and Pz (Z): fwd KV, fwd Z [, anti KV, anti Z].
-std::vector<ScanJob> layer_jobs(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz, const Dims& d,
-                                bool bidi, const CpOptions& o, int rank) {
-  std::vector<ScanJob> jobs;
-  auto add = [&](const Tensor& p, const Tensor& u, int64_t E, bool anti) {
-    ScanJob j;
-    j.P = p;
-    j.U = u;
-    j.E = E;
-    j.anti = anti;
-    j.rank_reverse = !anti && o.reverse_rank_order;
-    j.terminal = !anti && o.truncate_to_active > 0;
-    j.active = anti ? d.F : detail::active_frames(o.truncate_to_active, rank, d.F);
-    jobs.push_back(j);
-  };
-  add(P, A, d.D, false);
-  add(Pz, bz, 1, false);
-  if (bidi) {
-    add(P, A, d.D, true);
-    add(Pz, bz, 1, true);
-  }
-  return jobs;
-}
 
 class CpLayerNode : public autograd::Node {
  public:
@@ -100,50 +75,25 @@ class CpLayerNode : public autograd::Node {
 
     // CP scan backward (one all-gather).
     ScanContext ctx{&comm_, BH, F, D, decay, gathered};
-    std::vector<ScanJob> jobs = layer_jobs(P, Tensor(), Pz, Tensor(), d, bidi_, cpo_, comm_.rank());
+    std::vector<ScanJob> jobs = detail::kv_z_jobs(P, Tensor(), Pz, Tensor(), D, F, bidi_, cpo_, comm_.rank());
     for (size_t i = 0; i < jobs.size(); ++i) {
       jobs[i].Y = mid(6 + 2 * i);
       jobs[i].X0 = mid(7 + 2 * i);
     }
-    Tensor dP = Tensor::empty({BH, F, D, D}, ct, dev), dPz = Tensor::empty({BH, F, D, D}, ct, dev);
-    Tensor dg = Tensor::zeros({BH, F}, ct, dev);
-    jobs[0].dY = dM;
-    jobs[0].dP = dP;
-    jobs[1].dY = dz;
-    jobs[1].dP = dPz;
-    if (bidi_) {
-      jobs[2].dY = dM;
-      jobs[2].dP = dP;
-      jobs[3].dY = dz;
-      jobs[3].dP = dPz;
-      jobs[2].dP_accumulate = jobs[3].dP_accumulate = true;
-    } else if (cpo_.truncate_to_active > 0) {
-      jobs[0].dT = grads[2];
-      jobs[1].dT = grads[3];
-    }
-    detail::scan_backward(ctx, jobs, dg);
-    Tensor dA = jobs[0].dU, dbz = jobs[1].dU;
-    if (bidi_) {
-      kern::add(dA, dA, jobs[2].dU);
-      kern::add(dbz, dbz, jobs[3].dU);
-    }
+    const bool terminal = !bidi_ && cpo_.truncate_to_active > 0;  // outputs 2, 3: the terminal M, z
+    const detail::KvZGrads s =
+        detail::kv_z_backward(ctx, jobs, bidi_, dM, dz, terminal ? grads[2] : Tensor(), terminal ? grads[3] : Tensor());
 
     // Prep (phase A + RMSNorm) backward.
-    Tensor dk_hat = Tensor::empty({B, N, H, D}, ct, dev);
-    Tensor dqkv = Tensor::empty(qkv.shape(), qkv.dtype(), dev);
-    Tensor dbeta = Tensor::empty(beta.shape(), beta.dtype(), dev);
-    kernels::phase_a_bwd(dk_hat, dqkv, dbeta, dP, dA, dPz, dbz, qkv, rstd, kw, cs, sn, beta, d, opt_.k_scale, mode_);
-    Tensor dqw, dkw;
-    if (qw.defined() && needs_input_grad(kQNormW)) dqw = Tensor::empty(qw.shape(), qw.dtype(), dev);
-    if (kw.defined() && needs_input_grad(kKNormW)) dkw = Tensor::empty(kw.shape(), kw.dtype(), dev);
-    kernels::rms_norm_bwd(dqkv, dqw, dkw, dq_hat, dk_hat, qkv, rstd, qw, kw, d);
+    const PrepGrads g = prep_backward(dq_hat, s.dP, s.dA, s.dPz, s.dbz, qkv, rstd, qw, kw, cs, sn, beta, d,
+                                      opt_.k_scale, mode_, needs_input_grad(kQNormW), needs_input_grad(kKNormW));
 
     std::vector<Tensor> out(kNumInputs);
-    if (needs_input_grad(kQkv)) out[kQkv] = dqkv;
-    if (needs_input_grad(kBeta)) out[kBeta] = dbeta;
-    if (needs_input_grad(kDecay)) out[kDecay] = dg.to(decay.dtype()).reshape(decay.shape());
-    out[kQNormW] = dqw;
-    out[kKNormW] = dkw;
+    if (needs_input_grad(kQkv)) out[kQkv] = g.dqkv;
+    if (needs_input_grad(kBeta)) out[kBeta] = g.dbeta;
+    if (needs_input_grad(kDecay)) out[kDecay] = s.dg.to(decay.dtype()).reshape(decay.shape());
+    out[kQNormW] = g.dq_norm_w;
+    out[kKNormW] = g.dk_norm_w;
     return out;
   }
 
@@ -169,24 +119,15 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
 
   // Prep: RMSNorm statistics and phase A, once for both directions.
-  Tensor rstd = Tensor::empty({B, N, 2}, ct, dev);
-  kernels::rms_stats(rstd, qkv, qw, kw, d, opt.norm_eps);
-  Tensor P = Tensor::empty({BH, F, D, D}, ct, dev), A = Tensor::empty({BH, F, D, D}, ct, dev);
-  Tensor Pz = Tensor::empty({BH, F, D, D}, ct, dev), bz = Tensor::empty({BH, F, D}, ct, dev);
-  kernels::phase_a_fwd(P, A, Pz, bz, qkv, rstd, kw, cs, sn, beta, d, opt.k_scale, mode);
+  const Prep prep = prep_forward(qkv, qw, kw, cs, sn, beta, d, opt, mode);
+  const Tensor &rstd = prep.rstd, &P = prep.P, &A = prep.A, &Pz = prep.Pz, &bz = prep.bz;
 
   // The CP scans: every direction's composites in one all-gather.
   ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor()};
-  std::vector<ScanJob> jobs = layer_jobs(P, A, Pz, bz, d, bidi, cpo, comm.rank());
+  std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi, cpo, comm.rank());
   detail::scan_forward(ctx, jobs);
   if (keep) *keep = ctx.gathered;
-  Tensor M = jobs[0].Y, z = jobs[1].Y;
-  if (bidi) {
-    M = Tensor::empty({BH, F, D, D}, ct, dev);
-    z = Tensor::empty({BH, F, D}, ct, dev);
-    kern::add(M, jobs[0].Y, jobs[2].Y);
-    kern::add(z, jobs[1].Y, jobs[3].Y);
-  }
+  const auto [M, z] = detail::kv_z_states(jobs, bidi);
 
   // Output: phase C once for both directions.
   std::vector<Tensor> outputs;

@@ -7,7 +7,7 @@
 // fresh tensors (activation gradients), summed into the leaves by the engine.
 #include <memory>
 
-#include "cp/cp_kernels.h"
+#include "cp/kv_z_scan.h"
 #include "cp/scan_engine.h"
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
@@ -59,31 +59,6 @@ void check_scan_inputs(const char* entry, const Tensor& P, const Tensor& A, cons
   rec.device = static_cast<int64_t>(P.device());
 }
 
-// Builds the jobs over saved or fresh inputs. Bidirectional: fwd KV, fwd Z,
-// anti KV, anti Z; else KV, Z.
-std::vector<ScanJob> make_jobs(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz, int64_t D,
-                               int64_t F, bool bidi, const CpOptions& o, int rank) {
-  std::vector<ScanJob> jobs;
-  auto add = [&](const Tensor& p, const Tensor& u, int64_t E, bool anti) {
-    ScanJob j;
-    j.P = p;
-    j.U = u;
-    j.E = E;
-    j.anti = anti;
-    j.rank_reverse = !anti && o.reverse_rank_order;
-    j.terminal = !anti && o.truncate_to_active > 0;
-    j.active = anti ? F : detail::active_frames(o.truncate_to_active, rank, F);
-    jobs.push_back(j);
-  };
-  add(P, A, D, false);
-  add(Pz, bz, 1, false);
-  if (bidi) {
-    add(P, A, D, true);
-    add(Pz, bz, 1, true);
-  }
-  return jobs;
-}
-
 class CpScanNode : public autograd::Node {
  public:
   CpScanNode(Communicator& comm, bool bidi, const CpOptions& o) : comm_(comm), bidi_(bidi), opt_(o) {}
@@ -103,40 +78,20 @@ class CpScanNode : public autograd::Node {
     const Tensor &P = saved(kP), &A = saved(kA), &Pz = saved(kPz), &bz = saved(kBz), &decay = saved(kDecay);
     const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
     ScanContext ctx{&comm_, BH, F, D, decay, saved(kNumInputs)};
-    std::vector<ScanJob> jobs = make_jobs(P, A, Pz, bz, D, F, bidi_, opt_, comm_.rank());
+    std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi_, opt_, comm_.rank());
     for (size_t i = 0; i < n_jobs_; ++i) {
       jobs[i].Y = saved(kNumInputs + 1 + 2 * i);
       jobs[i].X0 = saved(kNumInputs + 2 + 2 * i);
     }
-    const DType ct = P.dtype();
-    Tensor dP = Tensor::empty(P.shape(), ct, P.device()), dPz = Tensor::empty(Pz.shape(), ct, P.device());
-    Tensor dg = Tensor::zeros({BH, F}, ct, P.device());
-    jobs[0].dY = grads[0];
-    jobs[1].dY = grads[1];
-    jobs[0].dP = dP;
-    jobs[1].dP = dPz;
-    if (bidi_) {
-      jobs[2].dY = grads[0];
-      jobs[3].dY = grads[1];
-      jobs[2].dP = dP;
-      jobs[3].dP = dPz;
-      jobs[2].dP_accumulate = jobs[3].dP_accumulate = true;
-    } else if (opt_.truncate_to_active > 0) {
-      jobs[0].dT = grads[2];
-      jobs[1].dT = grads[3];
-    }
-    detail::scan_backward(ctx, jobs, dg);
-    Tensor dA = jobs[0].dU, dbz = jobs[1].dU;
-    if (bidi_) {
-      kern::add(dA, dA, jobs[2].dU);
-      kern::add(dbz, dbz, jobs[3].dU);
-    }
+    const bool terminal = !bidi_ && opt_.truncate_to_active > 0;  // outputs 2, 3: the terminal M, z
+    const detail::KvZGrads g = detail::kv_z_backward(ctx, jobs, bidi_, grads[0], grads[1],
+                                                     terminal ? grads[2] : Tensor(), terminal ? grads[3] : Tensor());
     std::vector<Tensor> out(kNumInputs);
-    out[kP] = dP;
-    out[kA] = dA;
-    out[kPz] = dPz;
-    out[kBz] = dbz;
-    if (needs_input_grad(kDecay)) out[kDecay] = dg.to(decay.dtype()).reshape(decay.shape());
+    out[kP] = g.dP;
+    out[kA] = g.dA;
+    out[kPz] = g.dPz;
+    out[kBz] = g.dbz;
+    if (needs_input_grad(kDecay)) out[kDecay] = g.dg.to(decay.dtype()).reshape(decay.shape());
     return out;
   }
 
@@ -158,22 +113,14 @@ std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor
   });
   const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
   ScanContext ctx{&comm, BH, F, D, decay, Tensor()};
-  std::vector<ScanJob> jobs = make_jobs(P, A, Pz, bz, D, F, bidi, o, comm.rank());
+  std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi, o, comm.rank());
   detail::scan_forward(ctx, jobs);
 
-  std::vector<Tensor> outputs;
-  if (bidi) {
-    Tensor M = Tensor::empty(jobs[0].Y.shape(), jobs[0].Y.dtype(), jobs[0].Y.device());
-    Tensor z = Tensor::empty(jobs[1].Y.shape(), jobs[1].Y.dtype(), jobs[1].Y.device());
-    kern::add(M, jobs[0].Y, jobs[2].Y);
-    kern::add(z, jobs[1].Y, jobs[3].Y);
-    outputs = {M, z};
-  } else {
-    outputs = {jobs[0].Y, jobs[1].Y};
-    if (o.truncate_to_active > 0) {
-      outputs.push_back(jobs[0].T);
-      outputs.push_back(jobs[1].T);
-    }
+  const auto [M, z] = detail::kv_z_states(jobs, bidi);
+  std::vector<Tensor> outputs = {M, z};
+  if (!bidi && o.truncate_to_active > 0) {
+    outputs.push_back(jobs[0].T);
+    outputs.push_back(jobs[1].T);
   }
   const std::vector<Tensor> in = {P, A, Pz, bz, decay};
   if (autograd::should_record(in)) {

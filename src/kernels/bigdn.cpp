@@ -19,6 +19,7 @@
 #include "gdncp/error.h"
 #include "gdncp/ops.h"
 #include "kernels/kernels.h"
+#include "kernels/layer_prep.h"
 #include "kernels/validate.h"
 
 namespace gdncp {
@@ -37,8 +38,6 @@ namespace {
 
 // Inputs of the layer, in the order given to autograd::record.
 enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kNumInputs };
-
-DType compute_dtype(DType qkv) { return qkv == DType::f64 ? DType::f64 : DType::f32; }
 
 // Forward intermediates that backward needs (besides the inputs).
 struct Intermediates {
@@ -78,22 +77,15 @@ class BigdnNode : public autograd::Node {
     Tensor ddecay = Tensor::empty(decay.shape(), decay.dtype(), dev);
     kernels::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, d);
 
-    Tensor dk_hat = Tensor::empty({B, N, H, D}, ct, dev);
-    Tensor dqkv = Tensor::empty(qkv.shape(), qkv.dtype(), dev);
-    Tensor dbeta = Tensor::empty(beta.shape(), beta.dtype(), dev);
-    kernels::phase_a_bwd(dk_hat, dqkv, dbeta, dP, dA, dPz, dbz, qkv, rstd, kw, cs, sn, beta, d, opt_.k_scale, mode_);
-
-    Tensor dqw, dkw;
-    if (qw.defined() && needs_input_grad(kQNormW)) dqw = Tensor::empty(qw.shape(), qw.dtype(), dev);
-    if (kw.defined() && needs_input_grad(kKNormW)) dkw = Tensor::empty(kw.shape(), kw.dtype(), dev);
-    kernels::rms_norm_bwd(dqkv, dqw, dkw, dq_hat, dk_hat, qkv, rstd, qw, kw, d);
+    const PrepGrads g = prep_backward(dq_hat, dP, dA, dPz, dbz, qkv, rstd, qw, kw, cs, sn, beta, d, opt_.k_scale, mode_,
+                                      needs_input_grad(kQNormW), needs_input_grad(kKNormW));
 
     std::vector<Tensor> out(kNumInputs);
-    if (needs_input_grad(kQkv)) out[kQkv] = dqkv;
-    if (needs_input_grad(kBeta)) out[kBeta] = dbeta;
+    if (needs_input_grad(kQkv)) out[kQkv] = g.dqkv;
+    if (needs_input_grad(kBeta)) out[kBeta] = g.dbeta;
     if (needs_input_grad(kDecay)) out[kDecay] = ddecay;
-    out[kQNormW] = dqw;
-    out[kKNormW] = dkw;
+    out[kQNormW] = g.dq_norm_w;
+    out[kKNormW] = g.dk_norm_w;
     return out;
   }
 
@@ -112,14 +104,12 @@ Tensor bigdn_fused(const std::vector<Tensor>& in, const Dims& d, const BigdnOpti
   const MathMode mode = resolve_math_mode(opt.precision, qkv.dtype());
   const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
 
+  const Prep prep = prep_forward(qkv, qw, kw, cs, sn, beta, d, opt, mode);
   Intermediates m;
-  m.rstd = Tensor::empty({B, N, 2}, ct, dev);
-  kernels::rms_stats(m.rstd, qkv, qw, kw, d, opt.norm_eps);
-
-  m.P = Tensor::empty({BH, F, D, D}, ct, dev);
-  m.Pz = Tensor::empty({BH, F, D, D}, ct, dev);
-  Tensor A = Tensor::empty({BH, F, D, D}, ct, dev), bz = Tensor::empty({BH, F, D}, ct, dev);
-  kernels::phase_a_fwd(m.P, A, m.Pz, bz, qkv, m.rstd, kw, cs, sn, beta, d, opt.k_scale, mode);
+  m.rstd = prep.rstd;
+  m.P = prep.P;
+  m.Pz = prep.Pz;
+  const Tensor &A = prep.A, &bz = prep.bz;
 
   m.Mf = Tensor::empty({BH, F, D, D}, ct, dev);
   m.Mr = Tensor::empty({BH, F, D, D}, ct, dev);

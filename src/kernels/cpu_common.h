@@ -14,6 +14,7 @@
 
 #include "gdncp/error.h"
 #include "gdncp/tensor.h"
+#include "kernels/kernels.h"
 
 namespace gdncp {
 namespace cpu {
@@ -154,13 +155,29 @@ std::vector<T> values(const Tensor& t, int64_t n) {
   return std::vector<T>(in.data(), in.data() + n);
 }
 
-// f64 inputs compute in f64, f32 and bf16 inputs in f32.
-inline DType compute_dtype(DType dtype) { return dtype == DType::f64 ? DType::f64 : DType::f32; }
-
 // The fine-grained ops run on the CPU only.
 inline void require_cpu(const Tensor& t, const char* op, const char* arg) {
   GDNCP_CHECK(t.defined(), op, ": ", arg, " is undefined");
   GDNCP_CHECK(!t.is_cuda(), op, ": ", arg, " is a CUDA tensor; this op runs on the CPU only (use gdncp::bigdn)");
+}
+
+// --- the fine ops' token tensors (B, N, H, D), N = F·S -----------------------
+struct TokenGeometry {
+  int64_t B, N, H, D, F, S;
+  // Offset of row (b, n, h).
+  size_t row(int64_t b, int64_t n, int64_t h) const { return static_cast<size_t>(((b * N + n) * H + h) * D); }
+};
+
+// Sizes of the pair x, y of (B, N, H, D) tensors over F frames of S tokens:
+// checks F, S > 0, x 4-d with N = F·S and y of x's shape.
+inline TokenGeometry token_pair_geometry(const char* op, const Tensor& x, const char* x_name, const Tensor& y,
+                                         const char* y_name, int64_t F, int64_t S) {
+  GDNCP_CHECK(F > 0 && S > 0, op, ": F and S must be > 0, got F = ", F, ", S = ", S);
+  GDNCP_CHECK(x.dim() == 4, op, ": ", x_name, " must be (B, N, H, D), got ", x.str());
+  const TokenGeometry g{x.size(0), x.size(1), x.size(2), x.size(3), F, S};
+  GDNCP_CHECK(g.N == F * S, op, ": ", x_name, ": N = ", g.N, " must equal F·S = ", F * S);
+  GDNCP_CHECK(y.shape() == x.shape(), op, ": ", y_name, " must have ", x_name, "'s shape, got ", y.str());
+  return g;
 }
 
 // Cheap guard at the twin entries: a shape that does not match the Dims would
@@ -171,6 +188,17 @@ inline void check_shape(const Tensor& t, const Shape& shape, const char* op, con
 }
 inline void check_shape_if_defined(const Tensor& t, const Shape& shape, const char* op, const char* name) {
   if (t.defined()) check_shape(t, shape, op, name);
+}
+
+// What the token prep of phase A (k) and phase C (q) reads: qkv (B, N, 3, H, D),
+// rstd (B, N, 2), the stream's norm weight (C) when defined, the rope tables (N, D).
+inline void check_prep_inputs(const Tensor& qkv, const Tensor& rstd, const Tensor& norm_w, const char* norm_w_name,
+                              const Tensor& rope_cos, const Tensor& rope_sin, const Dims& d, const char* op) {
+  check_shape(qkv, {d.B, d.N(), 3, d.H, d.D}, op, "qkv");
+  check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
+  check_shape_if_defined(norm_w, {d.C()}, op, norm_w_name);
+  check_shape(rope_cos, {d.N(), d.D}, op, "rope_cos");
+  check_shape(rope_sin, {d.N(), d.D}, op, "rope_sin");
 }
 
 // --- the qkv layout (B, N, 3, H, D) -----------------------------------------

@@ -88,6 +88,20 @@ void with_dp_mode(int64_t D, MathMode mode, Fn&& fn) {
   }
 }
 
+// The sizes the frame-tiled kernels (phase A, phase C) take, as ints, and B·H·F (their
+// grid's frame axis). Checks what their tiling relies on; op names the twin in the message.
+struct FrameSizes {
+  int H, D, F, S;
+  int64_t BHF;
+};
+inline FrameSizes frame_sizes(const Dims& d, const char* op) {
+  GDNCP_CHECK(d.D >= 2 && d.D <= kMaxHeadDim && d.D % 2 == 0, op, ": D must be even in [2, ", kMaxHeadDim, "], got ",
+              d.D);
+  GDNCP_CHECK(d.B > 0 && d.H > 0 && d.F > 0 && d.S > 0, op, ": sizes must be positive");
+  return FrameSizes{static_cast<int>(d.H), static_cast<int>(d.D), static_cast<int>(d.F), static_cast<int>(d.S),
+                    d.BH() * d.F};
+}
+
 // --- tensors seen from a kernel ------------------------------------------------
 // Storage that is bf16 or f32 (chosen at run time; the branch is uniform). Inputs are
 // read through the read-only global path (__ldg): explicit global loads also let the

@@ -35,6 +35,9 @@ struct Dims {
   int64_t C() const { return H * D; }
 };
 
+// The compute dtype of the conventions above: f64 for f64 data, else f32.
+inline DType compute_dtype(DType dtype) { return dtype == DType::f64 ? DType::f64 : DType::f32; }
+
 // Resolved matrix-unit mode for one call (Precision::automatic resolved by the caller).
 enum class MathMode { bf16, tf32, ieee };
 MathMode resolve_math_mode(Precision p, DType qkv_dtype);

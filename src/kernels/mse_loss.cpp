@@ -18,7 +18,7 @@ class MseNode : public autograd::Node {
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
     const Tensor& pred = saved(0);
     const Tensor& target = saved(1);
-    const DType cd = detail::compute_dtype(pred.dtype());
+    const DType cd = compute_dtype(pred.dtype());
     const Tensor dloss = grads[0].dtype() == cd ? grads[0] : grads[0].to(cd);
     Tensor dpred, dtarget;
     if (needs_input_grad(0)) {
@@ -51,7 +51,7 @@ Tensor mse_loss(const Tensor& pred, const Tensor& target, int64_t count) {
   const int64_t n = count == 0 ? pred.numel() : count;
   GDNCP_CHECK(n > 0, "mse_loss: pred is empty and no count was given");
   const double scale = 1.0 / static_cast<double>(n);
-  Tensor loss = Tensor::empty({1}, detail::compute_dtype(pred.dtype()), pred.device());
+  Tensor loss = Tensor::empty({1}, compute_dtype(pred.dtype()), pred.device());
   GDNCP_NN_TWIN(pred.device(), mse_fwd, loss, pred, target, scale);
   if (autograd::should_record({pred, target})) {
     auto node = std::make_shared<MseNode>(scale);

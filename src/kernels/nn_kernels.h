@@ -13,6 +13,7 @@
 
 #include "gdncp/error.h"
 #include "gdncp/tensor.h"
+#include "kernels/kernels.h"  // compute_dtype
 
 namespace gdncp {
 
@@ -60,9 +61,6 @@ inline void check_nn_input(const char* op, const char* arg, const Tensor& t) {
   GDNCP_CHECK(t.defined(), op, ": ", arg, " is undefined");
   GDNCP_CHECK(!(t.dtype() == DType::f64 && t.is_cuda()), op, ": ", arg, " is f64 on CUDA; f64 is CPU-only");
 }
-
-// f64 for f64 data, else f32.
-inline DType compute_dtype(DType dtype) { return dtype == DType::f64 ? DType::f64 : DType::f32; }
 }  // namespace detail
 
 namespace cpu {

@@ -23,21 +23,14 @@ namespace {
 
 using namespace cpu::detail;
 
-struct Geometry {
-  int64_t B, N, H, D, F, S;
-};
-
-Geometry geometry(const Tensor& kr, const Tensor& kp, const Tensor& qkv_hat, const Tensor& beta, int64_t F, int64_t S) {
+TokenGeometry geometry(const Tensor& kr, const Tensor& kp, const Tensor& qkv_hat, const Tensor& beta, int64_t F,
+                       int64_t S) {
   const char* op = "ops::phase_a";
   require_cpu(kr, op, "kr");
   require_cpu(kp, op, "kp");
   require_cpu(qkv_hat, op, "qkv_hat");
   require_cpu(beta, op, "beta");
-  GDNCP_CHECK(F > 0 && S > 0, op, ": F and S must be > 0, got F = ", F, ", S = ", S);
-  GDNCP_CHECK(kr.dim() == 4, op, ": kr must be (B, N, H, D), got ", kr.str());
-  const Geometry g{kr.size(0), kr.size(1), kr.size(2), kr.size(3), F, S};
-  GDNCP_CHECK(g.N == F * S, op, ": kr: N = ", g.N, " must equal F·S = ", F * S);
-  GDNCP_CHECK(kp.shape() == kr.shape(), op, ": kp must have kr's shape, got ", kp.str());
+  const TokenGeometry g = token_pair_geometry(op, kr, "kr", kp, "kp", F, S);
   GDNCP_CHECK(qkv_hat.shape() == Shape({g.B, g.N, 3, g.H, g.D}), op, ": qkv_hat must be (B, N, 3, H, D), got ",
               qkv_hat.str());
   GDNCP_CHECK(beta.shape() == Shape({g.B, g.H, F, S}), op, ": beta must be (B, H, F, S), got ", beta.str());
@@ -50,22 +43,20 @@ struct Loaded {
 };
 
 template <typename T>
-Loaded<T> load(const Geometry& g, const Tensor& kr, const Tensor& kp, const Tensor& qkv_hat, const Tensor& beta) {
+Loaded<T> load(const TokenGeometry& g, const Tensor& kr, const Tensor& kp, const Tensor& qkv_hat, const Tensor& beta) {
   return {values<T>(kr, kr.numel()), values<T>(kp, kp.numel()), values<T>(qkv_hat, qkv_hat.numel()),
           values<T>(beta, g.B * g.H * g.F * g.S)};
 }
 
-inline size_t row(const Geometry& g, int64_t b, int64_t n, int64_t h) {
-  return static_cast<size_t>(((b * g.N + n) * g.H + h) * g.D);
-}
-inline size_t v_row(const Geometry& g, int64_t b, int64_t n, int64_t h) {
+// Row (b, n, h) of the v channel of qkv_hat.
+inline size_t v_row(const TokenGeometry& g, int64_t b, int64_t n, int64_t h) {
   return static_cast<size_t>((((b * g.N + n) * 3 + 2) * g.H + h) * g.D);
 }
 
 template <typename T>
 std::vector<Tensor> phase_a_forward(const Tensor& kr_t, const Tensor& kp_t, const Tensor& qkv_hat, const Tensor& beta_t,
                                     int64_t F, int64_t S) {
-  const Geometry g = geometry(kr_t, kp_t, qkv_hat, beta_t, F, S);
+  const TokenGeometry g = geometry(kr_t, kp_t, qkv_hat, beta_t, F, S);
   const Loaded<T> in = load<T>(g, kr_t, kp_t, qkv_hat, beta_t);
   const int64_t D = g.D, BH = g.B * g.H;
   std::vector<T> P(static_cast<size_t>(BH * F * D * D), T(0)), A(P), Pz(P), bv(static_cast<size_t>(BH * F * D), T(0));
@@ -76,8 +67,8 @@ std::vector<Tensor> phase_a_forward(const Tensor& kr_t, const Tensor& kp_t, cons
         for (int64_t s = 0; s < S; ++s) {
           const int64_t n = f * S + s;
           const T be = in.beta[static_cast<size_t>(bhf * S + s)];
-          const T* kr = &in.kr[row(g, b, n, h)];
-          const T* kp = &in.kp[row(g, b, n, h)];
+          const T* kr = &in.kr[g.row(b, n, h)];
+          const T* kp = &in.kp[g.row(b, n, h)];
           const T* v = &in.x[v_row(g, b, n, h)];
           for (int64_t i = 0; i < D; ++i) {
             for (int64_t j = 0; j < D; ++j) {
@@ -107,7 +98,7 @@ class PhaseANode : public autograd::Node {
   template <typename T>
   std::vector<Tensor> run(const std::vector<Tensor>& grads) {
     const Tensor &kr_t = saved(0), &kp_t = saved(1), &qkv_hat = saved(2), &beta_t = saved(3);
-    const Geometry g = geometry(kr_t, kp_t, qkv_hat, beta_t, F_, S_);
+    const TokenGeometry g = geometry(kr_t, kp_t, qkv_hat, beta_t, F_, S_);
     const Loaded<T> in = load<T>(g, kr_t, kp_t, qkv_hat, beta_t);
     const int64_t D = g.D, BH = g.B * g.H, F = g.F, S = g.S;
     const std::vector<T> dP = values<T>(grads[0], BH * F * D * D), dA = values<T>(grads[1], BH * F * D * D),
@@ -123,11 +114,11 @@ class PhaseANode : public autograd::Node {
           for (int64_t s = 0; s < S; ++s) {
             const int64_t n = f * S + s;
             const T be = in.beta[static_cast<size_t>(bhf * S + s)];
-            const T* kr = &in.kr[row(g, b, n, h)];
-            const T* kp = &in.kp[row(g, b, n, h)];
+            const T* kr = &in.kr[g.row(b, n, h)];
+            const T* kp = &in.kp[g.row(b, n, h)];
             const T* v = &in.x[v_row(g, b, n, h)];
-            T* gkr = &dkr[row(g, b, n, h)];
-            T* gkp = &dkp[row(g, b, n, h)];
+            T* gkr = &dkr[g.row(b, n, h)];
+            T* gkp = &dkp[g.row(b, n, h)];
             T* gv = &dx[v_row(g, b, n, h)];
             T gb = T(0);
             for (int64_t i = 0; i < D; ++i) {

@@ -18,21 +18,13 @@ namespace {
 
 using namespace cpu::detail;
 
-struct Geometry {
-  int64_t B, N, H, D, F, S;
-};
-
-Geometry geometry(const Tensor& qr, const Tensor& qp, const Tensor& M, const Tensor& z, int64_t F, int64_t S) {
+TokenGeometry geometry(const Tensor& qr, const Tensor& qp, const Tensor& M, const Tensor& z, int64_t F, int64_t S) {
   const char* op = "ops::phase_c";
   require_cpu(qr, op, "qr");
   require_cpu(qp, op, "qp");
   require_cpu(M, op, "M");
   require_cpu(z, op, "z");
-  GDNCP_CHECK(F > 0 && S > 0, op, ": F and S must be > 0, got F = ", F, ", S = ", S);
-  GDNCP_CHECK(qr.dim() == 4, op, ": qr must be (B, N, H, D), got ", qr.str());
-  const Geometry g{qr.size(0), qr.size(1), qr.size(2), qr.size(3), F, S};
-  GDNCP_CHECK(g.N == F * S, op, ": qr: N = ", g.N, " must equal F·S = ", F * S);
-  GDNCP_CHECK(qp.shape() == qr.shape(), op, ": qp must have qr's shape, got ", qp.str());
+  const TokenGeometry g = token_pair_geometry(op, qr, "qr", qp, "qp", F, S);
   GDNCP_CHECK(M.shape() == Shape({g.B * g.H, F, g.D, g.D}), op, ": M must be (B·H, F, D, D), got ", M.str());
   GDNCP_CHECK(z.shape() == Shape({g.B * g.H, F, g.D}), op, ": z must be (B·H, F, D), got ", z.str());
   return g;
@@ -41,7 +33,7 @@ Geometry geometry(const Tensor& qr, const Tensor& qp, const Tensor& M, const Ten
 template <typename T>
 std::vector<Tensor> phase_c_forward(const Tensor& qr_t, const Tensor& qp_t, const Tensor& M_t, const Tensor& z_t,
                                     int64_t F, int64_t S) {
-  const Geometry g = geometry(qr_t, qp_t, M_t, z_t, F, S);
+  const TokenGeometry g = geometry(qr_t, qp_t, M_t, z_t, F, S);
   const int64_t D = g.D;
   const std::vector<T> qr = values<T>(qr_t, qr_t.numel()), qp = values<T>(qp_t, qp_t.numel()),
                        M = values<T>(M_t, M_t.numel()), z = values<T>(z_t, z_t.numel());
@@ -50,7 +42,7 @@ std::vector<Tensor> phase_c_forward(const Tensor& qr_t, const Tensor& qp_t, cons
     for (int64_t n = 0; n < g.N; ++n)
       for (int64_t h = 0; h < g.H; ++h) {
         const int64_t bhf = (b * g.H + h) * F + n / S;
-        const size_t r = static_cast<size_t>(((b * g.N + n) * g.H + h) * D);
+        const size_t r = g.row(b, n, h);
         for (int64_t j = 0; j < D; ++j)
           for (int64_t i = 0; i < D; ++i)
             num[r + static_cast<size_t>(j)] +=
@@ -75,7 +67,7 @@ class PhaseCNode : public autograd::Node {
   template <typename T>
   std::vector<Tensor> run(const std::vector<Tensor>& grads) {
     const Tensor &qr_t = saved(0), &qp_t = saved(1), &M_t = saved(2), &z_t = saved(3);
-    const Geometry g = geometry(qr_t, qp_t, M_t, z_t, F_, S_);
+    const TokenGeometry g = geometry(qr_t, qp_t, M_t, z_t, F_, S_);
     const int64_t D = g.D;
     const std::vector<T> qr = values<T>(qr_t, qr_t.numel()), qp = values<T>(qp_t, qp_t.numel()),
                          M = values<T>(M_t, M_t.numel()), z = values<T>(z_t, z_t.numel());
@@ -85,7 +77,7 @@ class PhaseCNode : public autograd::Node {
       for (int64_t n = 0; n < g.N; ++n)
         for (int64_t h = 0; h < g.H; ++h) {
           const int64_t bhf = (b * g.H + h) * F_ + n / S_;
-          const size_t r = static_cast<size_t>(((b * g.N + n) * g.H + h) * D);
+          const size_t r = g.row(b, n, h);
           const T gd = gden[static_cast<size_t>((b * g.H + h) * g.N + n)];
           for (int64_t i = 0; i < D; ++i) {
             for (int64_t j = 0; j < D; ++j) {

@@ -516,19 +516,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-struct Sizes {
-  int H, D, F, S;
-  int64_t BHF;
-};
-
-Sizes sizes_of(const Dims& d) {
-  GDNCP_CHECK(d.D >= 2 && d.D <= kMaxHeadDim && d.D % 2 == 0, "cuda phase A: D must be even in [2, ", kMaxHeadDim,
-              "], got ", d.D);
-  GDNCP_CHECK(d.B > 0 && d.H > 0 && d.F > 0 && d.S > 0, "cuda phase A: sizes must be positive");
-  return Sizes{static_cast<int>(d.H), static_cast<int>(d.D), static_cast<int>(d.F), static_cast<int>(d.S),
-               d.BH() * d.F};
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -537,7 +524,7 @@ Sizes sizes_of(const Dims& d) {
 void phase_a_fwd(Tensor& P, Tensor& A, Tensor& Pz, Tensor& bz, const Tensor& qkv, const Tensor& rstd,
                  const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta,
                  const Dims& d, double k_scale, MathMode mode) {
-  const Sizes z = sizes_of(d);
+  const FrameSizes z = frame_sizes(d, "cuda phase A");
   const In x = in_of(qkv, "qkv"), bt = in_of(beta, "beta");
   float *p = f32_out(P, "P"), *a = f32_out(A, "A"), *pz = f32_out(Pz, "Pz"), *b = f32_out(bz, "bz");
   const float *r = f32_or_null(rstd, "rstd"), *kw = f32_or_null(k_norm_w, "k_norm_w");
@@ -556,7 +543,7 @@ void phase_a_bwd(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor& dP, 
                  const Tensor& dbz, const Tensor& qkv, const Tensor& rstd, const Tensor& k_norm_w,
                  const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta, const Dims& d, double k_scale,
                  MathMode mode) {
-  const Sizes z = sizes_of(d);
+  const FrameSizes z = frame_sizes(d, "cuda phase A");
   const In x = in_of(qkv, "qkv"), bt = in_of(beta, "beta");
   const Out dx = out_of(dqkv, "dqkv"), dbt = out_of(dbeta, "dbeta");
   float* dk = f32_out(dk_hat, "dk_hat");

@@ -146,17 +146,11 @@ void phase_a_fwd(Tensor& P, Tensor& A, Tensor& Pz, Tensor& bz, const Tensor& qkv
                  const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta,
                  const Dims& d, double k_scale, MathMode mode) {
   const char* op = "cpu::phase_a_fwd";
-  const Shape qkv_s = {d.B, d.N(), 3, d.H, d.D}, row_s = {d.B, d.N(), d.H, d.D}, rope_s = {d.N(), d.D};
-  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D}, c_s = {d.C()};
+  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
   for (const Tensor* t : std::initializer_list<const Tensor*>{&P, &A, &Pz}) check_shape(*t, mat_s, op, "P/A/Pz");
   check_shape(bz, vec_s, op, "bz");
-  check_shape(qkv, qkv_s, op, "qkv");
-  check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
-  check_shape_if_defined(k_norm_w, c_s, op, "k_norm_w");
-  check_shape(rope_cos, rope_s, op, "rope_cos");
-  check_shape(rope_sin, rope_s, op, "rope_sin");
+  check_prep_inputs(qkv, rstd, k_norm_w, "k_norm_w", rope_cos, rope_sin, d, op);
   check_shape(beta, {d.B, d.H, d.F, d.S}, op, "beta");
-  (void)row_s;
   (void)mode;  // the CPU computes exactly in the compute dtype
   if (qkv.dtype() == DType::f64)
     phase_a_fwd_impl<double>(P, A, Pz, bz, qkv, rstd, k_norm_w, rope_cos, rope_sin, beta, d, k_scale);
@@ -169,18 +163,14 @@ void phase_a_bwd(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor& dP, 
                  const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta, const Dims& d, double k_scale,
                  MathMode mode) {
   const char* op = "cpu::phase_a_bwd";
-  const Shape qkv_s = {d.B, d.N(), 3, d.H, d.D}, row_s = {d.B, d.N(), d.H, d.D}, rope_s = {d.N(), d.D};
-  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D}, c_s = {d.C()};
+  const Shape qkv_s = {d.B, d.N(), 3, d.H, d.D}, row_s = {d.B, d.N(), d.H, d.D};
+  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
   check_shape(dk_hat, row_s, op, "dk_hat");
   check_shape(dqkv, qkv_s, op, "dqkv");
   check_shape(dbeta, {d.B, d.H, d.F, d.S}, op, "dbeta");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dP, &dA, &dPz}) check_shape(*t, mat_s, op, "dP/dA/dPz");
   check_shape(dbz, vec_s, op, "dbz");
-  check_shape(qkv, qkv_s, op, "qkv");
-  check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
-  check_shape_if_defined(k_norm_w, c_s, op, "k_norm_w");
-  check_shape(rope_cos, rope_s, op, "rope_cos");
-  check_shape(rope_sin, rope_s, op, "rope_sin");
+  check_prep_inputs(qkv, rstd, k_norm_w, "k_norm_w", rope_cos, rope_sin, d, op);
   check_shape(beta, {d.B, d.H, d.F, d.S}, op, "beta");
   (void)mode;
   if (qkv.dtype() == DType::f64)

@@ -350,19 +350,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid < D) dz[static_cast<int64_t>(bhf) * D + tid] = dz_acc;
 }
 
-struct Sizes {
-  int H, D, F, S;
-  int64_t BHF;
-};
-
-Sizes sizes_of(const Dims& d) {
-  GDNCP_CHECK(d.D >= 2 && d.D <= kMaxHeadDim && d.D % 2 == 0, "cuda phase C: D must be even in [2, ", kMaxHeadDim,
-              "], got ", d.D);
-  GDNCP_CHECK(d.B > 0 && d.H > 0 && d.F > 0 && d.S > 0, "cuda phase C: sizes must be positive");
-  return Sizes{static_cast<int>(d.H), static_cast<int>(d.D), static_cast<int>(d.F), static_cast<int>(d.S),
-               d.BH() * d.F};
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -371,7 +358,7 @@ Sizes sizes_of(const Dims& d) {
 void phase_c_fwd(Tensor& out, Tensor& den, const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w,
                  const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& M, const Tensor& z, const Dims& d,
                  double eps, bool divide, MathMode mode) {
-  const Sizes sz = sizes_of(d);
+  const FrameSizes sz = frame_sizes(d, "cuda phase C");
   const In x = in_of(qkv, "qkv");
   const Out o = out_of(out, "out");
   GDNCP_CHECK(divide || out.dtype() == DType::f32, "cuda phase_c_fwd: raw mode writes num in f32, got ", out.str());
@@ -400,7 +387,7 @@ void phase_c_fwd(Tensor& out, Tensor& den, const Tensor& qkv, const Tensor& rstd
 void phase_c_bwd(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, const Tensor& dden, const Tensor& qkv,
                  const Tensor& rstd, const Tensor& q_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
                  const Tensor& M, const Tensor& z, const Dims& d, double eps, bool divide, MathMode mode) {
-  const Sizes sz = sizes_of(d);
+  const FrameSizes sz = frame_sizes(d, "cuda phase C");
   GDNCP_CHECK(!divide || dout.defined(), "cuda phase_c_bwd: divide mode needs dout");
   const In x = in_of(qkv, "qkv"), go = in_of(dout, "dout"), gd = in_of(dden, "dden");
   float *dq = f32_out(dq_hat, "dq_hat"), *dm = f32_out(dM, "dM"), *dzz = f32_out(dz, "dz");

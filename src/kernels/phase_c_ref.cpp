@@ -137,15 +137,10 @@ void phase_c_fwd(Tensor& out, Tensor& den, const Tensor& qkv, const Tensor& rstd
                  const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& M, const Tensor& z, const Dims& d,
                  double eps, bool divide, MathMode mode) {
   const char* op = "cpu::phase_c_fwd";
-  const Shape qkv_s = {d.B, d.N(), 3, d.H, d.D}, row_s = {d.B, d.N(), d.H, d.D}, rope_s = {d.N(), d.D};
-  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D}, c_s = {d.C()};
+  const Shape row_s = {d.B, d.N(), d.H, d.D}, mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
   check_shape(out, row_s, op, "out");
   check_shape(den, {d.B, d.H, d.N()}, op, "den");
-  check_shape(qkv, qkv_s, op, "qkv");
-  check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
-  check_shape_if_defined(q_norm_w, c_s, op, "q_norm_w");
-  check_shape(rope_cos, rope_s, op, "rope_cos");
-  check_shape(rope_sin, rope_s, op, "rope_sin");
+  check_prep_inputs(qkv, rstd, q_norm_w, "q_norm_w", rope_cos, rope_sin, d, op);
   check_shape(M, mat_s, op, "M");
   check_shape(z, vec_s, op, "z");
   (void)mode;  // the CPU computes exactly in the compute dtype
@@ -159,18 +154,13 @@ void phase_c_bwd(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, con
                  const Tensor& rstd, const Tensor& q_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
                  const Tensor& M, const Tensor& z, const Dims& d, double eps, bool divide, MathMode mode) {
   const char* op = "cpu::phase_c_bwd";
-  const Shape qkv_s = {d.B, d.N(), 3, d.H, d.D}, row_s = {d.B, d.N(), d.H, d.D}, rope_s = {d.N(), d.D};
-  const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D}, c_s = {d.C()};
+  const Shape row_s = {d.B, d.N(), d.H, d.D}, mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
   check_shape(dq_hat, row_s, op, "dq_hat");
   check_shape(dM, mat_s, op, "dM");
   check_shape(dz, vec_s, op, "dz");
   check_shape_if_defined(dout, row_s, op, "dout");
   check_shape_if_defined(dden, {d.B, d.H, d.N()}, op, "dden");
-  check_shape(qkv, qkv_s, op, "qkv");
-  check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
-  check_shape_if_defined(q_norm_w, c_s, op, "q_norm_w");
-  check_shape(rope_cos, rope_s, op, "rope_cos");
-  check_shape(rope_sin, rope_s, op, "rope_sin");
+  check_prep_inputs(qkv, rstd, q_norm_w, "q_norm_w", rope_cos, rope_sin, d, op);
   check_shape(M, mat_s, op, "M");
   check_shape(z, vec_s, op, "z");
   (void)mode;

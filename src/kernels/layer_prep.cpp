@@ -1,0 +1,39 @@
+// src/kernels/layer_prep.cpp — the Prep stage of the layer (layer_prep.h).
+#include "kernels/layer_prep.h"
+
+namespace gdncp {
+
+Prep prep_forward(const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos,
+                  const Tensor& rope_sin, const Tensor& beta, const Dims& d, const BigdnOptions& opt, MathMode mode) {
+  const Device dev = qkv.device();
+  const DType ct = compute_dtype(qkv.dtype());
+  const int64_t BH = d.BH(), F = d.F, D = d.D;
+  Prep p;
+  p.rstd = Tensor::empty({d.B, d.N(), 2}, ct, dev);
+  kernels::rms_stats(p.rstd, qkv, q_norm_w, k_norm_w, d, opt.norm_eps);
+  p.P = Tensor::empty({BH, F, D, D}, ct, dev);
+  p.A = Tensor::empty({BH, F, D, D}, ct, dev);
+  p.Pz = Tensor::empty({BH, F, D, D}, ct, dev);
+  p.bz = Tensor::empty({BH, F, D}, ct, dev);
+  kernels::phase_a_fwd(p.P, p.A, p.Pz, p.bz, qkv, p.rstd, k_norm_w, rope_cos, rope_sin, beta, d, opt.k_scale, mode);
+  return p;
+}
+
+PrepGrads prep_backward(const Tensor& dq_hat, const Tensor& dP, const Tensor& dA, const Tensor& dPz, const Tensor& dbz,
+                        const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& k_norm_w,
+                        const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta, const Dims& d,
+                        double k_scale, MathMode mode, bool want_dq_norm_w, bool want_dk_norm_w) {
+  const Device dev = qkv.device();
+  Tensor dk_hat = Tensor::empty({d.B, d.N(), d.H, d.D}, compute_dtype(qkv.dtype()), dev);
+  PrepGrads g;
+  g.dqkv = Tensor::empty(qkv.shape(), qkv.dtype(), dev);
+  g.dbeta = Tensor::empty(beta.shape(), beta.dtype(), dev);
+  kernels::phase_a_bwd(dk_hat, g.dqkv, g.dbeta, dP, dA, dPz, dbz, qkv, rstd, k_norm_w, rope_cos, rope_sin, beta, d,
+                       k_scale, mode);
+  if (q_norm_w.defined() && want_dq_norm_w) g.dq_norm_w = Tensor::empty(q_norm_w.shape(), q_norm_w.dtype(), dev);
+  if (k_norm_w.defined() && want_dk_norm_w) g.dk_norm_w = Tensor::empty(k_norm_w.shape(), k_norm_w.dtype(), dev);
+  kernels::rms_norm_bwd(g.dqkv, g.dq_norm_w, g.dk_norm_w, dq_hat, dk_hat, qkv, rstd, q_norm_w, k_norm_w, d);
+  return g;
+}
+
+}  // namespace gdncp

@@ -1,0 +1,41 @@
+// src/kernels/layer_prep.h — the Prep stage of the layer (SPEC §2-3) over the
+// kernel twins (kernels.h), shared by the single-rank layer (bigdn.cpp) and
+// the CP layers (cp_layers.cpp), which differ only in the scan between Prep
+// and Output.
+//
+//   forward:  rms_stats → phase_a_fwd (k prep fused)
+//   backward: phase_a_bwd → rms_norm_bwd (q's dq̂ comes from phase C's backward)
+// Shapes and dtypes as kernels.h says; every result is a fresh tensor on qkv's
+// device.
+#pragma once
+
+#include "gdncp/bigdn.h"
+#include "gdncp/tensor.h"
+#include "kernels/kernels.h"
+
+namespace gdncp {
+
+struct Prep {
+  Tensor rstd;      // (B, N, 2) compute dtype
+  Tensor P, A, Pz;  // (BH, F, D, D) compute dtype
+  Tensor bz;        // (BH, F, D) compute dtype
+};
+
+Prep prep_forward(const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos,
+                  const Tensor& rope_sin, const Tensor& beta, const Dims& d, const BigdnOptions& opt, MathMode mode);
+
+struct PrepGrads {
+  Tensor dqkv;                  // qkv's shape and dtype
+  Tensor dbeta;                 // beta's shape and dtype
+  Tensor dq_norm_w, dk_norm_w;  // the weight's dtype; undefined unless asked for and the weight is defined
+};
+
+// Backward of Prep given dq_hat = dL/dq̂ (B, N, H, D) compute dtype and the
+// gradients of P, A, Pz, bz. want_dq_norm_w / want_dk_norm_w: whether the
+// caller needs that weight's gradient.
+PrepGrads prep_backward(const Tensor& dq_hat, const Tensor& dP, const Tensor& dA, const Tensor& dPz, const Tensor& dbz,
+                        const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& k_norm_w,
+                        const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta, const Dims& d,
+                        double k_scale, MathMode mode, bool want_dq_norm_w, bool want_dk_norm_w);
+
+}  // namespace gdncp
