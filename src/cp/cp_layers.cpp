@@ -108,9 +108,13 @@ class CpLayerNode : public autograd::Node {
 
 // The fused forward on validated inputs; records one CpLayerNode when needed.
 // keep: the gathered composites, reused when set (checkpoint recompute: no
-// collective) and filled otherwise.
+// collective) and filled otherwise. In the recompute, phase C is skipped and
+// num/den/out are left unwritten: their values are never read (Note
+// [checkpoint recompute] in src/kernels/bigdn.cpp); terminal states are cheap
+// by-products of the scan and stay written.
 std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>& in, const Dims& d,
                                   const BigdnOptions& opt, const CpOptions& cpo, bool bidi, Tensor* keep) {
+  const bool recompute = keep && keep->defined();
   const Tensor &qkv = in[kQkv], &beta = in[kBeta], &decay = in[kDecay], &qw = in[kQNormW], &kw = in[kKNormW],
                &cs = in[kRopeCos], &sn = in[kRopeSin];
   const Device dev = qkv.device();
@@ -134,11 +138,11 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   Tensor den = Tensor::empty({B, H, N}, ct, dev);
   if (bidi) {
     Tensor out = Tensor::empty({B, N, H, D}, qkv.dtype(), dev);
-    kernels::phase_c_fwd(out, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/true, mode);
+    if (!recompute) kernels::phase_c_fwd(out, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/true, mode);
     outputs = {out};
   } else {
     Tensor num = Tensor::empty({B, N, H, D}, ct, dev);
-    kernels::phase_c_fwd(num, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/false, mode);
+    if (!recompute) kernels::phase_c_fwd(num, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/false, mode);
     outputs = {num, den};
     if (cpo.truncate_to_active > 0) {
       outputs.push_back(jobs[0].T);
