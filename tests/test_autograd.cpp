@@ -235,6 +235,24 @@ TEST(Autograd, CheckpointOnlyGradsForInputsThatRequireIt) {
   EXPECT_FALSE(w.grad().defined());
 }
 
+TEST(Autograd, CheckpointLayerTellsTheRecompute) {
+  std::vector<bool> calls;
+  const autograd::RecomputeFunction fn = [&calls](const std::vector<Tensor>& in, bool recompute) {
+    calls.push_back(recompute);
+    return block(in);
+  };
+  Tensor x = rnd({8}, 19).requires_grad_();
+  Tensor w = rnd({8}, 20).requires_grad_();
+  auto outs = autograd::checkpoint_layer(fn, {x, w}, Checkpoint::on);
+  backward(sum(mul(outs[0], outs[1])));
+  EXPECT_EQ(calls, (std::vector<bool>{false, true}));
+  // Off: one run, not a recompute.
+  calls.clear();
+  autograd::checkpoint_layer(fn, {x, w}, Checkpoint::off);
+  EXPECT_EQ(calls, (std::vector<bool>{false}));
+  autograd::clear_tape();
+}
+
 TEST(AutogradGradcheck, TestOpsAgainstCentralDifferences) {
   auto fn = [](const std::vector<Tensor>& in) { return block(in); };
   Tensor x = rnd({6}, 17).requires_grad_();

@@ -139,6 +139,14 @@ using Function = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;
 std::vector<Tensor> checkpoint(const Function& fn, const std::vector<Tensor>& inputs,
                                Checkpoint mode = Checkpoint::on);
 
+// The same for a function told whether it is the re-run in backward
+// (recompute = true): that run only has to rebuild the recorded graph, since
+// the values of its outputs are never read, so a fused layer may skip the
+// work that only produces them (Note [checkpoint recompute]).
+using RecomputeFunction = std::function<std::vector<Tensor>(const std::vector<Tensor>&, bool recompute)>;
+std::vector<Tensor> checkpoint_layer(const RecomputeFunction& fn, const std::vector<Tensor>& inputs,
+                                     Checkpoint mode = Checkpoint::on);
+
 }  // namespace autograd
 
 using autograd::backward;

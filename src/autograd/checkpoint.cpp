@@ -86,5 +86,21 @@ std::vector<Tensor> checkpoint(const Function& fn, const std::vector<Tensor>& in
   return outputs;
 }
 
+// Note [checkpoint recompute]: the checkpoint node re-runs fn in backward only
+// to rebuild the sub-graph it back-propagates through; the outputs of that run
+// are roots of the sub-backward, whose values backward never reads. A layer
+// that records one fused node can therefore skip the kernels that only write
+// its outputs (phase C of the BiGDN layer, about a fifth of its forward).
+std::vector<Tensor> checkpoint_layer(const RecomputeFunction& fn, const std::vector<Tensor>& inputs,
+                                     Checkpoint mode) {
+  auto ran = std::make_shared<bool>(false);
+  const Function once_then_recompute = [fn, ran](const std::vector<Tensor>& x) {
+    const bool recompute = *ran;
+    *ran = true;
+    return fn(x, recompute);
+  };
+  return checkpoint(once_then_recompute, inputs, mode);
+}
+
 }  // namespace autograd
 }  // namespace gdncp

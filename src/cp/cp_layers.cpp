@@ -108,13 +108,13 @@ class CpLayerNode : public autograd::Node {
 
 // The fused forward on validated inputs; records one CpLayerNode when needed.
 // keep: the gathered composites, reused when set (checkpoint recompute: no
-// collective) and filled otherwise. In the recompute, phase C is skipped and
-// num/den/out are left unwritten: their values are never read (Note
-// [checkpoint recompute] in src/kernels/bigdn.cpp); terminal states are cheap
-// by-products of the scan and stay written.
+// collective) and filled otherwise. recompute: the checkpoint's re-run in
+// backward, which skips phase C and leaves num/den/out unwritten, as their
+// values are never read (Note [checkpoint recompute] in src/autograd/checkpoint.cpp);
+// terminal states are by-products of the scan and stay written.
 std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>& in, const Dims& d,
-                                  const BigdnOptions& opt, const CpOptions& cpo, bool bidi, Tensor* keep) {
-  const bool recompute = keep && keep->defined();
+                                  const BigdnOptions& opt, const CpOptions& cpo, bool bidi, Tensor* keep,
+                                  bool recompute) {
   const Tensor &qkv = in[kQkv], &beta = in[kBeta], &decay = in[kDecay], &qw = in[kQNormW], &kw = in[kKNormW],
                &cs = in[kRopeCos], &sn = in[kRopeSin];
   const Device dev = qkv.device();
@@ -189,13 +189,14 @@ Dims validate_layer(Communicator& comm, const char* entry, const std::vector<Ten
 // reuses the gathered composites of the first run.
 std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in, const Dims& d, const BigdnOptions& opt,
                               const CpOptions& cpo, bool bidi) {
-  if (!autograd::resolve_checkpoint(opt.checkpoint, in)) return layer_forward(comm, in, d, opt, cpo, bidi, nullptr);
+  if (!autograd::resolve_checkpoint(opt.checkpoint, in))
+    return layer_forward(comm, in, d, opt, cpo, bidi, nullptr, /*recompute=*/false);
   auto keep = std::make_shared<Tensor>();
   Communicator* c = &comm;
-  const autograd::Function fn = [c, d, opt, cpo, bidi, keep](const std::vector<Tensor>& x) {
-    return layer_forward(*c, x, d, opt, cpo, bidi, keep.get());
+  const autograd::RecomputeFunction fn = [c, d, opt, cpo, bidi, keep](const std::vector<Tensor>& x, bool recompute) {
+    return layer_forward(*c, x, d, opt, cpo, bidi, keep.get(), recompute);
   };
-  return autograd::checkpoint(fn, in, Checkpoint::on);
+  return autograd::checkpoint_layer(fn, in, Checkpoint::on);
 }
 
 }  // namespace

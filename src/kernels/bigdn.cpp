@@ -96,7 +96,8 @@ class BigdnNode : public autograd::Node {
 };
 
 // The fused forward on validated inputs; records one BigdnNode when needed.
-// write_out false: the recompute of a checkpoint (Note [checkpoint recompute]).
+// write_out false: the checkpoint's re-run in backward, which skips phase C
+// (Note [checkpoint recompute] in src/autograd/checkpoint.cpp).
 Tensor bigdn_fused(const std::vector<Tensor>& in, const Dims& d, const BigdnOptions& opt, bool write_out) {
   const Tensor &qkv = in[kQkv], &beta = in[kBeta], &decay = in[kDecay], &qw = in[kQNormW], &kw = in[kKNormW],
                &cs = in[kRopeCos], &sn = in[kRopeSin];
@@ -144,12 +145,6 @@ Tensor unfused_forward(const std::vector<Tensor>& in, int64_t F, int64_t S, cons
   return ops::output_divide(c[0], c[1], opt.eps, in[kQkv].dtype());
 }
 
-// Note [checkpoint recompute]: when the checkpoint node re-runs the layer in
-// backward, the outputs of that run are only the roots of the sub-backward:
-// their values are never read (the node's backward uses what it saved). So the
-// recompute skips phase C, about a fifth of the forward, and leaves the output
-// unwritten. The first run of the closure writes it; later runs do not.
-
 // Runs fn directly or under a checkpoint, as options.checkpoint says.
 Tensor run_maybe_checkpointed(const autograd::Function& fn, const std::vector<Tensor>& in, Checkpoint mode) {
   if (autograd::resolve_checkpoint(mode, in)) return autograd::checkpoint(fn, in, Checkpoint::on).at(0);
@@ -164,13 +159,10 @@ Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const T
       validate_bigdn_inputs("bigdn", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
   // Per stream, as SPEC §1 says ("absent ⇒ no RMSNorm"): the seed normalises both when either weight is given.
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
-  const auto ran = std::make_shared<bool>(false);
-  const autograd::Function fn = [d, options, ran](const std::vector<Tensor>& x) {
-    const bool recompute = *ran;
-    *ran = true;
+  const autograd::RecomputeFunction fn = [d, options](const std::vector<Tensor>& x, bool recompute) {
     return std::vector<Tensor>{bigdn_fused(x, d, options, /*write_out=*/!recompute)};
   };
-  return run_maybe_checkpointed(fn, in, options.checkpoint);
+  return autograd::checkpoint_layer(fn, in, options.checkpoint).at(0);
 }
 
 Tensor bigdn_unfused(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
