@@ -169,6 +169,29 @@ Row measure(const std::string& name, cp::Communicator* comm, Layer& l, Checkpoin
   return row;
 }
 
+// Peak device memory above the inputs of a stack of L layer calls: L forwards
+// (each keeps what its backward needs, as in a deep model), then one backward
+// through all of them. This is where checkpointing pays: L times the held
+// memory of one layer, plus one layer's backward transient.
+double stack_peak_mib(cp::Communicator* comm, Layer& l, Checkpoint ck, const CpBenchConfig& c, int L) {
+  const BigdnOptions o = options(c, ck);
+  zero_grads(l);
+  synchronize();
+  empty_cuda_cache();
+  reset_peak_memory();
+  const size_t base = cuda_memory_stats().allocated;
+  {
+    std::vector<Tensor> outs, grads;
+    for (int i = 0; i < L; ++i) {
+      outs.push_back(forward(comm, l, o));
+      grads.push_back(l.gout);
+    }
+    backward(outs, grads);
+  }
+  synchronize();
+  return max_over_ranks(static_cast<double>(cuda_memory_stats().peak_allocated - base) / (1 << 20));
+}
+
 // bigdn_cp on P GPUs (F = Fg/P each) against bigdn on one GPU over the Fg frames.
 double validate(cp::Communicator& world, const CpBenchConfig& c, int64_t Fg) {
   const int P = world.size(), r = world.rank();
@@ -263,12 +286,26 @@ int run(const CpBenchConfig& c) {
             base.c_str(), off->peak_mib, on->peak_mib, 100.0 * (on->peak_mib - off->peak_mib) / off->peak_mib,
             off->held_mib, on->held_mib, 100.0 * (on->ms - off->ms) / off->ms);
     }
+  }
+  // A deep model's memory: a stack of kStack layer calls, strong-scaling shapes.
+  constexpr int kStack = 8;
+  double stack_mib[2] = {0, 0};
+  {
+    Layer gp = make_layer(c, c.global_frames, c.global_frames / P, r, DType::bf16, 5);
+    for (const Checkpoint ck : {Checkpoint::off, Checkpoint::on})
+      stack_mib[ck == Checkpoint::on] = stack_peak_mib(world.get(), gp, ck, c, kStack);
+  }
+  if (r == 0) {
+    std::printf("  checkpointing a stack of %d layers, P=%d strong: peak %.0f -> %.0f MiB (%.0f%%)\n", kStack, P,
+                stack_mib[0], stack_mib[1], 100.0 * (stack_mib[1] - stack_mib[0]) / stack_mib[0]);
     if (!c.json.empty()) {
       std::ostringstream js;
       js << "{\n\"device\": \"" << prop.name << "\", \"gpus\": " << P << ", \"B\": " << c.batch
          << ", \"S\": " << c.tokens << ", \"H\": " << c.heads << ", \"D\": " << c.head_dim
-         << ", \"dtype\": \"bf16\",\n\"validation_rel_l2\": " << err << ",\n\"timing\": \"CUDA events, " << c.warmup
-         << " warm-up, median of " << c.iters << ", max over ranks\",\n\"rows\": [\n";
+         << ", \"dtype\": \"bf16\",\n\"validation_rel_l2\": " << err << ",\n\"stack_layers\": " << kStack
+         << ", \"stack_peak_mib_off\": " << stack_mib[0] << ", \"stack_peak_mib_ckpt\": " << stack_mib[1]
+         << ",\n\"timing\": \"CUDA events, " << c.warmup << " warm-up, median of " << c.iters
+         << ", max over ranks\",\n\"rows\": [\n";
       for (size_t i = 0; i < rows.size(); ++i) {
         const Row& x = rows[i];
         js << (i ? ",\n" : "") << "{\"name\": \"" << x.name << "\", \"P\": " << x.P << ", \"frames_per_rank\": " << x.F

@@ -57,10 +57,12 @@ if [ "$NP" -ge 2 ]; then
 fi
 
 # --- the trainer at a production-like shape: CP=1 on 1 GPU vs CP=2 on 2 GPUs --------------
+# lr 1e-3: the trainer's default 0.02 suits its small default model and makes
+# AdamW diverge at C = H·D = 2240 channels.
 train() {  # ranks, cp, frames
   timeout 150 mpirun -np "$1" --bind-to none "$BUILD_DIR/examples/gdncp_train" --device cuda --dtype bf16 \
     --heads 20 --head-dim 112 --tokens 920 --frames "$3" --cp "$2" --layers 2 --batch 1 --pool 2 \
-    --steps "$TRAIN_STEPS" --warmup 2 --print-every 2 --log "$OUT/train_np$1.jsonl" --plot ''
+    --lr 1e-3 --steps "$TRAIN_STEPS" --warmup 2 --print-every 2 --log "$OUT/train_np$1.jsonl" --plot ''
 }
 {
   echo "### 1 GPU, CP=1, 11 frames"; train 1 1 11
