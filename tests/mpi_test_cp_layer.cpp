@@ -3,7 +3,7 @@
 // entry against one rank (and its one-rank path against a composition of the
 // fine ops), norm-weight gradients after all_reduce_grads, checkpointing, and
 // arguments that are bad on one rank or differ between ranks.
-// gdncp-mpi-np: 1 2 3 4
+// gdncp-mpi-np: 1 2 3 4 8
 #include <functional>
 #include <string>
 #include <vector>

@@ -2,7 +2,7 @@
 // camera branch on CPU ranks: P ranks against one rank over the concatenated
 // sequence, forward and every gradient; the one-rank path itself against a
 // naive loop and fp64 finite differences; checkpointing; bad arguments.
-// gdncp-mpi-np: 1 2 3 4
+// gdncp-mpi-np: 1 2 3 4 8
 #include <cmath>
 #include <functional>
 #include <string>
