@@ -20,6 +20,7 @@
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
 #include "gdncp/gdncp.h"
+#include "timing.h"
 
 namespace gdncp {
 namespace bench {
@@ -143,23 +144,7 @@ Row measure(const std::string& name, cp::Communicator* comm, Layer& l, Checkpoin
   synchronize();
   GDNCP_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
   if (comm) comm->reset_stats();
-  cudaEvent_t a, b;
-  GDNCP_CUDA_CHECK(cudaEventCreate(&a));
-  GDNCP_CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<float> t;
-  for (int i = 0; i < c.iters; ++i) {
-    GDNCP_CUDA_CHECK(cudaEventRecord(a, stream()));
-    step();
-    GDNCP_CUDA_CHECK(cudaEventRecord(b, stream()));
-    GDNCP_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    GDNCP_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  GDNCP_CUDA_CHECK(cudaEventDestroy(a));
-  GDNCP_CUDA_CHECK(cudaEventDestroy(b));
-  std::sort(t.begin(), t.end());
-  row.ms = max_over_ranks(t[t.size() / 2]);
+  row.ms = max_over_ranks(time_ms(step, /*warmup=*/0, c.iters));
   if (comm) {
     row.comm_ms = max_over_ranks(comm->stats().seconds * 1e3 / c.iters);
     row.comm_calls = static_cast<double>(comm->stats().calls) / c.iters;

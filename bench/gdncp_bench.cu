@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cp_bench.h"
+#include "timing.h"
 #include "gdncp/gdncp.h"
 #include "kernels/kernels.h"
 
@@ -115,28 +116,7 @@ Tensor device_random(const Shape& shape, DType dtype, uint64_t seed) {
   return t;
 }
 
-// Median over iters of the device time of fn (CUDA events around each call), after warm-up.
-double time_ms(const std::function<void()>& fn, int warmup, int iters) {
-  for (int i = 0; i < warmup; ++i) fn();
-  GDNCP_CUDA_CHECK(cudaStreamSynchronize(stream()));
-  cudaEvent_t a, b;
-  GDNCP_CUDA_CHECK(cudaEventCreate(&a));
-  GDNCP_CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<float> t;
-  for (int i = 0; i < iters; ++i) {
-    GDNCP_CUDA_CHECK(cudaEventRecord(a, stream()));
-    fn();
-    GDNCP_CUDA_CHECK(cudaEventRecord(b, stream()));
-    GDNCP_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    GDNCP_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  GDNCP_CUDA_CHECK(cudaEventDestroy(a));
-  GDNCP_CUDA_CHECK(cudaEventDestroy(b));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
+using bench::time_ms;
 
 // --- ceilings -----------------------------------------------------------------
 struct Ceilings {

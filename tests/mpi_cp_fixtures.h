@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bigdn_fixtures.h"
 #include "gdncp/cp.h"
 #include "gdncp/gdncp.h"
 #include "util/test_util.h"
@@ -57,6 +58,19 @@ inline Tensor slice(const Tensor& t, int axis, int64_t lo, int64_t hi) {
 // Frame block of `rank` (F frames each along axis; `per` elements per frame along it).
 inline Tensor rank_block(const Tensor& t, int axis, int64_t per_rank, int block) {
   return slice(t, axis, block * per_rank, (block + 1) * per_rank);
+}
+
+// This rank's layer inputs: block b of global inputs of P·F frames.
+inline LayerInputs local_block(const LayerInputs& g, int64_t F, int b) {
+  LayerInputs l = g;
+  l.d.F = F;
+  const int64_t N = F * g.d.S;
+  l.qkv = rank_block(g.qkv, 1, N, b);
+  l.beta = rank_block(g.beta, 2, F, b);
+  l.decay = rank_block(g.decay, 2, F, b);
+  l.rope_cos = rank_block(g.rope_cos, 0, N, b);
+  l.rope_sin = rank_block(g.rope_sin, 0, N, b);
+  return l;
 }
 
 // A leaf copy that requires grad.

@@ -350,17 +350,6 @@ TEST(NcclComm, Collectives) {
 
 // --- layers on P GPUs vs one GPU and vs the f64 CPU oracle ---------------------------------
 
-LayerInputs block(const LayerInputs& g, int64_t F, int b) {
-  LayerInputs l = g;
-  l.d.F = F;
-  const int64_t N = F * g.d.S;
-  l.qkv = rank_block(g.qkv, 1, N, b);
-  l.beta = rank_block(g.beta, 2, F, b);
-  l.decay = rank_block(g.decay, 2, F, b);
-  l.rope_cos = rank_block(g.rope_cos, 0, N, b);
-  l.rope_sin = rank_block(g.rope_sin, 0, N, b);
-  return l;
-}
 
 std::vector<Tensor> leaves_on(const LayerInputs& in, Device dev) {
   auto mk = [&](const Tensor& t) {
@@ -399,7 +388,7 @@ void check_layer_gpu(DType dt, uint64_t seed) {
     for (size_t k = 0; k < 5; ++k) res.grads.push_back(cpu(x[k].grad()));
     return res;
   };
-  const Result cpres = run(nccl_world().get(), block(g, F, r), rank_block(w, 1, F * S, r), Device::cuda, true);
+  const Result cpres = run(nccl_world().get(), local_block(g, F, r), rank_block(w, 1, F * S, r), Device::cuda, true);
   const Result self = run(nccl_self().get(), g, w, Device::cuda, false);  // the same code on one GPU
   const Result one = run(nullptr, g, w, Device::cuda, false);             // the single-GPU layer
   const Result oracle = run(nullptr, as_f64(g), w, Device::cpu, false);   // f64 on the CPU
@@ -431,7 +420,7 @@ TEST(BigdnCpGpu, MatchesOneGpuAndOracleBf16) { check_layer_gpu(DType::bf16, 310)
 TEST(BigdnCpGpu, CheckpointOnEqualsOffBitwise) {
   REQUIRE_GPUS();
   const int r = rank();
-  const LayerInputs l = block(make_layer_inputs(dims(1, 2, 112, 2 * nranks(), 37), DType::bf16, 320), 2, r);
+  const LayerInputs l = local_block(make_layer_inputs(dims(1, 2, 112, 2 * nranks(), 37), DType::bf16, 320), 2, r);
   Result res[2];
   for (int on = 0; on < 2; ++on) {
     BigdnOptions opt = l.opt;
@@ -474,7 +463,7 @@ void check_raw_gpu(DType dt, uint64_t seed) {
     res.grads = {cpu(rr.den), cpu(rr.terminal_M), cpu(x[0].grad()), cpu(x[1].grad()), cpu(x[2].grad())};
     return res;
   };
-  const Result a = run(*nccl_world(), block(g, F, r),
+  const Result a = run(*nccl_world(), local_block(g, F, r),
                        {rank_block(w[0], 1, F * S, r), rank_block(w[1], 2, F * S, r), w[2], w[3]}, 1.0);
   const Result b = run(*nccl_self(), g, w, P);
   EXPECT_TRUE(close_rel(a.out, rank_block(b.out, 1, F * S, r), tol_fwd(dt), "num"));

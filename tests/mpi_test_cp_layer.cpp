@@ -15,18 +15,6 @@ namespace gdncp {
 namespace test {
 namespace {
 
-// Global inputs of P·F frames; rank r's slice is logical block b.
-LayerInputs local_block(const LayerInputs& g, int64_t F, int b) {
-  LayerInputs l = g;
-  l.d.F = F;
-  const int64_t N = F * g.d.S;
-  l.qkv = rank_block(g.qkv, 1, N, b);
-  l.beta = rank_block(g.beta, 2, F, b);
-  l.decay = rank_block(g.decay, 2, F, b);
-  l.rope_cos = rank_block(g.rope_cos, 0, N, b);
-  l.rope_sin = rank_block(g.rope_sin, 0, N, b);
-  return l;
-}
 
 struct LayerRun {
   std::vector<Tensor> outs;
