@@ -38,7 +38,8 @@ echo "run.sh: built in $(( $(date +%s) - start )) s"
 
 if [ "$gpus" -gt 0 ]; then
   NP=${NP:-$gpus}
-  args=(--device cuda --cp "$NP" --frames $((2 * NP)) --tokens 64 --heads 4 --head-dim 32 --steps 200 --print-every 10)
+  # The CPU run's model, on the GPUs (seen on 2 H200, 2026-11-30: the same losses as on CPU ranks).
+  args=(--device cuda --cp "$NP" --frames $((2 * NP)) --steps 120 --print-every 10)
   echo "run.sh: $gpus GPU(s): $NP ranks, one per GPU, CP=$NP"
 else
   NP=${NP:-2}
