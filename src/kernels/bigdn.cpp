@@ -145,12 +145,6 @@ Tensor unfused_forward(const std::vector<Tensor>& in, int64_t F, int64_t S, cons
   return ops::output_divide(c[0], c[1], opt.eps, in[kQkv].dtype());
 }
 
-// Runs fn directly or under a checkpoint, as options.checkpoint says.
-Tensor run_maybe_checkpointed(const autograd::Function& fn, const std::vector<Tensor>& in, Checkpoint mode) {
-  if (autograd::resolve_checkpoint(mode, in)) return autograd::checkpoint(fn, in, Checkpoint::on).at(0);
-  return fn(in).at(0);
-}
-
 }  // namespace
 
 Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w, const Tensor& k_norm_w,
@@ -174,7 +168,7 @@ Tensor bigdn_unfused(const Tensor& qkv, const Tensor& beta, const Tensor& decay,
   const autograd::Function fn = [F, S, options](const std::vector<Tensor>& x) {
     return std::vector<Tensor>{unfused_forward(x, F, S, options)};
   };
-  return run_maybe_checkpointed(fn, in, options.checkpoint);
+  return autograd::checkpoint(fn, in, options.checkpoint).at(0);
 }
 
 std::pair<Tensor, Tensor> rope_tables(int64_t N, int64_t D, DType dtype, Device device, int64_t offset, double base) {
