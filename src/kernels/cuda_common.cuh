@@ -345,6 +345,104 @@ __device__ __forceinline__ void warp_mma(float (&acc)[TM][TN][4], const OA& a, i
   }
 }
 
+// --- bf16 tiles read with ldmatrix (bf16 mode) -----------------------------------
+// Note [ldmatrix tiles]: in bf16 mode the kernels keep their operand tiles in shared
+// memory as bf16 and build every fragment with one ldmatrix per 16×16 block (instead of
+// scalar loads and per-fragment conversion, which made the f32-tile kernels issue-bound).
+// The standard k map of mma.m16n8k16 is used (thread t: k = 2t, 2t+1, 2t+8, 2t+9), so these
+// fragments must not be mixed with warp_mma's. An operand is seen as element (mn, k):
+//   LdRow: stored [mn][k] (k contiguous)  -> ldmatrix
+//   LdCol: stored [k][mn] (mn contiguous) -> ldmatrix.trans
+// Rows must start 16-byte aligned; a pitch of cols + 8 elements (cols a multiple of 32)
+// puts the 8 rows of each 8×8 block in distinct bank groups.
+constexpr int pitch_ld(int cols) { return cols + 8; }
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x2_t(uint32_t (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(p)));
+}
+
+struct LdRow {  // element (mn, k) at p[mn·ld + k]
+  const __nv_bfloat16* p;
+  int ld;
+  // A fragment of rows m..m+15, k..k+15: lanes 0-15 address rows m+l at k, lanes 16-31 at k+8.
+  __device__ __forceinline__ void a(uint32_t (&r)[4], int m, int k, int lane) const {
+    ldsm_x4(r, p + (m + (lane & 15)) * ld + k + ((lane >> 4) << 3));
+  }
+  // B fragments of columns n..n+7 (r0) and n+8..n+15 (r1).
+  __device__ __forceinline__ void b2(uint32_t (&r0)[2], uint32_t (&r1)[2], int n, int k, int lane) const {
+    uint32_t q[4];
+    ldsm_x4(q, p + (n + (lane & 7) + ((lane >> 4) << 3)) * ld + k + (((lane >> 3) & 1) << 3));
+    r0[0] = q[0], r0[1] = q[1], r1[0] = q[2], r1[1] = q[3];
+  }
+  __device__ __forceinline__ void b1(uint32_t (&r0)[2], int n, int k, int lane) const {
+    ldsm_x2(r0, p + (n + (lane & 7)) * ld + k + (((lane >> 3) & 1) << 3));
+  }
+};
+struct LdCol {  // element (mn, k) at p[k·ld + mn]
+  const __nv_bfloat16* p;
+  int ld;
+  __device__ __forceinline__ void a(uint32_t (&r)[4], int m, int k, int lane) const {
+    ldsm_x4_t(r, p + (k + (lane & 7) + ((lane >> 4) << 3)) * ld + m + (((lane >> 3) & 1) << 3));
+  }
+  __device__ __forceinline__ void b2(uint32_t (&r0)[2], uint32_t (&r1)[2], int n, int k, int lane) const {
+    uint32_t q[4];
+    ldsm_x4_t(q, p + (k + (lane & 7) + (((lane >> 3) & 1) << 3)) * ld + n + ((lane >> 4) << 3));
+    r0[0] = q[0], r0[1] = q[1], r1[0] = q[2], r1[1] = q[3];
+  }
+  __device__ __forceinline__ void b1(uint32_t (&r0)[2], int n, int k, int lane) const {
+    ldsm_x2_t(r0, p + (k + (lane & 15)) * ld + n);
+  }
+};
+
+// warp_mma for bf16 tiles (Note [ldmatrix tiles]): acc[i][j] += A[m0+16i.., 0..K) · B[0..K), n0+8j..].
+// Same skipping rule and K contract as warp_mma. Fragments are loaded whole, so the tiles must
+// extend to m0 + 16·TM rows and n0 + 8·TN columns (padding may hold anything finite or not:
+// skipped fragments never reach the matrix unit).
+template <int TM, int TN, typename OA, typename OB>
+__device__ __forceinline__ void warp_mma_ld(float (&acc)[TM][TN][4], const OA& a, int m0, const OB& b, int n0, int K,
+                                            int mlim, int nlim) {
+  const int lane = threadIdx.x & 31;
+  for (int k = 0; k < K; k += 16) {
+    uint32_t af[TM][4] = {}, bfr[TN][2] = {};
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+      if (m0 + 16 * i < mlim) a.a(af[i], m0 + 16 * i, k, lane);
+#pragma unroll
+    for (int j = 0; j + 1 < TN; j += 2)
+      if (n0 + 8 * j < nlim) b.b2(bfr[j], bfr[j + 1], n0 + 8 * j, k, lane);
+    if constexpr (TN % 2 == 1)
+      if (n0 + 8 * (TN - 1) < nlim) b.b1(bfr[TN - 1], n0 + 8 * (TN - 1), k, lane);
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j)
+        if (m0 + 16 * i < mlim && n0 + 8 * j < nlim) mma_bf16(acc[i][j], af[i], bfr[j]);
+  }
+}
+
+// Stores channels d, d+1 of a bf16 tile row.
+__device__ __forceinline__ void st2h(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
 // K rounded up to the mma step (16 covers bf16 and tf32).
 __host__ __device__ __forceinline__ int round16(int k) { return (k + 15) / 16 * 16; }
 
