@@ -138,6 +138,121 @@ __global__ void __launch_bounds__(kThreads, 2) phase_a_fwd_kernel(float* __restr
   if (prod == 2 && threadIdx.x < D) bz[static_cast<int64_t>(bhf) * D + threadIdx.x] = bsum;
 }
 
+// bf16 mode (Note [ldmatrix tiles]): the same block layout with bf16 operand tiles of 64 tokens,
+// both read as [k][mn] through ldmatrix.trans. b_f is summed in f32 from the values before
+// rounding: per thread over its rows, then over the warps in a fixed order.
+template <int DP>
+struct FwdHTile {
+  static constexpr int WM = 2, WN = 4, TM = DP / (16 * WM), TN = DP / (8 * WN), KS = 64;
+};
+
+template <int DP>
+__global__ void __launch_bounds__(kThreads, 2)
+    phase_a_fwd_h_kernel(float* __restrict__ P, float* __restrict__ A, float* __restrict__ Pz, float* __restrict__ bz,
+                         In qkv, const float* __restrict__ rstd, const float* __restrict__ kw,
+                         const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, In beta, int H, int D,
+                         int F, int S, float k_scale) {
+  using Tl = FwdHTile<DP>;
+  constexpr int KS = Tl::KS, LD = pitch_ld(DP);
+  constexpr int RPW = KS / 8, PPL = DP >= 64 ? DP / 64 : 1, BATCH = 2;
+  __shared__ __align__(16) __nv_bfloat16 Xh[KS * LD];  // β·(kʳ or k⁺), [s][d]
+  __shared__ __align__(16) __nv_bfloat16 Yh[KS * LD];  // kʳ, v or k⁺,  [s][d]
+  __shared__ float bpart[8][DP];                       // Pz block: per-warp Σ_s β k⁺
+
+  const int prod = blockIdx.x;  // 0: P, 1: A, 2: Pz and b
+  const int bhf = blockIdx.y, bh = bhf / F, f = bhf % F, b = bh / H, h = bh % H;
+  const int64_t N = static_cast<int64_t>(F) * S;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wm = warp / Tl::WN, wn = warp % Tl::WN;
+  const int m0 = wm * Tl::TM * 16, n0 = wn * Tl::TN * 8;
+
+  float2 wk[PPL], bacc[PPL];
+#pragma unroll
+  for (int j = 0; j < PPL; ++j) {
+    const int d = 2 * lane + 64 * j;
+    wk[j] = d < D ? weight_pair(kw, h * D + d) : make_float2(0.f, 0.f);
+    bacc[j] = make_float2(0.f, 0.f);
+  }
+
+  float acc[Tl::TM][Tl::TN][4] = {};
+  for (int s0 = 0; s0 < S; s0 += KS) {
+    __syncthreads();  // the previous chunk is consumed
+#pragma unroll
+    for (int i0 = 0; i0 < RPW; i0 += BATCH) {
+      float2 xk[BATCH][PPL], xv[BATCH][PPL], xc[BATCH][PPL], xs[BATCH][PPL];
+      float rk[BATCH], bt[BATCH];
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) {
+        const int s = s0 + warp + 8 * (i0 + i);
+        const bool valid = s < S;
+        const int64_t n = static_cast<int64_t>(f) * S + s;
+        rk[i] = valid ? __ldg(rstd + (b * N + n) * 2 + 1) : 0.f;
+        bt[i] = valid ? beta[static_cast<int64_t>(bhf) * S + s] : 0.f;
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          const bool ok = valid && d < D;
+          const float2 zero = make_float2(0.f, 0.f);
+          xk[i][j] = ok ? qkv.pair(qkv_index(b, n, 1, h, d, N, H, D)) : zero;
+          xv[i][j] = (ok && prod == 1) ? qkv.pair(qkv_index(b, n, 2, h, d, N, H, D)) : zero;
+          xc[i][j] = (ok && prod != 2) ? ldg2(rope_cos + n * D + d) : zero;
+          xs[i][j] = (ok && prod != 2) ? ldg2(rope_sin + n * D + d) : zero;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) {
+        const int r = warp + 8 * (i0 + i);
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int d = 2 * lane + 64 * j;
+          if (d >= DP) continue;
+          float2 kp, kr, x, y;
+          prep_pair(xk[i][j], rk[i], wk[j], k_scale, xc[i][j], xs[i][j], kp, kr);
+          if (prod == 2) {
+            x = make_float2(bt[i] * kp.x, bt[i] * kp.y);
+            y = kp;
+            bacc[j].x += x.x;
+            bacc[j].y += x.y;
+          } else {
+            x = make_float2(bt[i] * kr.x, bt[i] * kr.y);
+            y = prod == 0 ? kr : xv[i][j];
+          }
+          st2h(Xh + r * LD + d, x.x, x.y);
+          st2h(Yh + r * LD + d, y.x, y.y);
+        }
+      }
+    }
+    __syncthreads();
+    // P(i, j) = Σ_s X[s][i] Y[s][j]: both operands are [k][mn] tiles.
+    warp_mma_ld<Tl::TM, Tl::TN>(acc, LdCol{Xh, LD}, m0, LdCol{Yh, LD}, n0, KS, D, D);
+  }
+
+  float* out = (prod == 0 ? P : prod == 1 ? A : Pz) + static_cast<int64_t>(bhf) * D * D;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < Tl::TM; ++i)
+#pragma unroll
+    for (int j = 0; j < Tl::TN; ++j) {
+      const int row = m0 + 16 * i + g, col = n0 + 8 * j + 2 * t;
+      if (col >= D) continue;
+      if (row < D) st2(out + row * D + col, acc[i][j][0], acc[i][j][1]);
+      if (row + 8 < D) st2(out + (row + 8) * D + col, acc[i][j][2], acc[i][j][3]);
+    }
+  if (prod == 2) {
+#pragma unroll
+    for (int j = 0; j < PPL; ++j) {
+      const int d = 2 * lane + 64 * j;
+      if (d < DP) st2(&bpart[warp][d], bacc[j].x, bacc[j].y);
+    }
+    __syncthreads();
+    if (threadIdx.x < D) {
+      float v = 0.f;
+      for (int w = 0; w < 8; ++w) v += bpart[w][threadIdx.x];
+      bz[static_cast<int64_t>(bhf) * D + threadIdx.x] = v;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // backward
 // ---------------------------------------------------------------------------
@@ -160,7 +275,7 @@ constexpr size_t bwd_smem_floats() {
 
 template <int DP, MathMode MODE>
 __global__ void __launch_bounds__(kThreads, 1)
-    phase_a_bwd_kernel(float* __restrict__ dk_hat, Out dqkv, Out dbeta, const float* __restrict__ dP,
+    phase_a_bwd_kernel(Out dk_hat, Out dqkv, Out dbeta, const float* __restrict__ dP,
                        const float* __restrict__ dA, const float* __restrict__ dPz, const float* __restrict__ dbz,
                        In qkv, const float* __restrict__ rstd, const float* __restrict__ kw,
                        const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, In beta, int H, int D,
@@ -302,8 +417,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float2 c = ec[half][j], sn = es[half][j];
         const float dkp0 = bt * (a4 + dbv.x) + dkr0 * c.x + dkr1 * sn.y;
         const float dkp1 = bt * (b4 + dbv.y) + dkr1 * c.y + dkr0 * sn.x;
-        st2(dk_hat + ((b * N + n) * H + h) * D + col, kp.x != 0.f ? dkp0 * k_scale : 0.f,
-            kp.y != 0.f ? dkp1 * k_scale : 0.f);
+        dk_hat.set_pair(((b * N + n) * H + h) * D + col, kp.x != 0.f ? dkp0 * k_scale : 0.f,
+                        kp.y != 0.f ? dkp1 * k_scale : 0.f);
         dqkv.set_pair(qkv_index(b, n, 2, h, col, N, H, D), bt * a3, bt * b3);
       }
     }
@@ -323,10 +438,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// bf16 mode: the gradients live in shared memory as bf16 in [n][k] layout (OpH): half the
-// footprint of f32, so the token tile grows to 32 rows at DP = 128 and every B fragment (one
-// 8-byte load, no conversion) feeds two row fragments. Ps = dP + dPᵀ is formed in f32 in a
-// scratch area (the later token tiles) and rounded once, as the f32 path rounds it.
+// bf16 mode (Note [ldmatrix tiles]): the gradients live in shared memory as bf16 in [n][k]
+// layout, the token tiles kʳ, v, k⁺ as bf16 [s][d]; every fragment is one ldmatrix, and the
+// kʳ fragments feed both kʳ Ps and kʳ dA. Ps = dP + dPᵀ is formed in f32 in a scratch area
+// (the later token tiles) and rounded once, as the f32 path rounds it. The epilogue reads kʳ
+// and k⁺ from f32 copies, so dβ and the relu mask see the unrounded values.
 template <int DP>
 struct HTile {
   static constexpr int WN = DP / 16 < 8 ? DP / 16 : 8, WM = 8 / WN, TM = DP == 128 ? 2 : 1, TN = 2,
@@ -334,37 +450,42 @@ struct HTile {
 };
 
 template <int DP>
+constexpr int h_f32_pitch() { return DP + 8; }  // float2 epilogue reads at r·ld + 2t: conflict-free per half warp
+
+template <int DP>
 constexpr size_t h_smem_bytes() {
   using Tl = HTile<DP>;
-  constexpr size_t mats = 4 * static_cast<size_t>(DP) * pitch_h(DP) * 2;
-  constexpr size_t tiles = (3 * static_cast<size_t>(Tl::KS) * pitch_mk(DP, MathMode::bf16) + Tl::KS + DP +
-                            Tl::KS * Tl::WN) * 4;
+  constexpr size_t mats = 4 * static_cast<size_t>(DP) * pitch_ld(DP) * 2;
+  constexpr size_t tiles = (2 * static_cast<size_t>(Tl::KS) * h_f32_pitch<DP>() + Tl::KS + DP + Tl::KS * Tl::WN) * 4 +
+                           3 * static_cast<size_t>(Tl::KS) * pitch_ld(DP) * 2;
   constexpr size_t scratch = static_cast<size_t>(DP) * DP * 4;
   return mats + (tiles > scratch ? tiles : scratch);
 }
 
 template <int DP>
 __global__ void __launch_bounds__(kThreads, 1)
-    phase_a_bwd_h_kernel(float* __restrict__ dk_hat, Out dqkv, Out dbeta, const float* __restrict__ dP,
-                         const float* __restrict__ dA, const float* __restrict__ dPz, const float* __restrict__ dbz,
-                         In qkv, const float* __restrict__ rstd, const float* __restrict__ kw,
+    phase_a_bwd_h_kernel(Out dk_hat, Out dqkv, Out dbeta, const float* __restrict__ dP, const float* __restrict__ dA,
+                         const float* __restrict__ dPz, const float* __restrict__ dbz, In qkv,
+                         const float* __restrict__ rstd, const float* __restrict__ kw,
                          const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, In beta, int H,
                          int D, int F, int S, int tiles_per_block, float k_scale) {
   using Tl = HTile<DP>;
-  constexpr int KS = Tl::KS, TM = Tl::TM, TN = Tl::TN, LH = pitch_h(DP), LDT = pitch_mk(DP, MathMode::bf16);
+  constexpr int KS = Tl::KS, TM = Tl::TM, TN = Tl::TN, LH = pitch_ld(DP), LDF = h_f32_pitch<DP>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* HP = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // Ps   [j][i]  (B of kʳ Ps; symmetric)
   __nv_bfloat16* HA = HP + DP * LH;                                 // dA   [i][j]  (B of v dAᵀ)
   __nv_bfloat16* HAT = HA + DP * LH;                                // dAᵀ  [j][i]  (B of kʳ dA)
   __nv_bfloat16* HPz = HAT + DP * LH;                               // Pzs  [j][i]
   float* f32 = reinterpret_cast<float*>(HPz + DP * LH);
-  float* T = f32;                // scratch [DP][DP] while the gradients are loaded
-  float* Kr = f32;               // kʳ  [KS][LDT]
-  float* Vt = Kr + KS * LDT;     // v
-  float* Kp = Vt + KS * LDT;     // k⁺
-  float* bs = Kp + KS * LDT;     // β   [KS]
-  float* db = bs + KS;           // dbz [DP]
-  float* part = db + DP;         // dβ partials [KS][WN]
+  float* T = f32;                 // scratch [DP][DP] while the gradients are loaded
+  float* Kr = f32;                // kʳ  [KS][LDF]  (epilogue)
+  float* Kp = Kr + KS * LDF;      // k⁺
+  float* bs = Kp + KS * LDF;      // β   [KS]
+  float* db = bs + KS;            // dbz [DP]
+  float* part = db + DP;          // dβ partials [KS][WN]
+  __nv_bfloat16* Krh = reinterpret_cast<__nv_bfloat16*>(part + KS * Tl::WN);  // kʳ [KS][LH]  (A operands)
+  __nv_bfloat16* Vh = Krh + KS * LH;                                           // v
+  __nv_bfloat16* Kph = Vh + KS * LH;                                           // k⁺
 
   const int bhf = blockIdx.y, bh = bhf / F, f = bhf % F, b = bh / H, h = bh % H;
   const int64_t N = static_cast<int64_t>(F) * S, DD = static_cast<int64_t>(D) * D, mat0 = bhf * DD;
@@ -403,6 +524,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int d = 2 * lane + 64 * j;
     wk[j] = d < D ? weight_pair(kw, h * D + d) : make_float2(0.f, 0.f);
   }
+  const LdRow aKr{Krh, LH}, aV{Vh, LH}, aKp{Kph, LH}, bP{HP, LH}, bA{HA, LH}, bAT{HAT, LH}, bPz{HPz, LH};
   const int ntiles = (S + KS - 1) / KS;
   const int tile_end = min(ntiles, (static_cast<int>(blockIdx.x) + 1) * tiles_per_block);
   for (int tile = blockIdx.x * tiles_per_block; tile < tile_end; ++tile) {
@@ -439,9 +561,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (d >= DP) continue;
           float2 kp, kr;
           prep_pair(xk[i][j], rk[i], wk[j], k_scale, xc[i][j], xs[i][j], kp, kr);
-          st2(Kr + r * LDT + d, kr.x, kr.y);
-          st2(Kp + r * LDT + d, kp.x, kp.y);
-          st2(Vt + r * LDT + d, xv[i][j].x, xv[i][j].y);
+          st2(Kr + r * LDF + d, kr.x, kr.y);
+          st2(Kp + r * LDF + d, kp.x, kp.y);
+          st2h(Krh + r * LH + d, kr.x, kr.y);
+          st2h(Kph + r * LH + d, kp.x, kp.y);
+          st2h(Vh + r * LH + d, xv[i][j].x, xv[i][j].y);
         }
       }
     }
@@ -463,12 +587,35 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 
+    // The four products of the tile: x1 = kʳ Ps, x2 = v dAᵀ, x3 = kʳ dA, x4 = k⁺ Pzs.
     const int rows = min(KS, S - s0);
     float x1[TM][TN][4] = {}, x2[TM][TN][4] = {}, x3[TM][TN][4] = {}, x4[TM][TN][4] = {};
-    warp_mma<MathMode::bf16, TM, TN>(x1, OpMK{Kr, LDT}, m0, OpH{HP, LH}, n0, Kd, rows, D);   // kʳ Ps
-    warp_mma<MathMode::bf16, TM, TN>(x2, OpMK{Vt, LDT}, m0, OpH{HA, LH}, n0, Kd, rows, D);   // v dAᵀ
-    warp_mma<MathMode::bf16, TM, TN>(x3, OpMK{Kr, LDT}, m0, OpH{HAT, LH}, n0, Kd, rows, D);  // kʳ dA
-    warp_mma<MathMode::bf16, TM, TN>(x4, OpMK{Kp, LDT}, m0, OpH{HPz, LH}, n0, Kd, rows, D);  // k⁺ Pzs
+    if (n0 < D) {
+      for (int k = 0; k < Kd; k += 16) {
+        uint32_t fk[TM][4] = {}, fv[TM][4] = {}, fp[TM][4] = {}, gP[TN][2], gA[TN][2], gAT[TN][2], gPz[TN][2];
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+          if (m0 + 16 * i < rows) {
+            aKr.a(fk[i], m0 + 16 * i, k, lane);
+            aV.a(fv[i], m0 + 16 * i, k, lane);
+            aKp.a(fp[i], m0 + 16 * i, k, lane);
+          }
+        bP.b2(gP[0], gP[1], n0, k, lane);
+        bA.b2(gA[0], gA[1], n0, k, lane);
+        bAT.b2(gAT[0], gAT[1], n0, k, lane);
+        bPz.b2(gPz[0], gPz[1], n0, k, lane);
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+          for (int j = 0; j < TN; ++j)
+            if (m0 + 16 * i < rows && n0 + 8 * j < D) {
+              mma_bf16(x1[i][j], fk[i], gP[j]);
+              mma_bf16(x2[i][j], fv[i], gA[j]);
+              mma_bf16(x3[i][j], fk[i], gAT[j]);
+              mma_bf16(x4[i][j], fp[i], gPz[j]);
+            }
+      }
+    }
 
     float dbeta_part[TM][2] = {};
 #pragma unroll
@@ -484,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const float a3 = x3[i][j][2 * half], b3 = x3[i][j][2 * half + 1];
           const float a4 = x4[i][j][2 * half], b4 = x4[i][j][2 * half + 1];
           const float btr = bs[r];
-          const float2 kr = ld2(Kr + r * LDT + col), kp = ld2(Kp + r * LDT + col), dbv = ld2(db + col);
+          const float2 kr = ld2(Kr + r * LDF + col), kp = ld2(Kp + r * LDF + col), dbv = ld2(db + col);
           dbeta_part[i][half] += kr.x * (0.5f * a1 + a2) + kr.y * (0.5f * b1 + b2) + kp.x * (0.5f * a4 + dbv.x) +
                                  kp.y * (0.5f * b4 + dbv.y);
           if (s >= S || col >= D) continue;
@@ -493,8 +640,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const float2 c = ec[i][half][j], sn = es[i][half][j];
           const float dkp0 = btr * (a4 + dbv.x) + dkr0 * c.x + dkr1 * sn.y;
           const float dkp1 = btr * (b4 + dbv.y) + dkr1 * c.y + dkr0 * sn.x;
-          st2(dk_hat + ((b * N + n) * H + h) * D + col, kp.x != 0.f ? dkp0 * k_scale : 0.f,
-              kp.y != 0.f ? dkp1 * k_scale : 0.f);
+          dk_hat.set_pair(((b * N + n) * H + h) * D + col, kp.x != 0.f ? dkp0 * k_scale : 0.f,
+                          kp.y != 0.f ? dkp1 * k_scale : 0.f);
           dqkv.set_pair(qkv_index(b, n, 2, h, col, N, H, D), btr * a3, btr * b3);
         }
       }
@@ -533,8 +680,12 @@ void phase_a_fwd(Tensor& P, Tensor& A, Tensor& Pz, Tensor& bz, const Tensor& qkv
     constexpr int DP = decltype(dp)::value;
     constexpr MathMode MODE = decltype(md)::value;
     const dim3 grid(3, static_cast<unsigned>(z.BHF));
-    phase_a_fwd_kernel<DP, MODE><<<grid, kThreads, 0, stream()>>>(p, a, pz, b, x, r, kw, cs, sn, bt, z.H, z.D, z.F,
-                                                                   z.S, static_cast<float>(k_scale));
+    if constexpr (MODE == MathMode::bf16)
+      phase_a_fwd_h_kernel<DP><<<grid, kThreads, 0, stream()>>>(p, a, pz, b, x, r, kw, cs, sn, bt, z.H, z.D, z.F, z.S,
+                                                                static_cast<float>(k_scale));
+    else
+      phase_a_fwd_kernel<DP, MODE><<<grid, kThreads, 0, stream()>>>(p, a, pz, b, x, r, kw, cs, sn, bt, z.H, z.D, z.F,
+                                                                     z.S, static_cast<float>(k_scale));
     GDNCP_CUDA_CHECK(cudaGetLastError());
   });
 }
@@ -546,7 +697,7 @@ void phase_a_bwd(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor& dP, 
   const FrameSizes z = frame_sizes(d, "cuda phase A");
   const In x = in_of(qkv, "qkv"), bt = in_of(beta, "beta");
   const Out dx = out_of(dqkv, "dqkv"), dbt = out_of(dbeta, "dbeta");
-  float* dk = f32_out(dk_hat, "dk_hat");
+  const Out dk = out_of(dk_hat, "dk_hat");
   const float *gp = f32_or_null(dP, "dP"), *ga = f32_or_null(dA, "dA"), *gpz = f32_or_null(dPz, "dPz"),
               *gb = f32_or_null(dbz, "dbz");
   const float *r = f32_or_null(rstd, "rstd"), *kw = f32_or_null(k_norm_w, "k_norm_w");
