@@ -183,12 +183,85 @@ __device__ __forceinline__ void prep_pair(float2 x, float r, float2 w, float sca
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 __device__ __forceinline__ float2 ldg2(const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); }
 __device__ __forceinline__ void st2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ uint32_t pack_bf16_pair(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // lo in the low half
+  return *reinterpret_cast<uint32_t*>(&h);
+}
 __device__ __forceinline__ float2 weight_pair(const float* w, int i) { return w ? ldg2(w + i) : make_float2(1.f, 1.f); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// --- staged loads (Note [staged loads]) -------------------------------------------
+// The bf16-mode frame kernels copy the raw rows of their next token chunk (k/q and v in
+// bf16, the RoPE rows in f32) into shared memory with cp.async while the matrix unit works
+// on the current chunk, then prep them from shared memory in octets: 8 consecutive channels
+// per thread, 16-byte accesses. (Loading through registers left the loads and the products
+// in separate phases of every block: the kernels were latency-bound on global loads.)
+// The staged path needs bf16 qkv and D % 8 == 0 (16-byte aligned rows); the kernels fall
+// back to their per-pair loaders otherwise.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Copies rows [0, rows) of a chunk, D channels each, from src_row(r) to dst + r·D, with the
+// block's threads; rows at or beyond valid_rows are zero-filled. T is bf16 or float.
+template <int kThreadsT, typename T, typename Src>
+__device__ __forceinline__ void stage_rows(T* dst, const Src& src_row, int rows, int valid_rows, int D) {
+  constexpr int kPer = 16 / sizeof(T);
+  const int per_row = D / kPer;
+  for (int e = threadIdx.x; e < rows * per_row; e += kThreadsT) {
+    const int r = e / per_row, c = (e - r * per_row) * kPer;
+    const bool ok = r < valid_rows;
+    cp_async16(dst + r * D + c, ok ? src_row(r) + c : src_row(0), ok);
+  }
+}
+
+// 8 channels from a staged row (16-byte shared loads).
+__device__ __forceinline__ void ld8h(float (&x)[8], const __nv_bfloat16* p) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(h[q]);
+    x[2 * q] = f.x, x[2 * q + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void ld8f(float (&x)[8], const float* p) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+// Weights of channels d0..d0+7 (1 where w is absent, 0 at or beyond D).
+__device__ __forceinline__ void octet_weight(float (&x)[8], const float* w, int64_t i, int d0, int D) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) x[q] = d0 + q < D ? (w ? __ldg(w + i + q) : 1.f) : 0.f;
+}
+// Stores 8 values as bf16 (one 16-byte shared store; p 16-byte aligned).
+__device__ __forceinline__ void st8h(__nv_bfloat16* p, const float (&x)[8]) {
+  uint4 u;
+  u.x = pack_bf16_pair(x[0], x[1]), u.y = pack_bf16_pair(x[2], x[3]), u.z = pack_bf16_pair(x[4], x[5]),
+  u.w = pack_bf16_pair(x[6], x[7]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+// The token prep of an octet of k or q channels (prep_pair on each pair).
+__device__ __forceinline__ void prep_octet(const float (&x)[8], float r, const float (&w)[8], float scale,
+                                           const float (&c)[8], const float (&s)[8], float (&plus)[8],
+                                           float (&rot)[8]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    float2 pl, ro;
+    prep_pair(make_float2(x[2 * q], x[2 * q + 1]), r, make_float2(w[2 * q], w[2 * q + 1]), scale,
+              make_float2(c[2 * q], c[2 * q + 1]), make_float2(s[2 * q], s[2 * q + 1]), pl, ro);
+    plus[2 * q] = pl.x, plus[2 * q + 1] = pl.y, rot[2 * q] = ro.x, rot[2 * q + 1] = ro.y;
+  }
 }
 
 // --- matrix fragments (Note [warp tiles]) --------------------------------------
@@ -357,9 +430,6 @@ __device__ __forceinline__ void warp_mma(float (&acc)[TM][TN][4], const OA& a, i
 // puts the 8 rows of each 8×8 block in distinct bank groups.
 constexpr int pitch_ld(int cols) { return cols + 8; }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

@@ -138,97 +138,116 @@ __global__ void __launch_bounds__(kThreads, 2) phase_a_fwd_kernel(float* __restr
   if (prod == 2 && threadIdx.x < D) bz[static_cast<int64_t>(bhf) * D + threadIdx.x] = bsum;
 }
 
-// bf16 mode (Note [ldmatrix tiles]): the same block layout with bf16 operand tiles of 64 tokens,
-// both read as [k][mn] through ldmatrix.trans. b_f is summed in f32 from the values before
-// rounding: per thread over its rows, then over the warps in a fixed order.
+// bf16 mode with bf16 qkv and D % 8 == 0: the same block layout, the raw rows of the next
+// 32-token chunk staged with cp.async while the current one is multiplied (Note [staged
+// loads]), bf16 operand tiles read as [k][mn] through ldmatrix.trans (Note [ldmatrix tiles]).
+// b_f is summed in f32 from the values before rounding: per thread over its rows, then over
+// the row groups in a fixed order.
 template <int DP>
 struct FwdHTile {
-  static constexpr int WM = 2, WN = 4, TM = DP / (16 * WM), TN = DP / (8 * WN), KS = 64;
+  static constexpr int WM = 2, WN = 4, TM = DP / (16 * WM), TN = DP / (8 * WN), KS = 32;
+  static constexpr int OPR = DP / 8, RSTEP = kThreads / OPR, TPT = KS / RSTEP;  // octets per row, rows per pass
 };
+
+template <int DP>
+size_t fwd_h_smem_bytes(int D) {
+  using Tl = FwdHTile<DP>;
+  return 2 * static_cast<size_t>(Tl::KS) * pitch_ld(DP) * 2 +            // X, Y tiles (bf16)
+         static_cast<size_t>(Tl::KS) * D * (2 * 4 + 2 * 2) +              // staged cos, sin (f32), k, v (bf16)
+         (2 * static_cast<size_t>(Tl::KS) + DP + Tl::RSTEP * DP) * 4;     // r, β, weights, b_f partials
+}
 
 template <int DP>
 __global__ void __launch_bounds__(kThreads, 2)
     phase_a_fwd_h_kernel(float* __restrict__ P, float* __restrict__ A, float* __restrict__ Pz, float* __restrict__ bz,
-                         In qkv, const float* __restrict__ rstd, const float* __restrict__ kw,
-                         const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, In beta, int H, int D,
-                         int F, int S, float k_scale) {
+                         const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ rstd,
+                         const float* __restrict__ kw, const float* __restrict__ rope_cos,
+                         const float* __restrict__ rope_sin, In beta, int H, int D, int F, int S, float k_scale) {
   using Tl = FwdHTile<DP>;
-  constexpr int KS = Tl::KS, LD = pitch_ld(DP);
-  constexpr int RPW = KS / 8, PPL = DP >= 64 ? DP / 64 : 1, BATCH = 2;
-  __shared__ __align__(16) __nv_bfloat16 Xh[KS * LD];  // β·(kʳ or k⁺), [s][d]
-  __shared__ __align__(16) __nv_bfloat16 Yh[KS * LD];  // kʳ, v or k⁺,  [s][d]
-  __shared__ float bpart[8][DP];                       // Pz block: per-warp Σ_s β k⁺
+  constexpr int KS = Tl::KS, LD = pitch_ld(DP), RSTEP = Tl::RSTEP, TPT = Tl::TPT;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* Xh = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // β·(kʳ or k⁺), [s][d]
+  __nv_bfloat16* Yh = Xh + KS * LD;                                  // kʳ, v or k⁺,  [s][d]
+  float* Cs = reinterpret_cast<float*>(Yh + KS * LD);                // staged cos [KS][D]
+  float* Sn = Cs + KS * D;                                           // staged sin
+  __nv_bfloat16* Kst = reinterpret_cast<__nv_bfloat16*>(Sn + KS * D);  // staged k [KS][D]
+  __nv_bfloat16* Vst = Kst + KS * D;                                   // staged v
+  float* rks = reinterpret_cast<float*>(Vst + KS * D);                 // r of k [KS]
+  float* bts = rks + KS;                                               // β [KS]
+  float* wks = bts + KS;                                               // k norm weight [DP]
+  float* bpart = wks + DP;                                             // Σ β k⁺ per row group [RSTEP][DP]
 
   const int prod = blockIdx.x;  // 0: P, 1: A, 2: Pz and b
   const int bhf = blockIdx.y, bh = bhf / F, f = bhf % F, b = bh / H, h = bh % H;
   const int64_t N = static_cast<int64_t>(F) * S;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tid = threadIdx.x, warp = tid >> 5;
   const int wm = warp / Tl::WN, wn = warp % Tl::WN;
   const int m0 = wm * Tl::TM * 16, n0 = wn * Tl::TN * 8;
+  const int d0 = 8 * (tid % Tl::OPR), row0 = tid / Tl::OPR;
+  const bool rope = prod != 2, need_v = prod == 1;
 
-  float2 wk[PPL], bacc[PPL];
-#pragma unroll
-  for (int j = 0; j < PPL; ++j) {
-    const int d = 2 * lane + 64 * j;
-    wk[j] = d < D ? weight_pair(kw, h * D + d) : make_float2(0.f, 0.f);
-    bacc[j] = make_float2(0.f, 0.f);
-  }
-
-  float acc[Tl::TM][Tl::TN][4] = {};
-  for (int s0 = 0; s0 < S; s0 += KS) {
-    __syncthreads();  // the previous chunk is consumed
-#pragma unroll
-    for (int i0 = 0; i0 < RPW; i0 += BATCH) {
-      float2 xk[BATCH][PPL], xv[BATCH][PPL], xc[BATCH][PPL], xs[BATCH][PPL];
-      float rk[BATCH], bt[BATCH];
-#pragma unroll
-      for (int i = 0; i < BATCH; ++i) {
-        const int s = s0 + warp + 8 * (i0 + i);
-        const bool valid = s < S;
-        const int64_t n = static_cast<int64_t>(f) * S + s;
-        rk[i] = valid ? __ldg(rstd + (b * N + n) * 2 + 1) : 0.f;
-        bt[i] = valid ? beta[static_cast<int64_t>(bhf) * S + s] : 0.f;
-#pragma unroll
-        for (int j = 0; j < PPL; ++j) {
-          const int d = 2 * lane + 64 * j;
-          const bool ok = valid && d < D;
-          const float2 zero = make_float2(0.f, 0.f);
-          xk[i][j] = ok ? qkv.pair(qkv_index(b, n, 1, h, d, N, H, D)) : zero;
-          xv[i][j] = (ok && prod == 1) ? qkv.pair(qkv_index(b, n, 2, h, d, N, H, D)) : zero;
-          xc[i][j] = (ok && prod != 2) ? ldg2(rope_cos + n * D + d) : zero;
-          xs[i][j] = (ok && prod != 2) ? ldg2(rope_sin + n * D + d) : zero;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < BATCH; ++i) {
-        const int r = warp + 8 * (i0 + i);
-#pragma unroll
-        for (int j = 0; j < PPL; ++j) {
-          const int d = 2 * lane + 64 * j;
-          if (d >= DP) continue;
-          float2 kp, kr, x, y;
-          prep_pair(xk[i][j], rk[i], wk[j], k_scale, xc[i][j], xs[i][j], kp, kr);
-          if (prod == 2) {
-            x = make_float2(bt[i] * kp.x, bt[i] * kp.y);
-            y = kp;
-            bacc[j].x += x.x;
-            bacc[j].y += x.y;
-          } else {
-            x = make_float2(bt[i] * kr.x, bt[i] * kr.y);
-            y = prod == 0 ? kr : xv[i][j];
-          }
-          st2h(Xh + r * LD + d, x.x, x.y);
-          st2h(Yh + r * LD + d, y.x, y.y);
-        }
-      }
+  // Issues the copies of chunk s0 (and fetches its r and β into registers: pr, pb).
+  float pr = 0.f, pb = 0.f;
+  auto stage = [&](int s0) {
+    const int valid = min(KS, S - s0);
+    const int64_t n0f = static_cast<int64_t>(f) * S + s0;
+    const auto krow = [&](int r) { return qkv + qkv_index(b, n0f + r, 1, h, 0, N, H, D); };
+    const auto vrow = [&](int r) { return qkv + qkv_index(b, n0f + r, 2, h, 0, N, H, D); };
+    const auto crow = [&](int r) { return rope_cos + (n0f + r) * D; };
+    const auto srow = [&](int r) { return rope_sin + (n0f + r) * D; };
+    stage_rows<kThreads>(Kst, krow, KS, valid, D);
+    if (need_v) stage_rows<kThreads>(Vst, vrow, KS, valid, D);
+    if (rope) {
+      stage_rows<kThreads>(Cs, crow, KS, valid, D);
+      stage_rows<kThreads>(Sn, srow, KS, valid, D);
     }
-    __syncthreads();
+    cp_async_commit();
+    if (tid < KS) {
+      const bool ok = tid < valid;
+      pr = ok ? __ldg(rstd + (b * N + n0f + tid) * 2 + 1) : 0.f;
+      pb = ok ? beta[static_cast<int64_t>(bhf) * S + s0 + tid] : 0.f;
+    }
+  };
+
+  for (int d = tid; d < DP; d += kThreads) wks[d] = d < D ? (kw ? kw[h * D + d] : 1.f) : 0.f;
+  for (int e = tid; e < RSTEP * DP; e += kThreads) bpart[e] = 0.f;
+  float acc[Tl::TM][Tl::TN][4] = {};
+  stage(0);
+  for (int s0 = 0; s0 < S; s0 += KS) {
+    cp_async_wait_all();
+    if (tid < KS) rks[tid] = pr, bts[tid] = pb;
+    __syncthreads();  // chunk s0 staged; the tiles of the previous chunk consumed
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+      const int r = row0 + RSTEP * i;
+      float k[8], w[8], c[8] = {}, sn[8] = {}, v[8] = {}, kp[8] = {}, kr[8] = {}, x[8], y[8];
+      if (d0 < D) {
+        ld8h(k, Kst + r * D + d0);
+        ld8f(w, wks + d0);
+        if (rope) ld8f(c, Cs + r * D + d0), ld8f(sn, Sn + r * D + d0);
+        if (need_v) ld8h(v, Vst + r * D + d0);
+        prep_octet(k, rks[r], w, k_scale, c, sn, kp, kr);
+      }
+      const float bt = bts[r];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {  // X = β·kʳ, Y = kʳ | X = β·kʳ, Y = v | X = β·k⁺, Y = k⁺
+        x[q] = bt * (prod == 2 ? kp[q] : kr[q]);
+        y[q] = prod == 0 ? kr[q] : prod == 1 ? v[q] : kp[q];
+      }
+      if (prod == 2)  // this thread's own slots: no race
+#pragma unroll
+        for (int q = 0; q < 8; ++q) bpart[row0 * DP + d0 + q] += x[q];
+      st8h(Xh + r * LD + d0, x);
+      st8h(Yh + r * LD + d0, y);
+    }
+    __syncthreads();  // tiles ready; the stage is free
+    if (s0 + KS < S) stage(s0 + KS);
     // P(i, j) = Σ_s X[s][i] Y[s][j]: both operands are [k][mn] tiles.
     warp_mma_ld<Tl::TM, Tl::TN>(acc, LdCol{Xh, LD}, m0, LdCol{Yh, LD}, n0, KS, D, D);
   }
 
   float* out = (prod == 0 ? P : prod == 1 ? A : Pz) + static_cast<int64_t>(bhf) * D * D;
-  const int g = lane >> 2, t = lane & 3;
+  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < Tl::TM; ++i)
 #pragma unroll
@@ -239,16 +258,11 @@ __global__ void __launch_bounds__(kThreads, 2)
       if (row + 8 < D) st2(out + (row + 8) * D + col, acc[i][j][2], acc[i][j][3]);
     }
   if (prod == 2) {
-#pragma unroll
-    for (int j = 0; j < PPL; ++j) {
-      const int d = 2 * lane + 64 * j;
-      if (d < DP) st2(&bpart[warp][d], bacc[j].x, bacc[j].y);
-    }
     __syncthreads();
-    if (threadIdx.x < D) {
+    if (tid < D) {
       float v = 0.f;
-      for (int w = 0; w < 8; ++w) v += bpart[w][threadIdx.x];
-      bz[static_cast<int64_t>(bhf) * D + threadIdx.x] = v;
+      for (int w = 0; w < RSTEP; ++w) v += bpart[w * DP + tid];
+      bz[static_cast<int64_t>(bhf) * D + tid] = v;
     }
   }
 }
@@ -438,65 +452,86 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// bf16 mode (Note [ldmatrix tiles]): the gradients live in shared memory as bf16 in [n][k]
-// layout, the token tiles kʳ, v, k⁺ as bf16 [s][d]; every fragment is one ldmatrix, and the
-// kʳ fragments feed both kʳ Ps and kʳ dA. Ps = dP + dPᵀ is formed in f32 in a scratch area
-// (the later token tiles) and rounded once, as the f32 path rounds it. The epilogue reads kʳ
-// and k⁺ from f32 copies, so dβ and the relu mask see the unrounded values.
+// bf16 mode with bf16 qkv and D % 8 == 0 (Note [staged loads], Note [ldmatrix tiles]): the
+// gradients live in shared memory as bf16 (Ps and Pzs symmetric, dA read both ways, so three
+// matrices), the token tiles kʳ, v, k⁺ as bf16 [s][d]; the raw rows of the next tile are
+// staged with cp.async into the other of two buffers while the current tile is multiplied,
+// and the epilogue re-derives kʳ, k⁺ (f32) and the RoPE rows from the staged raw rows, so dβ
+// and the relu mask see unrounded values. Ps = dP + dPᵀ is formed in f32 in a scratch area
+// and rounded once, as the f32 path rounds it.
 template <int DP>
 struct HTile {
   static constexpr int WN = DP / 16 < 8 ? DP / 16 : 8, WM = 8 / WN, TM = DP == 128 ? 2 : 1, TN = 2,
                        KS = 16 * WM * TM;
+  static constexpr int OPR = DP / 8, RSTEP = kThreads / OPR, TPT = KS / RSTEP;  // octets per row, rows per pass
 };
 
+// Shared memory of phase_a_bwd_h_kernel, in bytes from the start (all 16-byte aligned).
+struct HLayout {
+  size_t mats, tiles, stage0, stage_bytes, small, total;
+};
 template <int DP>
-constexpr int h_f32_pitch() { return DP + 8; }  // float2 epilogue reads at r·ld + 2t: conflict-free per half warp
-
-template <int DP>
-constexpr size_t h_smem_bytes() {
+HLayout h_layout(int D) {
   using Tl = HTile<DP>;
-  constexpr size_t mats = 4 * static_cast<size_t>(DP) * pitch_ld(DP) * 2;
-  constexpr size_t tiles = (2 * static_cast<size_t>(Tl::KS) * h_f32_pitch<DP>() + Tl::KS + DP + Tl::KS * Tl::WN) * 4 +
-                           3 * static_cast<size_t>(Tl::KS) * pitch_ld(DP) * 2;
-  constexpr size_t scratch = static_cast<size_t>(DP) * DP * 4;
-  return mats + (tiles > scratch ? tiles : scratch);
+  HLayout l{};
+  l.mats = 0;
+  l.tiles = 3 * static_cast<size_t>(DP) * pitch_ld(DP) * 2;
+  l.stage0 = l.tiles + 3 * static_cast<size_t>(Tl::KS) * pitch_ld(DP) * 2;
+  l.stage_bytes = static_cast<size_t>(Tl::KS) * D * (2 * 4 + 2 * 2) + 2 * Tl::KS * 4;  // cos, sin, k, v, r, β
+  l.small = l.stage0 + 2 * l.stage_bytes;
+  l.total = l.small + (2 * static_cast<size_t>(DP) + Tl::KS * Tl::WN) * 4;
+  const size_t scratch_end = l.tiles + static_cast<size_t>(DP) * DP * 4;  // f32 scratch over tiles + stages
+  if (scratch_end > l.small) l.total += scratch_end - l.small, l.small = scratch_end;
+  return l;
+}
+
+// One staged buffer: raw rows of a KS-token tile.
+struct KRaw {
+  float *cs, *sn;
+  __nv_bfloat16 *k, *v;
+  float *r, *bt;
+};
+__device__ __forceinline__ KRaw k_raw(unsigned char* base, int KS, int D) {
+  KRaw s;
+  s.cs = reinterpret_cast<float*>(base);
+  s.sn = s.cs + KS * D;
+  s.k = reinterpret_cast<__nv_bfloat16*>(s.sn + KS * D);
+  s.v = s.k + KS * D;
+  s.r = reinterpret_cast<float*>(s.v + KS * D);
+  s.bt = s.r + KS;
+  return s;
 }
 
 template <int DP>
 __global__ void __launch_bounds__(kThreads, 1)
     phase_a_bwd_h_kernel(Out dk_hat, Out dqkv, Out dbeta, const float* __restrict__ dP, const float* __restrict__ dA,
-                         const float* __restrict__ dPz, const float* __restrict__ dbz, In qkv,
-                         const float* __restrict__ rstd, const float* __restrict__ kw,
-                         const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, In beta, int H,
-                         int D, int F, int S, int tiles_per_block, float k_scale) {
+                         const float* __restrict__ dPz, const float* __restrict__ dbz,
+                         const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ rstd,
+                         const float* __restrict__ kw, const float* __restrict__ rope_cos,
+                         const float* __restrict__ rope_sin, In beta, int H, int D, int F, int S, int tiles_per_block,
+                         float k_scale, HLayout lay) {
   using Tl = HTile<DP>;
-  constexpr int KS = Tl::KS, TM = Tl::TM, TN = Tl::TN, LH = pitch_ld(DP), LDF = h_f32_pitch<DP>();
+  constexpr int KS = Tl::KS, TM = Tl::TM, TN = Tl::TN, LH = pitch_ld(DP), RSTEP = Tl::RSTEP;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __nv_bfloat16* HP = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // Ps   [j][i]  (B of kʳ Ps; symmetric)
-  __nv_bfloat16* HA = HP + DP * LH;                                 // dA   [i][j]  (B of v dAᵀ)
-  __nv_bfloat16* HAT = HA + DP * LH;                                // dAᵀ  [j][i]  (B of kʳ dA)
-  __nv_bfloat16* HPz = HAT + DP * LH;                               // Pzs  [j][i]
-  float* f32 = reinterpret_cast<float*>(HPz + DP * LH);
-  float* T = f32;                 // scratch [DP][DP] while the gradients are loaded
-  float* Kr = f32;                // kʳ  [KS][LDF]  (epilogue)
-  float* Kp = Kr + KS * LDF;      // k⁺
-  float* bs = Kp + KS * LDF;      // β   [KS]
-  float* db = bs + KS;            // dbz [DP]
-  float* part = db + DP;          // dβ partials [KS][WN]
-  __nv_bfloat16* Krh = reinterpret_cast<__nv_bfloat16*>(part + KS * Tl::WN);  // kʳ [KS][LH]  (A operands)
-  __nv_bfloat16* Vh = Krh + KS * LH;                                           // v
-  __nv_bfloat16* Kph = Vh + KS * LH;                                           // k⁺
+  __nv_bfloat16* HP = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // Ps  [j][i] (B of kʳ Ps; symmetric)
+  __nv_bfloat16* HA = HP + DP * LH;                                 // dA  [i][j] (B of v dAᵀ by rows, of kʳ dA by columns)
+  __nv_bfloat16* HPz = HA + DP * LH;                                // Pzs [j][i]
+  __nv_bfloat16* Krh = reinterpret_cast<__nv_bfloat16*>(smem_raw + lay.tiles);  // kʳ [KS][LH] (A operands)
+  __nv_bfloat16* Vh = Krh + KS * LH;                                             // v
+  __nv_bfloat16* Kph = Vh + KS * LH;                                             // k⁺
+  float* T = reinterpret_cast<float*>(smem_raw + lay.tiles);  // scratch [DP][DP] while the gradients are loaded
+  float* db = reinterpret_cast<float*>(smem_raw + lay.small);  // dbz [DP]
+  float* wks = db + DP;                                         // k norm weight [DP]
+  float* part = wks + DP;                                       // dβ partials [KS][WN]
 
   const int bhf = blockIdx.y, bh = bhf / F, f = bhf % F, b = bh / H, h = bh % H;
   const int64_t N = static_cast<int64_t>(F) * S, DD = static_cast<int64_t>(D) * D, mat0 = bhf * DD;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-  // dA and dAᵀ straight from global; Ps and Pzs through the f32 scratch.
+  // dA straight from global; Ps and Pzs through the f32 scratch.
   for (int e = tid; e < DP * DP; e += kThreads) {
     const int i = e / DP, j = e % DP;
-    const float a = (i < D && j < D) ? dA[mat0 + i * D + j] : 0.f;
-    HA[i * LH + j] = __float2bfloat16_rn(a);
-    HAT[j * LH + i] = __float2bfloat16_rn(a);
+    HA[i * LH + j] = __float2bfloat16_rn((i < D && j < D) ? dA[mat0 + i * D + j] : 0.f);
   }
   for (int which = 0; which < 2; ++which) {
     const float* src = which == 0 ? dP : dPz;
@@ -512,80 +547,62 @@ __global__ void __launch_bounds__(kThreads, 1)
       dst[i * LH + j] = __float2bfloat16_rn(T[i * DP + j] + T[j * DP + i]);
     }
   }
-  __syncthreads();  // scratch no longer needed
-  if (tid < DP) db[tid] = tid < D ? dbz[static_cast<int64_t>(bhf) * D + tid] : 0.f;
+  for (int d = tid; d < DP; d += kThreads) {
+    db[d] = d < D ? dbz[static_cast<int64_t>(bhf) * D + d] : 0.f;
+    wks[d] = d < D ? (kw ? kw[h * D + d] : 1.f) : 0.f;
+  }
+  __syncthreads();  // scratch no longer needed: the stages may be filled
+
+  // Issues the copies of tile s0 into raw[buf] (and fetches its r and β into registers).
+  float pr = 0.f, pb = 0.f;
+  auto stage = [&](int s0, int buf) {
+    const int valid = min(KS, S - s0);
+    const int64_t n0f = static_cast<int64_t>(f) * S + s0;
+    const KRaw st = k_raw(smem_raw + lay.stage0 + buf * lay.stage_bytes, KS, D);
+    stage_rows<kThreads>(st.k, [&](int r) { return qkv + qkv_index(b, n0f + r, 1, h, 0, N, H, D); }, KS, valid, D);
+    stage_rows<kThreads>(st.v, [&](int r) { return qkv + qkv_index(b, n0f + r, 2, h, 0, N, H, D); }, KS, valid, D);
+    stage_rows<kThreads>(st.cs, [&](int r) { return rope_cos + (n0f + r) * D; }, KS, valid, D);
+    stage_rows<kThreads>(st.sn, [&](int r) { return rope_sin + (n0f + r) * D; }, KS, valid, D);
+    cp_async_commit();
+    if (tid < KS) {
+      const bool ok = tid < valid;
+      pr = ok ? __ldg(rstd + (b * N + n0f + tid) * 2 + 1) : 0.f;
+      pb = ok ? beta[static_cast<int64_t>(bhf) * S + s0 + tid] : 0.f;
+    }
+  };
 
   const int wm = warp / Tl::WN, wn = warp % Tl::WN;
   const int m0 = wm * TM * 16, n0 = wn * TN * 8, Kd = round16(D);
-  constexpr int RPW = KS / 8, PPL = DP >= 64 ? DP / 64 : 1;
-  float2 wk[PPL];
-#pragma unroll
-  for (int j = 0; j < PPL; ++j) {
-    const int d = 2 * lane + 64 * j;
-    wk[j] = d < D ? weight_pair(kw, h * D + d) : make_float2(0.f, 0.f);
-  }
-  const LdRow aKr{Krh, LH}, aV{Vh, LH}, aKp{Kph, LH}, bP{HP, LH}, bA{HA, LH}, bAT{HAT, LH}, bPz{HPz, LH};
+  const int d0 = 8 * (tid % Tl::OPR), row0 = tid / Tl::OPR;
+  const LdRow aKr{Krh, LH}, aV{Vh, LH}, aKp{Kph, LH}, bP{HP, LH}, bA{HA, LH}, bPz{HPz, LH};
+  const LdCol bAT{HA, LH};
   const int ntiles = (S + KS - 1) / KS;
-  const int tile_end = min(ntiles, (static_cast<int>(blockIdx.x) + 1) * tiles_per_block);
-  for (int tile = blockIdx.x * tiles_per_block; tile < tile_end; ++tile) {
-    const int s0 = tile * KS;
-    __syncthreads();  // previous tile consumed
-    {
-      float2 xk[RPW][PPL], xv[RPW][PPL], xc[RPW][PPL], xs[RPW][PPL];
-      float rk[RPW], bt[RPW];
+  const int tile_begin = blockIdx.x * tiles_per_block, tile_end = min(ntiles, tile_begin + tiles_per_block);
+  if (tile_begin < tile_end) stage(tile_begin * KS, 0);
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    const int s0 = tile * KS, buf = (tile - tile_begin) & 1;
+    const KRaw st = k_raw(smem_raw + lay.stage0 + buf * lay.stage_bytes, KS, D);
+    cp_async_wait_all();
+    if (tid < KS) st.r[tid] = pr, st.bt[tid] = pb;
+    __syncthreads();  // tile staged; the previous tile's operands consumed
 #pragma unroll
-      for (int i = 0; i < RPW; ++i) {
-        const int s = s0 + warp + 8 * i;
-        const bool valid = s < S;
-        const int64_t n = static_cast<int64_t>(f) * S + s;
-        rk[i] = valid ? __ldg(rstd + (b * N + n) * 2 + 1) : 0.f;
-        bt[i] = valid ? beta[static_cast<int64_t>(bhf) * S + s] : 0.f;
+    for (int i = 0; i < Tl::TPT; ++i) {
+      const int r = row0 + RSTEP * i;
+      float k[8], w[8], c[8], sn[8], v[8], kp[8] = {}, kr[8] = {};
+      if (d0 < D) {
+        ld8h(k, st.k + r * D + d0), ld8h(v, st.v + r * D + d0);
+        ld8f(w, wks + d0), ld8f(c, st.cs + r * D + d0), ld8f(sn, st.sn + r * D + d0);
+        prep_octet(k, st.r[r], w, k_scale, c, sn, kp, kr);
+      } else {
 #pragma unroll
-        for (int j = 0; j < PPL; ++j) {
-          const int d = 2 * lane + 64 * j;
-          const bool ok = valid && d < D;
-          const float2 zero = make_float2(0.f, 0.f);
-          xk[i][j] = ok ? qkv.pair(qkv_index(b, n, 1, h, d, N, H, D)) : zero;
-          xv[i][j] = ok ? qkv.pair(qkv_index(b, n, 2, h, d, N, H, D)) : zero;
-          xc[i][j] = ok ? ldg2(rope_cos + n * D + d) : zero;
-          xs[i][j] = ok ? ldg2(rope_sin + n * D + d) : zero;
-        }
+        for (int q = 0; q < 8; ++q) v[q] = 0.f;
       }
-#pragma unroll
-      for (int i = 0; i < RPW; ++i) {
-        const int r = warp + 8 * i;
-        if (lane == 0) bs[r] = bt[i];
-#pragma unroll
-        for (int j = 0; j < PPL; ++j) {
-          const int d = 2 * lane + 64 * j;
-          if (d >= DP) continue;
-          float2 kp, kr;
-          prep_pair(xk[i][j], rk[i], wk[j], k_scale, xc[i][j], xs[i][j], kp, kr);
-          st2(Kr + r * LDF + d, kr.x, kr.y);
-          st2(Kp + r * LDF + d, kp.x, kp.y);
-          st2h(Krh + r * LH + d, kr.x, kr.y);
-          st2h(Kph + r * LH + d, kp.x, kp.y);
-          st2h(Vh + r * LH + d, xv[i][j].x, xv[i][j].y);
-        }
-      }
+      st8h(Krh + r * LH + d0, kr);
+      st8h(Kph + r * LH + d0, kp);
+      st8h(Vh + r * LH + d0, v);
     }
-    __syncthreads();
-    // The rope of this thread's epilogue elements, fetched now so that the loads overlap the products.
-    float2 ec[TM][2][TN], es[TM][2][TN];
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int s = s0 + m0 + 16 * i + g + 8 * half;
-        const int64_t n = static_cast<int64_t>(f) * S + s;
-#pragma unroll
-        for (int j = 0; j < TN; ++j) {
-          const int col = n0 + 8 * j + 2 * t;
-          const bool ok = s < S && col < D;
-          ec[i][half][j] = ok ? ldg2(rope_cos + n * D + col) : make_float2(0.f, 0.f);
-          es[i][half][j] = ok ? ldg2(rope_sin + n * D + col) : make_float2(0.f, 0.f);
-        }
-      }
+    __syncthreads();  // operands ready
+    if (tile + 1 < tile_end) stage(s0 + KS, buf ^ 1);
 
     // The four products of the tile: x1 = kʳ Ps, x2 = v dAᵀ, x3 = kʳ dA, x4 = k⁺ Pzs.
     const int rows = min(KS, S - s0);
@@ -623,21 +640,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int j = 0; j < TN; ++j) {
         const int col = n0 + 8 * j + 2 * t;
+        if (col >= D) continue;
+        const float2 dbv = ld2(db + col), w = ld2(wks + col);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = m0 + 16 * i + g + 8 * half, s = s0 + r;
+          if (s >= S) continue;
           const float a1 = x1[i][j][2 * half], b1 = x1[i][j][2 * half + 1];
           const float a2 = x2[i][j][2 * half], b2 = x2[i][j][2 * half + 1];
           const float a3 = x3[i][j][2 * half], b3 = x3[i][j][2 * half + 1];
           const float a4 = x4[i][j][2 * half], b4 = x4[i][j][2 * half + 1];
-          const float btr = bs[r];
-          const float2 kr = ld2(Kr + r * LDF + col), kp = ld2(Kp + r * LDF + col), dbv = ld2(db + col);
+          const float btr = st.bt[r];
+          const float2 c = ld2(st.cs + r * D + col), sn = ld2(st.sn + r * D + col);
+          float2 kp, kr;
+          prep_pair(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(st.k + r * D + col)), st.r[r], w,
+                    k_scale, c, sn, kp, kr);
           dbeta_part[i][half] += kr.x * (0.5f * a1 + a2) + kr.y * (0.5f * b1 + b2) + kp.x * (0.5f * a4 + dbv.x) +
                                  kp.y * (0.5f * b4 + dbv.y);
-          if (s >= S || col >= D) continue;
           const int64_t n = static_cast<int64_t>(f) * S + s;
           const float dkr0 = btr * (a1 + a2), dkr1 = btr * (b1 + b2);
-          const float2 c = ec[i][half][j], sn = es[i][half][j];
           const float dkp0 = btr * (a4 + dbv.x) + dkr0 * c.x + dkr1 * sn.y;
           const float dkp1 = btr * (b4 + dbv.y) + dkr1 * c.y + dkr0 * sn.x;
           dk_hat.set_pair(((b * N + n) * H + h) * D + col, kp.x != 0.f ? dkp0 * k_scale : 0.f,
@@ -676,16 +697,24 @@ void phase_a_fwd(Tensor& P, Tensor& A, Tensor& Pz, Tensor& bz, const Tensor& qkv
   float *p = f32_out(P, "P"), *a = f32_out(A, "A"), *pz = f32_out(Pz, "Pz"), *b = f32_out(bz, "bz");
   const float *r = f32_or_null(rstd, "rstd"), *kw = f32_or_null(k_norm_w, "k_norm_w");
   const float *cs = f32_or_null(rope_cos, "rope_cos"), *sn = f32_or_null(rope_sin, "rope_sin");
+  const bool staged = qkv.dtype() == DType::bf16 && d.D % 8 == 0;  // Note [staged loads]
   with_dp_mode(d.D, mode, [&](auto dp, auto md) {
     constexpr int DP = decltype(dp)::value;
     constexpr MathMode MODE = decltype(md)::value;
     const dim3 grid(3, static_cast<unsigned>(z.BHF));
-    if constexpr (MODE == MathMode::bf16)
-      phase_a_fwd_h_kernel<DP><<<grid, kThreads, 0, stream()>>>(p, a, pz, b, x, r, kw, cs, sn, bt, z.H, z.D, z.F, z.S,
-                                                                static_cast<float>(k_scale));
-    else
-      phase_a_fwd_kernel<DP, MODE><<<grid, kThreads, 0, stream()>>>(p, a, pz, b, x, r, kw, cs, sn, bt, z.H, z.D, z.F,
-                                                                     z.S, static_cast<float>(k_scale));
+    if constexpr (MODE == MathMode::bf16 && DP >= 64) {
+      if (staged) {
+        const size_t smem = fwd_h_smem_bytes<DP>(z.D);
+        allow_smem(phase_a_fwd_h_kernel<DP>, smem);
+        phase_a_fwd_h_kernel<DP><<<grid, kThreads, smem, stream()>>>(
+            p, a, pz, b, static_cast<const __nv_bfloat16*>(qkv.data()), r, kw, cs, sn, bt, z.H, z.D, z.F, z.S,
+            static_cast<float>(k_scale));
+        GDNCP_CUDA_CHECK(cudaGetLastError());
+        return;
+      }
+    }
+    phase_a_fwd_kernel<DP, MODE><<<grid, kThreads, 0, stream()>>>(p, a, pz, b, x, r, kw, cs, sn, bt, z.H, z.D, z.F, z.S,
+                                                                   static_cast<float>(k_scale));
     GDNCP_CUDA_CHECK(cudaGetLastError());
   });
 }
@@ -703,29 +732,35 @@ void phase_a_bwd(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor& dP, 
   const float *r = f32_or_null(rstd, "rstd"), *kw = f32_or_null(k_norm_w, "k_norm_w");
   const float *cs = f32_or_null(rope_cos, "rope_cos"), *sn = f32_or_null(rope_sin, "rope_sin");
   const int sms = sm_count();
+  const bool staged_input = qkv.dtype() == DType::bf16 && d.D % 8 == 0;  // Note [staged loads]
   with_dp_mode(d.D, mode, [&](auto dp, auto md) {
     constexpr int DP = decltype(dp)::value;
     constexpr MathMode MODE = decltype(md)::value;
-    constexpr bool half = MODE == MathMode::bf16;
-    constexpr int KS = half ? HTile<DP>::KS : BwdTile<DP>::KS;
+    constexpr bool h_kernel = MODE == MathMode::bf16 && DP >= 64;
+    const bool staged = h_kernel && staged_input;
+    int KS = BwdTile<DP>::KS;
+    if constexpr (h_kernel) KS = staged ? HTile<DP>::KS : KS;
     const int ntiles = (z.S + KS - 1) / KS;
     // One block per SM (shared memory): split a frame's tokens so that the grid fills whole waves.
     const int splits = wave_splits(z.BHF, sms, std::min(4, ntiles));
     const int per_block = (ntiles + splits - 1) / splits;
     const dim3 grid(static_cast<unsigned>((ntiles + per_block - 1) / per_block), static_cast<unsigned>(z.BHF));
-    if constexpr (half) {
-      const size_t smem = h_smem_bytes<DP>();
-      allow_smem(phase_a_bwd_h_kernel<DP>, smem);
-      phase_a_bwd_h_kernel<DP><<<grid, kThreads, smem, stream()>>>(dk, dx, dbt, gp, ga, gpz, gb, x, r, kw, cs, sn,
-                                                                    bt, z.H, z.D, z.F, z.S, per_block,
-                                                                    static_cast<float>(k_scale));
-    } else {
-      const size_t smem = bwd_smem_floats<DP, MODE>() * sizeof(float);
-      allow_smem(phase_a_bwd_kernel<DP, MODE>, smem);
-      phase_a_bwd_kernel<DP, MODE><<<grid, kThreads, smem, stream()>>>(dk, dx, dbt, gp, ga, gpz, gb, x, r, kw, cs,
-                                                                        sn, bt, z.H, z.D, z.F, z.S, per_block,
-                                                                        static_cast<float>(k_scale));
+    if constexpr (h_kernel) {
+      if (staged) {
+        const HLayout lay = h_layout<DP>(z.D);
+        allow_smem(phase_a_bwd_h_kernel<DP>, lay.total);
+        phase_a_bwd_h_kernel<DP><<<grid, kThreads, lay.total, stream()>>>(
+            dk, dx, dbt, gp, ga, gpz, gb, static_cast<const __nv_bfloat16*>(qkv.data()), r, kw, cs, sn, bt, z.H, z.D,
+            z.F, z.S, per_block, static_cast<float>(k_scale), lay);
+        GDNCP_CUDA_CHECK(cudaGetLastError());
+        return;
+      }
     }
+    const size_t smem = bwd_smem_floats<DP, MODE>() * sizeof(float);
+    allow_smem(phase_a_bwd_kernel<DP, MODE>, smem);
+    phase_a_bwd_kernel<DP, MODE><<<grid, kThreads, smem, stream()>>>(dk, dx, dbt, gp, ga, gpz, gb, x, r, kw, cs, sn, bt,
+                                                                      z.H, z.D, z.F, z.S, per_block,
+                                                                      static_cast<float>(k_scale));
     GDNCP_CUDA_CHECK(cudaGetLastError());
   });
 }
