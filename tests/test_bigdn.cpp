@@ -267,9 +267,10 @@ TEST(BigdnAgreement, FusedUnfusedNaiveF64) {
 
 // Runs the layer in `dtype` and in f64 on the same values (inputs drawn in dtype, converted
 // exactly to f64) and compares out and every gradient.
-void compare_to_f64(DType dtype, double tol, uint64_t seed) {
+void compare_to_f64(DType dtype, double tol, uint64_t seed, Precision precision = Precision::automatic) {
   for (const Dims& d : {dims(2, 2, 16, 3, 4), dims(1, 2, 112, 2, 8)}) {
-    const LayerInputs low = make_layer_inputs(d, dtype, seed++);
+    LayerInputs low = make_layer_inputs(d, dtype, seed++);
+    low.opt.precision = precision;
     const LayerInputs high = convert(low, DType::f64);
     const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, dtype, kCpu, seed++);
     const LayerRun a = run_layer(low, w), b = run_layer(high, w.to(DType::f64));
@@ -293,6 +294,12 @@ TEST(BigdnPrecision, F32MatchesF64) { compare_to_f64(DType::f32, 1e-5, 500); }
 
 // bf16 storage rounds out and the gradients to 8 bits (~4e-3 relative per element).
 TEST(BigdnPrecision, Bf16WithinOnePercentOfF64) { compare_to_f64(DType::bf16, 1e-2, 600); }
+
+// bf16 mode on f32 data: the CPU computes in f32, but dq̂ and dk̂ are stored in bf16 as in the layer's
+// bf16 mode (kernels.h, hat-grad dtype), which moves the q, k and weight gradients by ~1e-3.
+TEST(BigdnPrecision, Bf16ModeOnF32DataWithinOnePercentOfF64) {
+  compare_to_f64(DType::f32, 1e-2, 650, Precision::bf16);
+}
 
 TEST(BigdnPrecision, MixedBf16QkvWithF32Gates) {
   const Dims d = dims(1, 2, 16, 2, 3);
