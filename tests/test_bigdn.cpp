@@ -297,9 +297,7 @@ TEST(BigdnPrecision, Bf16WithinOnePercentOfF64) { compare_to_f64(DType::bf16, 1e
 
 // bf16 mode on f32 data: the CPU computes in f32, but dq̂ and dk̂ are stored in bf16 as in the layer's
 // bf16 mode (kernels.h, hat-grad dtype), which moves the q, k and weight gradients by ~1e-3.
-TEST(BigdnPrecision, Bf16ModeOnF32DataWithinOnePercentOfF64) {
-  compare_to_f64(DType::f32, 1e-2, 650, Precision::bf16);
-}
+TEST(BigdnPrecision, Bf16ModeOnF32DataWithinOnePercentOfF64) { compare_to_f64(DType::f32, 1e-2, 650, Precision::bf16); }
 
 TEST(BigdnPrecision, MixedBf16QkvWithF32Gates) {
   const Dims d = dims(1, 2, 16, 2, 3);
@@ -598,18 +596,22 @@ TEST(BigdnTwins, RejectGradHatOfAnotherDtype) {
   Tensor dqkv = Tensor::empty(in.qkv.shape(), f32), dqw = Tensor::empty({d.C()}, f32), dkw = dqw.clone();
   Tensor out64 = Tensor::empty(tok, DType::f64), dM = Tensor::empty(mat, f32), dz = Tensor::empty(vec, f32);
   Tensor dbeta = Tensor::empty(in.beta.shape(), f32);
-  expect_error_naming([&] { cpu::rms_norm_bwd(dqkv, dqw, dkw, hat64, hat32, in.qkv, rstd, in.q_norm_w, in.k_norm_w, d); },
-                      "dq_hat");
-  expect_error_naming([&] { cpu::rms_norm_bwd(dqkv, dqw, dkw, hat32, hat64, in.qkv, rstd, in.q_norm_w, in.k_norm_w, d); },
-                      "dk_hat");
-  expect_error_naming([&] {
-    cpu::phase_c_bwd(out64, dM, dz, hat32, Tensor(), in.qkv, rstd, in.q_norm_w, in.rope_cos, in.rope_sin, M, z, d,
-                     1e-6, true, MathMode::ieee);
-  }, "dq_hat");
-  expect_error_naming([&] {
-    cpu::phase_a_bwd(out64, dqkv, dbeta, M, M, M, z, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d,
-                     1.0, MathMode::ieee);
-  }, "dk_hat");
+  expect_error_naming(
+      [&] { cpu::rms_norm_bwd(dqkv, dqw, dkw, hat64, hat32, in.qkv, rstd, in.q_norm_w, in.k_norm_w, d); }, "dq_hat");
+  expect_error_naming(
+      [&] { cpu::rms_norm_bwd(dqkv, dqw, dkw, hat32, hat64, in.qkv, rstd, in.q_norm_w, in.k_norm_w, d); }, "dk_hat");
+  expect_error_naming(
+      [&] {
+        cpu::phase_c_bwd(out64, dM, dz, hat32, Tensor(), in.qkv, rstd, in.q_norm_w, in.rope_cos, in.rope_sin, M, z, d,
+                         1e-6, true, MathMode::ieee);
+      },
+      "dq_hat");
+  expect_error_naming(
+      [&] {
+        cpu::phase_a_bwd(out64, dqkv, dbeta, M, M, M, z, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta,
+                         d, 1.0, MathMode::ieee);
+      },
+      "dk_hat");
 }
 
 TEST(BigdnTwins, RejectShapesThatDoNotMatchDims) {
