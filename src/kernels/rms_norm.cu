@@ -23,6 +23,10 @@ namespace {
 using namespace detail;
 
 constexpr int kStatThreads = 256;
+// rms_bwd_kernel: at most 8 warps a block, 3 blocks an SM — what the shared-memory dw
+// accumulators allow at the production C = 2240 (3 × 70 KB). Without the bound the
+// run-time f32/bf16 choice of In takes the kernel to 96 registers, i.e. 2 blocks an SM.
+constexpr int kBwdMaxWarps = 8, kBwdMinBlocks = 3;
 
 // One warp per token; both streams.
 __global__ void __launch_bounds__(kStatThreads)
@@ -49,9 +53,10 @@ __global__ void __launch_bounds__(kStatThreads)
 
 // blockIdx.y = stream (0 q, 1 k); warp w of block blk owns tokens blk·tpb + w + k·warps.
 // Shared memory: [warps][C] dw accumulators (weighted streams only).
-__global__ void rms_bwd_kernel(Out dqkv, float* __restrict__ dw_part, In dq_hat, In dk_hat, In qkv,
-                               const float* __restrict__ rstd, const float* __restrict__ qw,
-                               const float* __restrict__ kw, int64_t tokens, int C, int64_t tokens_per_block) {
+__global__ void __launch_bounds__(32 * kBwdMaxWarps, kBwdMinBlocks)
+    rms_bwd_kernel(Out dqkv, float* __restrict__ dw_part, In dq_hat, In dk_hat, In qkv, const float* __restrict__ rstd,
+                   const float* __restrict__ qw, const float* __restrict__ kw, int64_t tokens, int C,
+                   int64_t tokens_per_block) {
   extern __shared__ __align__(16) float acc[];
   const int c = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const float* w = c == 0 ? qw : kw;
@@ -137,7 +142,7 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
   const int C = static_cast<int>(d.C());
   const int64_t tokens = d.B * d.N();
   // Warps per block so that their dw accumulators fit in shared memory.
-  const int warps = static_cast<int>(std::min<int64_t>(8, (160 * 1024) / (static_cast<int64_t>(C) * 4)));
+  const int warps = static_cast<int>(std::min<int64_t>(kBwdMaxWarps, (160 * 1024) / (static_cast<int64_t>(C) * 4)));
   GDNCP_CHECK(warps >= 1, "cuda rms_norm_bwd: C = H·D = ", C, " is too large for the shared-memory accumulators");
   // A fixed number of blocks (independent of the device) keeps the summation order fixed.
   const int64_t blocks = std::min<int64_t>(512, (tokens + warps - 1) / warps);
