@@ -293,20 +293,20 @@ struct PhaseWork {
   Work rms, a_fwd, scan_fwd, c_fwd, c_bwd, scan_bwd, a_bwd, rms_bwd, fwd, fwd_bwd;
 };
 
-PhaseWork count_work(const Dims& d, size_t e /* qkv element bytes */) {
+PhaseWork count_work(const Dims& d, size_t e /* qkv element bytes */, size_t eh /* dq̂, dk̂ element bytes */) {
   const double B = double(d.B), N = double(d.N()), H = double(d.H), D = double(d.D), F = double(d.F);
   const double BH = B * H, C = H * D, tok = B * N, mat = BH * F * D * D * 4, vec = BH * F * D * 4;
-  const double chan = tok * C * e, chan32 = tok * C * 4, rope = 2 * N * D * 4, gate = B * H * N * 4;
+  const double chan = tok * C * e, hat = tok * C * eh, rope = 2 * N * D * 4, gate = B * H * N * 4;
   const double gemm_tok = 2 * BH * N * D * D, gemm_state = 2 * BH * F * D * D * D;
   PhaseWork w;
   w.rms = {2 * chan + tok * 8, 0};
   w.a_fwd = {2 * chan + gate + rope + tok * 8 + 3 * mat + vec, 3 * gemm_tok};
   w.scan_fwd = {3 * mat + vec + 3 * mat + 3 * vec, 2 * gemm_state};
   w.c_fwd = {chan + rope + tok * 8 + mat + vec + chan + gate, gemm_tok};
-  w.c_bwd = {2 * chan + rope + tok * 8 + mat + vec + chan32 + mat + vec, 2 * gemm_tok};
+  w.c_bwd = {2 * chan + rope + tok * 8 + mat + vec + hat + mat + vec, 2 * gemm_tok};
   w.scan_bwd = {5 * mat + 4 * vec + 4 * mat + vec + BH * F * 4, 2 * gemm_state + 2 * gemm_state};
-  w.a_bwd = {3 * mat + vec + 2 * chan + rope + gate + tok * 8 + chan32 + chan + gate, 4 * gemm_tok};
-  w.rms_bwd = {2 * chan32 + 2 * chan + tok * 8 + 2 * chan + 2 * C * 4, 0};
+  w.a_bwd = {3 * mat + vec + 2 * chan + rope + gate + tok * 8 + hat + chan + gate, 4 * gemm_tok};
+  w.rms_bwd = {2 * hat + 2 * chan + tok * 8 + 2 * chan + 2 * C * 4, 0};
   // The layer: inputs once, outputs once.
   const double in_fwd = 3 * chan + gate + BH * F * 4 + 2 * C * 4 + rope, out_fwd = chan;
   w.fwd = {in_fwd + out_fwd, w.a_fwd.flops + w.scan_fwd.flops + w.c_fwd.flops};
@@ -342,7 +342,8 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
   in.sn = rope.second;
   in.opt.k_scale = 1.0 / std::sqrt(static_cast<double>(d.D * d.S));
   const MathMode mode = resolve_math_mode(in.opt.precision, DType::bf16);
-  const PhaseWork w = count_work(d, 2);
+  const DType hat = grad_hat_dtype(mode, DType::bf16);  // dq̂, dk̂ as the layer stores them
+  const PhaseWork w = count_work(d, 2, dtype_size(hat));
   std::vector<Row> rows;
 
   // Leaves that require grad, as in training.
@@ -387,7 +388,7 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
   Tensor Mf = Tensor::empty(mat, f32, dev), Mr = Tensor::empty(mat, f32, dev), Ms = Tensor::empty(mat, f32, dev);
   Tensor zf = Tensor::empty(vec, f32, dev), zr = Tensor::empty(vec, f32, dev), zs = Tensor::empty(vec, f32, dev);
   Tensor out = Tensor::empty(tok, DType::bf16, dev), den = Tensor::empty({d.B, d.H, N}, f32, dev);
-  Tensor dq = Tensor::empty(tok, f32, dev), dk = Tensor::empty(tok, f32, dev);
+  Tensor dq = Tensor::empty(tok, hat, dev), dk = Tensor::empty(tok, hat, dev);
   Tensor dMs = Tensor::empty(mat, f32, dev), dzs = Tensor::empty(vec, f32, dev);
   Tensor dP = Tensor::empty(mat, f32, dev), dA = Tensor::empty(mat, f32, dev), dPz = Tensor::empty(mat, f32, dev),
          dbz = Tensor::empty(vec, f32, dev);

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <string>
 
 #include "bigdn_fixtures.h"
 #include "kernels/kernels.h"
@@ -265,9 +267,10 @@ TEST(BigdnAgreement, FusedUnfusedNaiveF64) {
 
 // Runs the layer in `dtype` and in f64 on the same values (inputs drawn in dtype, converted
 // exactly to f64) and compares out and every gradient.
-void compare_to_f64(DType dtype, double tol, uint64_t seed) {
+void compare_to_f64(DType dtype, double tol, uint64_t seed, Precision precision = Precision::automatic) {
   for (const Dims& d : {dims(2, 2, 16, 3, 4), dims(1, 2, 112, 2, 8)}) {
-    const LayerInputs low = make_layer_inputs(d, dtype, seed++);
+    LayerInputs low = make_layer_inputs(d, dtype, seed++);
+    low.opt.precision = precision;
     const LayerInputs high = convert(low, DType::f64);
     const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, dtype, kCpu, seed++);
     const LayerRun a = run_layer(low, w), b = run_layer(high, w.to(DType::f64));
@@ -291,6 +294,10 @@ TEST(BigdnPrecision, F32MatchesF64) { compare_to_f64(DType::f32, 1e-5, 500); }
 
 // bf16 storage rounds out and the gradients to 8 bits (~4e-3 relative per element).
 TEST(BigdnPrecision, Bf16WithinOnePercentOfF64) { compare_to_f64(DType::bf16, 1e-2, 600); }
+
+// bf16 mode on f32 data: the CPU computes in f32, but dq̂ and dk̂ are stored in bf16 as in the layer's
+// bf16 mode (kernels.h, hat-grad dtype), which moves the q, k and weight gradients by ~1e-3.
+TEST(BigdnPrecision, Bf16ModeOnF32DataWithinOnePercentOfF64) { compare_to_f64(DType::f32, 1e-2, 650, Precision::bf16); }
 
 TEST(BigdnPrecision, MixedBf16QkvWithF32Gates) {
   const Dims d = dims(1, 2, 16, 2, 3);
@@ -415,6 +422,7 @@ TEST(BigdnTwins, OverwriteEveryPoisonedOutput) {
     const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
     const double ks = in.opt.k_scale;
     const MathMode mode = MathMode::ieee;
+    const DType hat = dt == DType::bf16 ? DType::bf16 : ct;  // dq_hat, dk_hat: what the layer gives bf16 data
     const std::string what = dtype_name(dt);
 
     Tensor rstd = poisoned({B, N, 2}, ct);
@@ -440,7 +448,7 @@ TEST(BigdnTwins, OverwriteEveryPoisonedOutput) {
 
     const Tensor dout = Tensor::randn({B, N, H, D}, dt, kCpu, 991);
     const Tensor dden = Tensor::randn({B, H, N}, ct, kCpu, 992);
-    Tensor dq_hat = poisoned({B, N, H, D}, ct), dM = poisoned({BH, F, D, D}, ct), dz = poisoned({BH, F, D}, ct);
+    Tensor dq_hat = poisoned({B, N, H, D}, hat), dM = poisoned({BH, F, D, D}, ct), dz = poisoned({BH, F, D}, ct);
     cpu::phase_c_bwd(dq_hat, dM, dz, dout, dden, in.qkv, rstd, in.q_norm_w, in.rope_cos, in.rope_sin, Ms, zs, d, 1e-6,
                      /*divide=*/false, mode);
     for (const Tensor* t : {&dq_hat, &dM, &dz}) EXPECT_FALSE(has_nonfinite(*t)) << what;
@@ -457,7 +465,7 @@ TEST(BigdnTwins, OverwriteEveryPoisonedOutput) {
     for (const Tensor* t : {&dP, &dA, &dPz, &dbz, &ddecay}) EXPECT_FALSE(has_nonfinite(*t)) << what;
 
     // phase_a_bwd writes only the v channel of dqkv; rms_norm_bwd then writes q and k.
-    Tensor dk_hat = poisoned({B, N, H, D}, ct), dqkv = poisoned(in.qkv.shape(), dt),
+    Tensor dk_hat = poisoned({B, N, H, D}, hat), dqkv = poisoned(in.qkv.shape(), dt),
            dbeta = poisoned(in.beta.shape(), dt);
     cpu::phase_a_bwd(dk_hat, dqkv, dbeta, dP, dA, dPz, dbz, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin,
                      in.beta, d, ks, mode);
@@ -472,6 +480,138 @@ TEST(BigdnTwins, OverwriteEveryPoisonedOutput) {
     cpu::rms_norm_bwd(dqkv, dqw, dkw, dq_hat, dk_hat, in.qkv, rstd, in.q_norm_w, in.k_norm_w, d);
     for (const Tensor* t : {&dqkv, &dqw, &dkw}) EXPECT_FALSE(has_nonfinite(*t)) << what;
   }
+}
+
+// --- dq_hat / dk_hat in bf16 (kernels.h, hat-grad dtype) -----------------------------------------
+
+// The relative half-ulp of bf16 (8 significant bits): |bf16(x) − x| ≤ 2^-8·|x|.
+constexpr double kBf16HalfUlp = 0x1p-8;
+
+// `rounded` (bf16) is `exact` rounded to nearest even, element by element: bitwise what Tensor::to
+// gives, and each element within the bf16 half-ulp of the exact one.
+void expect_rounded_from(const Tensor& rounded, const Tensor& exact, const std::string& what) {
+  ASSERT_EQ(rounded.dtype(), DType::bf16) << what;
+  EXPECT_TRUE(bitwise_equal(rounded, exact.to(DType::bf16))) << what << ": not the rounding of the exact result";
+  const std::vector<double> r = rounded.to_vector(), e = exact.to_vector();
+  double worst = 0;
+  for (size_t i = 0; i < e.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(r[i])) << what << ": element " << i << " not written";
+    if (e[i] == 0) {
+      EXPECT_EQ(r[i], 0.0) << what << ": element " << i;
+      continue;
+    }
+    worst = std::max(worst, std::fabs(r[i] - e[i]) / std::fabs(e[i]));
+  }
+  EXPECT_LE(worst, kBf16HalfUlp) << what;
+}
+
+// The twins compute dq̂ and dk̂ in the compute dtype and round on store, so a bf16 dq_hat / dk_hat is the
+// compute-dtype result rounded, and nothing else they write depends on that dtype. rms_norm_bwd fed the
+// rounded values matches rms_norm_bwd fed the exact ones to bf16 precision (rel L2 ≤ the half-ulp): it is
+// linear in them, and they moved by ≤ 2^-8 per element (~1.1e-3 rel L2 for uniform rounding errors; bf16
+// data adds the rounding of dqkv on both sides: measured ≤ 2.4e-3).
+TEST(BigdnTwins, Bf16GradHatIsTheComputeResultRounded) {
+  uint64_t seed = 1100;
+  for (DType dt : {DType::f32, DType::bf16, DType::f64})
+    for (bool divide : {true, false}) {
+      const Dims d = dims(2, 4, 32, 4, 16);  // C = 128 channels, 128 tokens: the errors' L2 norms settle
+      const LayerInputs in = make_layer_inputs(d, dt, ++seed, /*norm_q=*/divide, /*norm_k=*/true);
+      const DType ct = compute_dtype(dt), bf = DType::bf16;
+      const int64_t BH = d.BH(), F = d.F, D = d.D;
+      const Shape tok = {d.B, d.N(), d.H, D}, mat = {BH, F, D, D}, vec = {BH, F, D};
+      const double ks = in.opt.k_scale, eps = 1e-6;
+      const MathMode mode = MathMode::bf16;
+      const std::string what = std::string(dtype_name(dt)) + (divide ? " divide" : " raw");
+
+      Tensor rstd = Tensor::empty({d.B, d.N(), 2}, ct);
+      cpu::rms_stats(rstd, in.qkv, in.q_norm_w, in.k_norm_w, d, in.opt.norm_eps);
+      Tensor P = Tensor::empty(mat, ct), A = P.clone(), Pz = P.clone(), bz = Tensor::empty(vec, ct);
+      cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, ks, mode);
+      Tensor Mf = Tensor::empty(mat, ct), Mr = Mf.clone(), Ms = Mf.clone();
+      Tensor zf = Tensor::empty(vec, ct), zr = zf.clone(), zs = zf.clone();
+      cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, d);
+
+      // phase C backward: dq_hat in the compute dtype, then in bf16.
+      const Tensor dout = Tensor::randn(tok, divide ? dt : ct, kCpu, ++seed);
+      const Tensor dden = divide ? Tensor() : Tensor::randn({d.B, d.H, d.N()}, ct, kCpu, ++seed);
+      Tensor dq = Tensor::empty(tok, ct), dM = Tensor::empty(mat, ct), dz = Tensor::empty(vec, ct);
+      cpu::phase_c_bwd(dq, dM, dz, dout, dden, in.qkv, rstd, in.q_norm_w, in.rope_cos, in.rope_sin, Ms, zs, d, eps,
+                       divide, mode);
+      Tensor dq_b = poisoned(tok, bf), dM_b = poisoned(mat, ct), dz_b = poisoned(vec, ct);
+      cpu::phase_c_bwd(dq_b, dM_b, dz_b, dout, dden, in.qkv, rstd, in.q_norm_w, in.rope_cos, in.rope_sin, Ms, zs, d,
+                       eps, divide, mode);
+      expect_rounded_from(dq_b, dq, "phase_c_bwd dq_hat " + what);
+      EXPECT_TRUE(bitwise_equal(dM_b, dM)) << what;
+      EXPECT_TRUE(bitwise_equal(dz_b, dz)) << what;
+
+      // phase A backward: dk_hat in the compute dtype, then in bf16.
+      const Tensor dP = Tensor::randn(mat, ct, kCpu, ++seed), dA = Tensor::randn(mat, ct, kCpu, ++seed);
+      const Tensor dPz = Tensor::randn(mat, ct, kCpu, ++seed), dbz = Tensor::randn(vec, ct, kCpu, ++seed);
+      Tensor dk = Tensor::empty(tok, ct), dqkv = poisoned(in.qkv.shape(), dt), dbeta = poisoned(in.beta.shape(), dt);
+      cpu::phase_a_bwd(dk, dqkv, dbeta, dP, dA, dPz, dbz, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta,
+                       d, ks, mode);
+      Tensor dk_b = poisoned(tok, bf), dqkv_b = poisoned(in.qkv.shape(), dt), dbeta_b = poisoned(in.beta.shape(), dt);
+      cpu::phase_a_bwd(dk_b, dqkv_b, dbeta_b, dP, dA, dPz, dbz, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin,
+                       in.beta, d, ks, mode);
+      expect_rounded_from(dk_b, dk, "phase_a_bwd dk_hat " + what);
+      EXPECT_TRUE(bitwise_equal(dbeta_b, dbeta)) << what;
+      EXPECT_TRUE(bitwise_equal(dqkv_b, dqkv)) << what << ": the v channel (q and k still poisoned alike)";
+
+      // rms_norm_bwd fed the exact and the rounded dq̂, dk̂.
+      Tensor dqw = in.q_norm_w.defined() ? poisoned({d.C()}, in.q_norm_w.dtype()) : Tensor();
+      Tensor dkw = poisoned({d.C()}, in.k_norm_w.dtype()), dqw_b = dqw.defined() ? dqw.clone() : Tensor(),
+             dkw_b = dkw.clone();
+      cpu::rms_norm_bwd(dqkv, dqw, dkw, dq, dk, in.qkv, rstd, in.q_norm_w, in.k_norm_w, d);
+      cpu::rms_norm_bwd(dqkv_b, dqw_b, dkw_b, dq_b, dk_b, in.qkv, rstd, in.q_norm_w, in.k_norm_w, d);
+      EXPECT_FALSE(has_nonfinite(dqkv_b)) << what;
+      EXPECT_TRUE(close_rel(dqkv_b, dqkv, kBf16HalfUlp, "rms_norm_bwd dqkv " + what));
+      if (dqw.defined()) {
+        EXPECT_TRUE(close_rel(dqw_b, dqw, kBf16HalfUlp, "rms_norm_bwd dq_norm_w " + what));
+      }
+      EXPECT_TRUE(close_rel(dkw_b, dkw, kBf16HalfUlp, "rms_norm_bwd dk_norm_w " + what));
+      std::printf("[bf16 hat] %-12s rms_norm_bwd rel L2 vs exact-fed: dqkv %.2e, dk_norm_w %.2e\n", what.c_str(),
+                  rel_l2(dqkv_b, dqkv), rel_l2(dkw_b, dkw));
+    }
+}
+
+// A dq_hat / dk_hat of neither the compute dtype nor bf16 is refused with a message naming it.
+void expect_error_naming(const std::function<void()>& call, const std::string& name) {
+  try {
+    call();
+    ADD_FAILURE() << name << ": an f64 hat gradient with f32 data was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+  }
+}
+
+TEST(BigdnTwins, RejectGradHatOfAnotherDtype) {
+  const Dims d = dims(1, 2, 8, 2, 3);
+  const LayerInputs in = make_layer_inputs(d, DType::f32, 1200);
+  const DType f32 = DType::f32;
+  const Shape tok = {d.B, d.N(), d.H, d.D}, mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D};
+  Tensor rstd = Tensor::empty({d.B, d.N(), 2}, f32);
+  cpu::rms_stats(rstd, in.qkv, in.q_norm_w, in.k_norm_w, d, 1e-5);
+  const Tensor hat32 = Tensor::randn(tok, f32, kCpu, 1201), hat64 = Tensor::randn(tok, DType::f64, kCpu, 1202);
+  const Tensor M = Tensor::randn(mat, f32, kCpu, 1203), z = Tensor::randn(vec, f32, kCpu, 1204);
+  Tensor dqkv = Tensor::empty(in.qkv.shape(), f32), dqw = Tensor::empty({d.C()}, f32), dkw = dqw.clone();
+  Tensor out64 = Tensor::empty(tok, DType::f64), dM = Tensor::empty(mat, f32), dz = Tensor::empty(vec, f32);
+  Tensor dbeta = Tensor::empty(in.beta.shape(), f32);
+  expect_error_naming(
+      [&] { cpu::rms_norm_bwd(dqkv, dqw, dkw, hat64, hat32, in.qkv, rstd, in.q_norm_w, in.k_norm_w, d); }, "dq_hat");
+  expect_error_naming(
+      [&] { cpu::rms_norm_bwd(dqkv, dqw, dkw, hat32, hat64, in.qkv, rstd, in.q_norm_w, in.k_norm_w, d); }, "dk_hat");
+  expect_error_naming(
+      [&] {
+        cpu::phase_c_bwd(out64, dM, dz, hat32, Tensor(), in.qkv, rstd, in.q_norm_w, in.rope_cos, in.rope_sin, M, z, d,
+                         1e-6, true, MathMode::ieee);
+      },
+      "dq_hat");
+  expect_error_naming(
+      [&] {
+        cpu::phase_a_bwd(out64, dqkv, dbeta, M, M, M, z, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta,
+                         d, 1.0, MathMode::ieee);
+      },
+      "dk_hat");
 }
 
 TEST(BigdnTwins, RejectShapesThatDoNotMatchDims) {

@@ -67,7 +67,7 @@ class BigdnNode : public autograd::Node {
     const DType ct = compute_dtype(qkv.dtype());
     const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
 
-    Tensor dq_hat = Tensor::empty({B, N, H, D}, ct, dev);
+    Tensor dq_hat = Tensor::empty({B, N, H, D}, grad_hat_dtype(mode_, qkv.dtype()), dev);
     Tensor dMsum = Tensor::empty({BH, F, D, D}, ct, dev), dzsum = Tensor::empty({BH, F, D}, ct, dev);
     kernels::phase_c_bwd(dq_hat, dMsum, dzsum, grads[0], Tensor(), qkv, rstd, qw, cs, sn, Msum, zsum, d, opt_.eps,
                          /*divide=*/true, mode_);

@@ -190,6 +190,14 @@ inline void check_shape_if_defined(const Tensor& t, const Shape& shape, const ch
   if (t.defined()) check_shape(t, shape, op, name);
 }
 
+// dq_hat / dk_hat: the compute dtype of qkv or bf16 (kernels.h, "hat-grad dtype").
+// In<T> reads either; Out<T> rounds into bf16 (to nearest even) on commit().
+inline void check_grad_hat(const Tensor& t, DType qkv_dtype, const char* op, const char* name) {
+  const DType ct = compute_dtype(qkv_dtype);
+  GDNCP_CHECK(t.dtype() == ct || t.dtype() == DType::bf16, op, ": ", name, " must be ", dtype_name(ct),
+              " or bf16, got ", t.str());
+}
+
 // What the token prep of phase A (k) and phase C (q) reads: qkv (B, N, 3, H, D),
 // rstd (B, N, 2), the stream's norm weight (C) when defined, the rope tables (N, D).
 inline void check_prep_inputs(const Tensor& qkv, const Tensor& rstd, const Tensor& norm_w, const char* norm_w_name,

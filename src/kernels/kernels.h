@@ -13,6 +13,11 @@
 //    dtype and are OVERWRITTEN entirely (tests poison them first).
 //  - "compute dtype" = f64 when qkv is f64, else f32. State-like tensors
 //    (P, A, Pz, bz, M, z, rstd, gradients of intermediates) are in it.
+//  - "hat-grad dtype": dq_hat and dk_hat (dL/dq̂, dL/dk̂) may be the compute
+//    dtype or bf16; the twins accept either (written rounded to nearest even,
+//    read as stored). The layers pick grad_hat_dtype(): bf16 in bf16 math
+//    mode, whose bf16 operands leave f32 storage no more accuracy, and whose
+//    backward then moves half the bytes.
 //  - Dims: B, H, D, F, S; N = F·S; BH = B·H; C = H·D. M is indexed
 //    [key dim][value dim]; P, A, M of (bh, f) start at ((bh·F)+f)·D·D.
 //  - An undefined norm weight means "this stream is not normalised": the
@@ -42,6 +47,11 @@ inline DType compute_dtype(DType dtype) { return dtype == DType::f64 ? DType::f6
 enum class MathMode { bf16, tf32, ieee };
 MathMode resolve_math_mode(Precision p, DType qkv_dtype);
 
+// The dtype the layers give dq_hat / dk_hat: bf16 in bf16 math mode, else the compute dtype.
+inline DType grad_hat_dtype(MathMode mode, DType qkv_dtype) {
+  return mode == MathMode::bf16 ? DType::bf16 : compute_dtype(qkv_dtype);
+}
+
 #define GDNCP_KERNEL_TWINS(NS)                                                                                      \
   namespace NS {                                                                                                    \
   /* rstd (B, N, 2) compute dtype: [..,0] = 1/sqrt(mean_c q_c² + eps) over all C channels, [..,1] the same for k;   \
@@ -55,7 +65,7 @@ MathMode resolve_math_mode(Precision p, DType qkv_dtype);
                    const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta,       \
                    const Dims& d, double k_scale, MathMode mode);                                                   \
                                                                                                                     \
-  /* Backward of phase_a_fwd. Overwrites dk_hat (B, N, H, D) compute dtype = dL/dk̂ (both streams, through the     \
+  /* Backward of phase_a_fwd. Overwrites dk_hat (B, N, H, D) hat-grad dtype = dL/dk̂ (both streams, through the    \
      rope, the relu mask and k_scale), the v channel (2) of dqkv (B, N, 3, H, D, qkv dtype; channels 0 and 1        \
      untouched) and dbeta (B, H, F, S, beta dtype). dP, dA, dPz (BH, F, D, D), dbz (BH, F, D) compute dtype. */      \
   void phase_a_bwd(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor& dP, const Tensor& dA,                 \
@@ -84,14 +94,15 @@ MathMode resolve_math_mode(Precision p, DType qkv_dtype);
                                                                                                                     \
   /* Backward of phase_c_fwd. divide: dout = dL/dout (B, N, H, D, any float dtype), dden undefined (den is           \
      recomputed). raw: dout = dL/dnum, dden = dL/dden (B, H, N) (either may be undefined = zeros).                  \
-     Overwrites dq_hat (B, N, H, D) compute dtype = dL/dq̂, dM (BH, F, D, D) and dz (BH, F, D). */                   \
+     Overwrites dq_hat (B, N, H, D) hat-grad dtype = dL/dq̂, dM (BH, F, D, D) and dz (BH, F, D). */                  \
   void phase_c_bwd(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, const Tensor& dden,                   \
                    const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& rope_cos,            \
                    const Tensor& rope_sin, const Tensor& M, const Tensor& z, const Dims& d, double eps, bool divide,  \
                    MathMode mode);                                                                                  \
                                                                                                                     \
-  /* RMSNorm backward for q and k: overwrites channels 0 and 1 of dqkv (qkv dtype; channel 2 untouched) and, when    \
-     defined, dq_norm_w / dk_norm_w (C) in the weight dtype. With x the raw channel, r its rstd:                     \
+  /* RMSNorm backward for q and k given dq_hat, dk_hat (B, N, H, D) hat-grad dtype: overwrites channels 0 and 1 of  \
+     dqkv (qkv dtype; channel 2 untouched) and, when defined, dq_norm_w / dk_norm_w (C) in the weight dtype.        \
+     With x the raw channel, r its rstd:                                                                            \
        dx = r·w·dx̂ − (r³/C)·x·Σ_c w_c dx̂_c x_c,   dw_c = Σ_tokens dx̂_c·x_c·r.                                       \
      Reductions run in a fixed order (bitwise reproducible). */                                                      \
   void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tensor& dq_hat, const Tensor& dk_hat,   \

@@ -24,7 +24,7 @@ PrepGrads prep_backward(const Tensor& dq_hat, const Tensor& dP, const Tensor& dA
                         const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta, const Dims& d,
                         double k_scale, MathMode mode, bool want_dq_norm_w, bool want_dk_norm_w) {
   const Device dev = qkv.device();
-  Tensor dk_hat = Tensor::empty({d.B, d.N(), d.H, d.D}, compute_dtype(qkv.dtype()), dev);
+  Tensor dk_hat = Tensor::empty({d.B, d.N(), d.H, d.D}, grad_hat_dtype(mode, qkv.dtype()), dev);
   PrepGrads g;
   g.dqkv = Tensor::empty(qkv.shape(), qkv.dtype(), dev);
   g.dbeta = Tensor::empty(beta.shape(), beta.dtype(), dev);

@@ -30,8 +30,9 @@ struct PrepGrads {
   Tensor dq_norm_w, dk_norm_w;  // the weight's dtype; undefined unless asked for and the weight is defined
 };
 
-// Backward of Prep given dq_hat = dL/dq̂ (B, N, H, D) compute dtype and the
-// gradients of P, A, Pz, bz. want_dq_norm_w / want_dk_norm_w: whether the
+// Backward of Prep given dq_hat = dL/dq̂ (B, N, H, D) in grad_hat_dtype(mode)
+// (bf16 in bf16 mode, else the compute dtype) and the gradients of P, A, Pz, bz;
+// dL/dk̂ is made in the same dtype. want_dq_norm_w / want_dk_norm_w: whether the
 // caller needs that weight's gradient.
 PrepGrads prep_backward(const Tensor& dq_hat, const Tensor& dP, const Tensor& dA, const Tensor& dPz, const Tensor& dbz,
                         const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& k_norm_w,

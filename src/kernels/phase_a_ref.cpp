@@ -8,7 +8,8 @@
 //   dkʳ = β (Ps kʳ + dA v),   dv = β dAᵀ kʳ,   dk⁺ = β (Pzs k⁺ + db) + unrope(dkʳ)
 //   dβ = ½ kʳᵀ Ps kʳ + kʳᵀ dA v + ½ k⁺ᵀ Pzs k⁺ + k⁺ᵀ db,   dk̂ = dk⁺·k_scale·[k̂ > 0]
 // Gradient rule: dk_hat, the v channel of dqkv and dbeta are overwritten
-// (channels 0 and 1 of dqkv are left untouched for rms_norm_bwd).
+// (channels 0 and 1 of dqkv are left untouched for rms_norm_bwd). dk_hat is the
+// compute dtype or bf16: computed in T, rounded on commit when bf16.
 #include "kernels/cpu_common.h"
 #include "kernels/kernels.h"
 
@@ -166,6 +167,7 @@ void phase_a_bwd(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor& dP, 
   const Shape qkv_s = {d.B, d.N(), 3, d.H, d.D}, row_s = {d.B, d.N(), d.H, d.D};
   const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
   check_shape(dk_hat, row_s, op, "dk_hat");
+  check_grad_hat(dk_hat, qkv.dtype(), op, "dk_hat");
   check_shape(dqkv, qkv_s, op, "dqkv");
   check_shape(dbeta, {d.B, d.H, d.F, d.S}, op, "dbeta");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dP, &dA, &dPz}) check_shape(*t, mat_s, op, "dP/dA/dPz");

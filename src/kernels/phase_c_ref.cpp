@@ -7,7 +7,8 @@
 // Backward:  divide: dnum = dout/(den+eps), dden = −(dout·num)/(den+eps)²;  raw: given.
 //   dqʳ = M_f dnum,  dM_f = Σ_s qʳ_s dnum_sᵀ,  dz_f = Σ_s dden_s q⁺_s,
 //   dq⁺ = dden·z_f + unrope(dqʳ),  dq̂ = dq⁺·[q̂ > 0]
-// Gradient rule: dq_hat, dM, dz are overwritten.
+// Gradient rule: dq_hat, dM, dz are overwritten. dq_hat is the compute dtype or
+// bf16: computed in T, rounded on commit when bf16.
 #include "kernels/cpu_common.h"
 #include "kernels/kernels.h"
 
@@ -156,6 +157,7 @@ void phase_c_bwd(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, con
   const char* op = "cpu::phase_c_bwd";
   const Shape row_s = {d.B, d.N(), d.H, d.D}, mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
   check_shape(dq_hat, row_s, op, "dq_hat");
+  check_grad_hat(dq_hat, qkv.dtype(), op, "dq_hat");
   check_shape(dM, mat_s, op, "dM");
   check_shape(dz, vec_s, op, "dz");
   check_shape_if_defined(dout, row_s, op, "dout");

@@ -7,9 +7,11 @@
 //
 // Gradient rule: dqkv channels 0 and 1, dq_norm_w and dk_norm_w are
 // overwritten. A stream whose weight is undefined is not normalised (r = 1,
-// dx = dx̂). Note [fixed-order dw]: a block's warps own fixed tokens and keep
-// their dw in shared memory; blocks write partial sums that a second kernel
-// adds in block order — no atomics, so results are bitwise reproducible.
+// dx = dx̂). dq_hat / dk_hat are read through In: f32 or bf16 (kernels.h,
+// hat-grad dtype; bf16 halves this pass's largest reads).
+// Note [fixed-order dw]: a block's warps own fixed tokens and keep their dw in
+// shared memory; blocks write partial sums that a second kernel adds in block
+// order — no atomics, so results are bitwise reproducible.
 #include <algorithm>
 
 #include "kernels/cuda_common.cuh"
@@ -21,6 +23,10 @@ namespace {
 using namespace detail;
 
 constexpr int kStatThreads = 256;
+// rms_bwd_kernel: at most 8 warps a block, 3 blocks an SM — what the shared-memory dw
+// accumulators allow at the production C = 2240 (3 × 70 KB). Without the bound the
+// run-time f32/bf16 choice of In takes the kernel to 96 registers, i.e. 2 blocks an SM.
+constexpr int kBwdMaxWarps = 8, kBwdMinBlocks = 3;
 
 // One warp per token; both streams.
 __global__ void __launch_bounds__(kStatThreads)
@@ -47,14 +53,14 @@ __global__ void __launch_bounds__(kStatThreads)
 
 // blockIdx.y = stream (0 q, 1 k); warp w of block blk owns tokens blk·tpb + w + k·warps.
 // Shared memory: [warps][C] dw accumulators (weighted streams only).
-__global__ void rms_bwd_kernel(Out dqkv, float* __restrict__ dw_part, const float* __restrict__ dq_hat,
-                               const float* __restrict__ dk_hat, In qkv, const float* __restrict__ rstd,
-                               const float* __restrict__ qw, const float* __restrict__ kw, int64_t tokens, int C,
-                               int64_t tokens_per_block) {
+__global__ void __launch_bounds__(32 * kBwdMaxWarps, kBwdMinBlocks)
+    rms_bwd_kernel(Out dqkv, float* __restrict__ dw_part, In dq_hat, In dk_hat, In qkv, const float* __restrict__ rstd,
+                   const float* __restrict__ qw, const float* __restrict__ kw, int64_t tokens, int C,
+                   int64_t tokens_per_block) {
   extern __shared__ __align__(16) float acc[];
   const int c = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const float* w = c == 0 ? qw : kw;
-  const float* dxh = c == 0 ? dq_hat : dk_hat;
+  const In dxh = c == 0 ? dq_hat : dk_hat;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * tokens_per_block;
   const int64_t t1 = min(tokens, t0 + tokens_per_block);
   float* mine = acc + static_cast<int64_t>(warp) * C;
@@ -64,11 +70,10 @@ __global__ void rms_bwd_kernel(Out dqkv, float* __restrict__ dw_part, const floa
 
   const float invC = 1.f / static_cast<float>(C);
   for (int64_t t = t0 + warp; t < t1; t += warps) {
-    const int64_t xrow = (t * 3 + c) * C;
-    const float* g = dxh + t * C;
+    const int64_t xrow = (t * 3 + c) * C, grow = t * C;
     if (!w) {  // unnormalised stream: x̂ = x
       for (int e = 2 * lane; e < C; e += 64) {
-        const float2 gv = ldg2(g + e);
+        const float2 gv = dxh.pair(grow + e);
         dqkv.set_pair(xrow + e, gv.x, gv.y);
       }
       continue;
@@ -77,7 +82,7 @@ __global__ void rms_bwd_kernel(Out dqkv, float* __restrict__ dw_part, const floa
     float corr = 0.f;  // Σ_c w_c dx̂_c x_c
 #pragma unroll 8
     for (int e = 2 * lane; e < C; e += 64) {
-      const float2 gv = ldg2(g + e), xv = qkv.pair(xrow + e), wv = ldg2(w + e);
+      const float2 gv = dxh.pair(grow + e), xv = qkv.pair(xrow + e), wv = ldg2(w + e);
       corr = fmaf(wv.x * gv.x, xv.x, corr);
       corr = fmaf(wv.y * gv.y, xv.y, corr);
     }
@@ -85,7 +90,7 @@ __global__ void rms_bwd_kernel(Out dqkv, float* __restrict__ dw_part, const floa
     const float k = r * r * r * invC * corr;
 #pragma unroll 8
     for (int e = 2 * lane; e < C; e += 64) {
-      const float2 gv = ldg2(g + e), xv = qkv.pair(xrow + e), wv = ldg2(w + e);
+      const float2 gv = dxh.pair(grow + e), xv = qkv.pair(xrow + e), wv = ldg2(w + e);
       dqkv.set_pair(xrow + e, r * wv.x * gv.x - k * xv.x, r * wv.y * gv.y - k * xv.y);
       mine[e] += gv.x * xv.x * r;
       mine[e + 1] += gv.y * xv.y * r;
@@ -137,7 +142,7 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
   const int C = static_cast<int>(d.C());
   const int64_t tokens = d.B * d.N();
   // Warps per block so that their dw accumulators fit in shared memory.
-  const int warps = static_cast<int>(std::min<int64_t>(8, (160 * 1024) / (static_cast<int64_t>(C) * 4)));
+  const int warps = static_cast<int>(std::min<int64_t>(kBwdMaxWarps, (160 * 1024) / (static_cast<int64_t>(C) * 4)));
   GDNCP_CHECK(warps >= 1, "cuda rms_norm_bwd: C = H·D = ", C, " is too large for the shared-memory accumulators");
   // A fixed number of blocks (independent of the device) keeps the summation order fixed.
   const int64_t blocks = std::min<int64_t>(512, (tokens + warps - 1) / warps);
@@ -149,8 +154,8 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
   const size_t smem = need_dw ? static_cast<size_t>(warps) * C * sizeof(float) : 0;
   allow_smem(rms_bwd_kernel, smem);
   rms_bwd_kernel<<<dim3(static_cast<unsigned>(used), 2), 32 * warps, smem, stream()>>>(
-      out_of(dqkv, "dqkv"), need_dw ? static_cast<float*>(part.data()) : nullptr, f32_or_null(dq_hat, "dq_hat"),
-      f32_or_null(dk_hat, "dk_hat"), in_of(qkv, "qkv"), f32_or_null(rstd, "rstd"), f32_or_null(q_norm_w, "q_norm_w"),
+      out_of(dqkv, "dqkv"), need_dw ? static_cast<float*>(part.data()) : nullptr, in_of(dq_hat, "dq_hat"),
+      in_of(dk_hat, "dk_hat"), in_of(qkv, "qkv"), f32_or_null(rstd, "rstd"), f32_or_null(q_norm_w, "q_norm_w"),
       f32_or_null(k_norm_w, "k_norm_w"), tokens, C, per_block);
   GDNCP_CUDA_CHECK(cudaGetLastError());
   float* dqw = (q_norm_w.defined() && dq_norm_w.defined()) ? f32_out(dq_norm_w, "dq_norm_w") : nullptr;

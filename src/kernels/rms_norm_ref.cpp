@@ -7,7 +7,8 @@
 //
 // Gradient rule: every output is overwritten (dqkv channels 0 and 1, dq_norm_w,
 // dk_norm_w); the autograd engine does the summing. A stream whose weight is
-// undefined is not normalised: r = 1, w = 1, dx = dx̂.
+// undefined is not normalised: r = 1, w = 1, dx = dx̂. dq_hat / dk_hat may be the
+// compute dtype or bf16 (read as stored, widened to T).
 // Long reductions (over C channels, over all tokens) accumulate in double in a
 // fixed order, so results are bitwise reproducible.
 #include "kernels/cpu_common.h"
@@ -107,6 +108,8 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
   check_shape(qkv, qkv_s, op, "qkv");
   check_shape(dq_hat, row_s, op, "dq_hat");
   check_shape(dk_hat, row_s, op, "dk_hat");
+  check_grad_hat(dq_hat, qkv.dtype(), op, "dq_hat");
+  check_grad_hat(dk_hat, qkv.dtype(), op, "dk_hat");
   check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dq_norm_w, &dk_norm_w, &q_norm_w, &k_norm_w})
     check_shape_if_defined(*t, {d.C()}, op, "norm weight");
