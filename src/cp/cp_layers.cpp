@@ -18,6 +18,7 @@
 // theirs, partial per rank (all_reduce_grads sums them). All fresh tensors.
 #include <memory>
 
+#include "autograd/tensor_internals.h"
 #include "cp/kv_z_scan.h"
 #include "cp/scan_engine.h"
 #include "cp/validate_cp.h"
@@ -109,7 +110,7 @@ class CpLayerNode : public autograd::Node {
 // The fused forward on validated inputs; records one CpLayerNode when needed.
 // keep: the gathered composites, reused when set (checkpoint recompute: no
 // collective) and filled otherwise. recompute: the checkpoint's re-run in
-// backward, which skips phase C and leaves num/den/out unwritten, as their
+// backward, which skips phase C and returns num/den/out shape-only, as their
 // values are never read (Note [checkpoint recompute] in src/autograd/checkpoint.cpp);
 // terminal states are by-products of the scan and stay written.
 std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>& in, const Dims& d,
@@ -133,15 +134,18 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   if (keep) *keep = ctx.gathered;
   const auto [M, z] = detail::kv_z_states(jobs, bidi);
 
-  // Output: phase C once for both directions.
+  // Output: phase C once for both directions; the recompute's outputs are shape-only.
+  const auto output = [&](const Shape& shape, DType dtype) {
+    return recompute ? gdncp::detail::shape_only(shape, dtype, dev) : Tensor::empty(shape, dtype, dev);
+  };
   std::vector<Tensor> outputs;
-  Tensor den = Tensor::empty({B, H, N}, ct, dev);
+  Tensor den = output({B, H, N}, ct);
   if (bidi) {
-    Tensor out = Tensor::empty({B, N, H, D}, qkv.dtype(), dev);
+    Tensor out = output({B, N, H, D}, qkv.dtype());
     if (!recompute) kernels::phase_c_fwd(out, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/true, mode);
     outputs = {out};
   } else {
-    Tensor num = Tensor::empty({B, N, H, D}, ct, dev);
+    Tensor num = output({B, N, H, D}, ct);
     if (!recompute) kernels::phase_c_fwd(num, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/false, mode);
     outputs = {num, den};
     if (cpo.truncate_to_active > 0) {
