@@ -274,8 +274,12 @@ int run(const CpBenchConfig& c) {
   }
   // A deep model's memory: stacks of layer calls at several depths (Sana-video
   // has 20 blocks), strong-scaling shapes. Per depth: the peak with checkpointing
-  // off and on, and what is left of it for one layer's backward transient once
-  // the depth times the held memory per layer (the strong rows above) is taken off.
+  // off and on, and the peak less depth × the held memory per layer (the strong
+  // rows above). That rest is one layer's backward transient, plus what the stack
+  // holds beyond depth × held (the leaf gradients: every call reuses one layer's
+  // leaves), less what the layers already back-propagated have freed (without
+  // checkpointing, their saved state): no like-for-like transient between off
+  // and on. The peaks are like for like.
   const int kDepths[] = {1, 8, 20};
   constexpr int kStack = 8;  // the depth of the older single-depth fields
   constexpr size_t kNumDepths = sizeof(kDepths) / sizeof(kDepths[0]);
@@ -303,7 +307,7 @@ int run(const CpBenchConfig& c) {
       const double off = stack_mib[i][0], on = stack_mib[i][1], L = kDepths[i];
       std::printf(
           "  checkpointing a stack of %2d layer calls, P=%d strong: peak %.0f -> %.0f MiB (%+.0f%%, ratio %.2f); "
-          "backward transient %.0f -> %.0f MiB\n",
+          "peak - depth x held %.0f -> %.0f MiB\n",
           kDepths[i], P, off, on, 100.0 * (on - off) / off, on / off, off - L * held[0], on - L * held[1]);
     }
     if (!c.json.empty()) {
