@@ -320,8 +320,7 @@ int run(const CpBenchConfig& c) {
          << ",\n\"stacks\": [";
       for (size_t i = 0; i < kNumDepths; ++i)
         js << (i ? ", " : "") << "{\"layers\": " << kDepths[i] << ", \"peak_mib_off\": " << stack_mib[i][0]
-           << ", \"peak_mib_ckpt\": " << stack_mib[i][1] << ", \"ratio\": " << stack_mib[i][1] / stack_mib[i][0]
-           << "}";
+           << ", \"peak_mib_ckpt\": " << stack_mib[i][1] << ", \"ratio\": " << stack_mib[i][1] / stack_mib[i][0] << "}";
       js << "],\n\"timing\": \"CUDA events, " << c.warmup << " warm-up, median of " << c.iters
          << ", max over ranks\",\n\"rows\": [\n";
       for (size_t i = 0; i < rows.size(); ++i) {

@@ -378,7 +378,9 @@ TEST(Autograd, CheckpointLayerMisuseOfShapeOnlyOutputsThrows) {
     return std::vector<Tensor>{fused(in, /*recompute=*/true, calls)};
   };
   for (const Checkpoint ck : {Checkpoint::on, Checkpoint::off})
-    EXPECT_NE(error_of([&] { autograd::checkpoint_layer(always, {x, w}, ck); }).find("of the first run is shape-only"),
+    EXPECT_NE(error_of([&] {
+                autograd::checkpoint_layer(always, {x, w}, ck);
+              }).find("of the first run is shape-only"),
               std::string::npos);
   autograd::clear_tape();
   // A recompute that reads its shape-only output (here: an op on top of it) throws in backward.
@@ -413,8 +415,8 @@ TEST(Autograd, CheckpointLetsGoOfItsFunctionBeforeTheSubBackward) {
   Tensor w = rnd({8}, 35).requires_grad_();
   Tensor out;
   {
-    const autograd::RecomputeFunction fn = [kept, calls, watch, &alive_in_sub_backward](
-                                               const std::vector<Tensor>& in, bool) {
+    const autograd::RecomputeFunction fn = [kept, calls, watch, &alive_in_sub_backward](const std::vector<Tensor>& in,
+                                                                                        bool) {
       Tensor y = fused(in, false, calls);
       Tensor o = y.detach().clone();
       autograd::record(std::make_shared<Probe>(watch, &alive_in_sub_backward), {y}, {o});

@@ -123,8 +123,8 @@ Tensor bigdn_fused(const std::vector<Tensor>& in, const Dims& d, const BigdnOpti
   kernels::scan_bidi_fwd(m.Mf, m.Mr, m.Msum, m.zf, m.zr, m.zsum, m.P, A, m.Pz, bz, decay, d);
 
   // The checkpoint's re-run returns out shape-only (Note [checkpoint recompute]).
-  Tensor out = write_out ? Tensor::empty({B, N, H, D}, qkv.dtype(), dev)
-                         : detail::shape_only({B, N, H, D}, qkv.dtype(), dev);
+  Tensor out =
+      write_out ? Tensor::empty({B, N, H, D}, qkv.dtype(), dev) : detail::shape_only({B, N, H, D}, qkv.dtype(), dev);
   if (write_out) {
     Tensor den = Tensor::empty({B, H, N}, ct, dev);
     kernels::phase_c_fwd(out, den, qkv, m.rstd, qw, cs, sn, m.Msum, m.zsum, d, opt.eps, /*divide=*/true, mode);
