@@ -272,24 +272,56 @@ int run(const CpBenchConfig& c) {
             off->held_mib, on->held_mib, 100.0 * (on->ms - off->ms) / off->ms);
     }
   }
-  // A deep model's memory: a stack of kStack layer calls, strong-scaling shapes.
-  constexpr int kStack = 8;
-  double stack_mib[2] = {0, 0};
+  // A deep model's memory: stacks of layer calls at several depths (Sana-video
+  // has 20 blocks), strong-scaling shapes. Per depth: the peak with checkpointing
+  // off and on, and the peak less depth × the held memory per layer (the strong
+  // rows above). That rest is one layer's backward transient, plus what the stack
+  // holds beyond depth × held (the leaf gradients: every call reuses one layer's
+  // leaves), less what the layers already back-propagated have freed (without
+  // checkpointing, their saved state): no like-for-like transient between off
+  // and on. The peaks are like for like.
+  const int kDepths[] = {1, 8, 20};
+  constexpr int kStack = 8;  // the depth of the older single-depth fields
+  constexpr size_t kNumDepths = sizeof(kDepths) / sizeof(kDepths[0]);
+  double stack_mib[kNumDepths][2] = {};
   {
     Layer gp = make_layer(c, c.global_frames, c.global_frames / P, r, DType::bf16, 5);
-    for (const Checkpoint ck : {Checkpoint::off, Checkpoint::on})
-      stack_mib[ck == Checkpoint::on] = stack_peak_mib(world.get(), gp, ck, c, kStack);
+    for (size_t i = 0; i < kNumDepths; ++i)
+      for (const Checkpoint ck : {Checkpoint::off, Checkpoint::on})
+        stack_mib[i][ck == Checkpoint::on] = stack_peak_mib(world.get(), gp, ck, c, kDepths[i]);
   }
+  double held[2] = {0, 0};  // held after the forward, per layer call (the strong rows; P = 1: the P=1 rows)
+  {
+    const std::string base = P > 1 ? "bigdn_cp P=" + std::to_string(P) + " strong " : std::string("bigdn_cp P=1 ");
+    for (const Row& x : rows)
+      for (int on = 0; on < 2; ++on)
+        if (x.name == base + (on ? "ckpt" : "")) held[on] = x.held_mib;
+  }
+  size_t at8 = 0;
+  for (size_t i = 0; i < kNumDepths; ++i)
+    if (kDepths[i] == kStack) at8 = i;
   if (r == 0) {
-    std::printf("  checkpointing a stack of %d layers, P=%d strong: peak %.0f -> %.0f MiB (%.0f%%)\n", kStack, P,
-                stack_mib[0], stack_mib[1], 100.0 * (stack_mib[1] - stack_mib[0]) / stack_mib[0]);
+    std::printf("  held after the forward per layer call, P=%d strong: %.1f MiB off, %.1f MiB ckpt\n", P, held[0],
+                held[1]);
+    for (size_t i = 0; i < kNumDepths; ++i) {
+      const double off = stack_mib[i][0], on = stack_mib[i][1], L = kDepths[i];
+      std::printf(
+          "  checkpointing a stack of %2d layer calls, P=%d strong: peak %.0f -> %.0f MiB (%+.0f%%, ratio %.2f); "
+          "peak - depth x held %.0f -> %.0f MiB\n",
+          kDepths[i], P, off, on, 100.0 * (on - off) / off, on / off, off - L * held[0], on - L * held[1]);
+    }
     if (!c.json.empty()) {
       std::ostringstream js;
       js << "{\n\"device\": \"" << prop.name << "\", \"gpus\": " << P << ", \"B\": " << c.batch
          << ", \"S\": " << c.tokens << ", \"H\": " << c.heads << ", \"D\": " << c.head_dim
          << ", \"dtype\": \"bf16\",\n\"validation_rel_l2\": " << err << ",\n\"stack_layers\": " << kStack
-         << ", \"stack_peak_mib_off\": " << stack_mib[0] << ", \"stack_peak_mib_ckpt\": " << stack_mib[1]
-         << ",\n\"timing\": \"CUDA events, " << c.warmup << " warm-up, median of " << c.iters
+         << ", \"stack_peak_mib_off\": " << stack_mib[at8][0] << ", \"stack_peak_mib_ckpt\": " << stack_mib[at8][1]
+         << ",\n\"held_per_layer_mib_off\": " << held[0] << ", \"held_per_layer_mib_ckpt\": " << held[1]
+         << ",\n\"stacks\": [";
+      for (size_t i = 0; i < kNumDepths; ++i)
+        js << (i ? ", " : "") << "{\"layers\": " << kDepths[i] << ", \"peak_mib_off\": " << stack_mib[i][0]
+           << ", \"peak_mib_ckpt\": " << stack_mib[i][1] << ", \"ratio\": " << stack_mib[i][1] / stack_mib[i][0] << "}";
+      js << "],\n\"timing\": \"CUDA events, " << c.warmup << " warm-up, median of " << c.iters
          << ", max over ranks\",\n\"rows\": [\n";
       for (size_t i = 0; i < rows.size(); ++i) {
         const Row& x = rows[i];

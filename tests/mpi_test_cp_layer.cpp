@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "autograd/tensor_internals.h"
 #include "bigdn_fixtures.h"
 #include "mpi_cp_fixtures.h"
 
@@ -170,21 +171,23 @@ TEST(CpRaw, OneRankMatchesFineOpsComposition) {
 // --- checkpointing -----------------------------------------------------------------------
 
 // Checkpoint on vs off: bitwise equal outputs and gradients, fewer saved bytes
-// after the forward, and the recompute issues no collective.
+// after the forward, the recompute issues no collective, and it makes the
+// `skipped` tensors that phase C would write shape-only (nothing allocated).
 template <typename Entry>
-void check_checkpoint(const Entry& entry, uint64_t seed) {
+void check_checkpoint(const Entry& entry, uint64_t seed, size_t skipped) {
   const int P = nranks(), r = rank();
   const int64_t F = 2, S = 3;
   const LayerInputs g = make_layer_inputs(dims(1, 2, 6, F * P, S), DType::f64, seed);
   const LayerInputs l = local_block(g, F, r);
   LayerRun runs[2];
-  size_t saved[2];
+  size_t saved[2], shape_only[2];
   int64_t calls[2];
   for (int on = 0; on < 2; ++on) {
     BigdnOptions opt = l.opt;
     opt.checkpoint = on ? Checkpoint::on : Checkpoint::off;
     const std::vector<Tensor> x = leaves_of(l);
     world()->reset_stats();
+    const size_t made = gdncp::detail::TensorInternals::shape_only_made();
     const size_t before = autograd::saved_bytes();
     const std::vector<Tensor> outs = entry(x, opt);
     saved[on] = autograd::saved_bytes() - before;
@@ -193,6 +196,7 @@ void check_checkpoint(const Entry& entry, uint64_t seed) {
       w.push_back(Tensor::randn(outs[k].shape(), outs[k].dtype(), Device::cpu, seed + 10 + k));
     runs[on] = finish(x, outs, w, nullptr);
     calls[on] = world()->stats().calls;
+    shape_only[on] = gdncp::detail::TensorInternals::shape_only_made() - made;
   }
   for (size_t k = 0; k < runs[0].outs.size(); ++k)
     EXPECT_TRUE(bitwise_equal(runs[1].outs[k], runs[0].outs[k])) << "output " << k << " rank " << r;
@@ -200,6 +204,8 @@ void check_checkpoint(const Entry& entry, uint64_t seed) {
   EXPECT_LT(saved[1], saved[0]) << "checkpointing should hold fewer saved bytes after the forward";
   EXPECT_EQ(calls[0], P > 1 ? 3 : 1) << "validation + one all-gather forward + one backward";
   EXPECT_EQ(calls[1], calls[0]) << "the recompute must not issue collectives";
+  EXPECT_EQ(shape_only[0], 0u) << "no checkpoint, no recompute";
+  EXPECT_EQ(shape_only[1], skipped) << "what phase C writes must be shape-only in the recompute";
 }
 
 TEST(BigdnCp, CheckpointOnEqualsOffBitwise) {
@@ -207,7 +213,7 @@ TEST(BigdnCp, CheckpointOnEqualsOffBitwise) {
       [](const std::vector<Tensor>& x, const BigdnOptions& opt) {
         return std::vector<Tensor>{cp::bigdn_cp(*world(), x[0], x[1], x[2], x[3], x[4], x[5], x[6], 2, 3, opt)};
       },
-      400);
+      400, /*skipped: out, and den (phase C scratch)*/ 2);
 }
 
 TEST(CpRaw, CheckpointOnEqualsOffBitwise) {
@@ -217,7 +223,7 @@ TEST(CpRaw, CheckpointOnEqualsOffBitwise) {
         o.truncate_to_active = 2 * nranks() - 1;
         return raw_outputs(cp::cp_gdn_raw(*world(), x[0], x[1], x[2], x[3], x[4], x[5], x[6], 2, 3, opt, o));
       },
-      410);
+      410, /*skipped: num, den (the terminal states are the scan's)*/ 2);
 }
 
 TEST(BigdnCp, CheckpointAutoFollowsGradMode) {

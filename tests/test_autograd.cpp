@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
+#include <string>
 
+#include "autograd/tensor_internals.h"
 #include "util/test_util.h"
 
 namespace gdncp {
@@ -250,6 +253,183 @@ TEST(Autograd, CheckpointLayerTellsTheRecompute) {
   calls.clear();
   autograd::checkpoint_layer(fn, {x, w}, Checkpoint::off);
   EXPECT_EQ(calls, (std::vector<bool>{false}));
+  autograd::clear_tape();
+}
+
+// --- shape-only recompute outputs (Note [checkpoint recompute], Note [shape-only tensors]) ---
+
+// A "fused layer" for checkpoint_layer: out = tanh(x·w) in one node that saves
+// x and w (not its output). Its recompute returns out shape-only.
+class FusedNode : public Node {
+ public:
+  explicit FusedNode(std::shared_ptr<int> backward_calls) : calls_(std::move(backward_calls)) {}
+  const char* name() const override { return "test_fused"; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
+    ++*calls_;
+    const Tensor y = map2(saved(0), saved(1), [](double u, double v) { return std::tanh(u * v); });
+    const Tensor gz = map2(g[0], y, [](double gy, double t) { return gy * (1 - t * t); });
+    return {map2(gz, saved(1), [](double u, double v) { return u * v; }),
+            map2(gz, saved(0), [](double u, double v) { return u * v; })};
+  }
+
+ private:
+  std::shared_ptr<int> calls_;
+};
+
+Tensor fused(const std::vector<Tensor>& in, bool recompute, const std::shared_ptr<int>& calls) {
+  const Tensor &x = in[0], &w = in[1];
+  const Tensor out = recompute ? detail::shape_only(x.shape(), DType::f64, Device::cpu)
+                               : map2(x, w, [](double u, double v) { return std::tanh(u * v); });
+  auto node = std::make_shared<FusedNode>(calls);
+  if (autograd::should_record({x, w})) {
+    node->save(x);
+    node->save(w);
+  }
+  autograd::record(node, {x, w}, {out});
+  return out;
+}
+
+template <typename Fn>
+std::string error_of(const Fn& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no gdncp::Error thrown)";
+}
+
+TEST(ShapeOnly, HasNoStorageAndEveryReadThrows) {
+  // 8 TiB of f64: making it must not allocate.
+  const int64_t n = int64_t(1) << 40;
+  const size_t made = detail::TensorInternals::shape_only_made();
+  Tensor t = detail::shape_only({n}, DType::f64, Device::cpu);
+  EXPECT_EQ(detail::TensorInternals::shape_only_made(), made + 1);
+  EXPECT_TRUE(detail::is_shape_only(t));
+  EXPECT_EQ(t.numel(), n);
+  EXPECT_EQ(t.dtype(), DType::f64);
+  EXPECT_EQ(t.device(), Device::cpu);
+  EXPECT_NE(t.str().find("shape-only"), std::string::npos) << t.str();
+  EXPECT_NE(error_of([&] { t.data(); }).find("no storage"), std::string::npos) << error_of([&] { t.data(); });
+  EXPECT_THROW(t.data_ptr<double>(), Error);
+  EXPECT_THROW(t.fill_(1.0), Error);
+  // Small ones for the copies (a large copy would fail allocating its destination first).
+  Tensor s = detail::shape_only({2, 3}, DType::f32, Device::cpu);
+  const Tensor c = s;
+  EXPECT_THROW(c.data(), Error);
+  EXPECT_THROW(s.to_vector(), Error);
+  EXPECT_THROW(s.clone(), Error);
+  EXPECT_THROW(s.to(DType::f64), Error);
+  Tensor dst = Tensor::zeros({2, 3}, DType::f32);
+  EXPECT_THROW(dst.copy_from(s), Error);
+  EXPECT_THROW(s.copy_from(dst), Error);
+  // Views stay shape-only; ordinary and empty tensors are not.
+  EXPECT_TRUE(detail::is_shape_only(s.reshape({6})));
+  EXPECT_TRUE(detail::is_shape_only(s.detach()));
+  EXPECT_FALSE(detail::is_shape_only(dst));
+  EXPECT_FALSE(detail::is_shape_only(Tensor::empty({0, 3}, DType::f32)));
+  EXPECT_FALSE(detail::is_shape_only(Tensor()));
+}
+
+TEST(ShapeOnly, CannotBeSavedForBackward) {
+  auto node = std::make_shared<MulNode>();
+  EXPECT_NE(error_of([&] { node->save(detail::shape_only({4}, DType::f64, Device::cpu)); }).find("test_mul: save()"),
+            std::string::npos);
+}
+
+TEST(Autograd, CheckpointLayerRecomputeReturnsShapeOnlyOutputs) {
+  autograd::clear_tape();
+  const size_t base = autograd::saved_bytes();
+  auto calls = std::make_shared<int>(0);
+  Tensor recomputed;  // what the recompute returned, kept to try reading it afterwards
+  const autograd::RecomputeFunction fn = [&](const std::vector<Tensor>& in, bool recompute) {
+    Tensor out = fused(in, recompute, calls);
+    if (recompute) recomputed = out;
+    return std::vector<Tensor>{out};
+  };
+  Tensor grads[2][2], outs[2];
+  for (int ck = 0; ck < 2; ++ck) {
+    Tensor x = rnd({64}, 30).requires_grad_();
+    Tensor w = rnd({64}, 31).requires_grad_();
+    const size_t made = detail::TensorInternals::shape_only_made();
+    outs[ck] = autograd::checkpoint_layer(fn, {x, w}, ck ? Checkpoint::on : Checkpoint::off).at(0);
+    backward(sum(mul(outs[ck], outs[ck])));
+    EXPECT_EQ(detail::TensorInternals::shape_only_made(), made + static_cast<size_t>(ck));
+    grads[ck][0] = x.grad();
+    grads[ck][1] = w.grad();
+  }
+  EXPECT_EQ(*calls, 2);  // the fused node's backward ran once per run
+  EXPECT_TRUE(test::bitwise_equal(outs[0], outs[1]));
+  EXPECT_TRUE(test::bitwise_equal(grads[0][0], grads[1][0]));
+  EXPECT_TRUE(test::bitwise_equal(grads[0][1], grads[1][1]));
+  ASSERT_TRUE(recomputed.defined());
+  EXPECT_TRUE(detail::is_shape_only(recomputed));
+  EXPECT_THROW(recomputed.to_vector(), Error);
+  EXPECT_EQ(autograd::saved_bytes(), base);
+}
+
+TEST(Autograd, CheckpointLayerMisuseOfShapeOnlyOutputsThrows) {
+  autograd::clear_tape();
+  auto calls = std::make_shared<int>(0);
+  Tensor x = rnd({8}, 32).requires_grad_();
+  Tensor w = rnd({8}, 33).requires_grad_();
+  // The first run may not return a shape-only output, checkpointed or not.
+  const autograd::RecomputeFunction always = [&](const std::vector<Tensor>& in, bool) {
+    return std::vector<Tensor>{fused(in, /*recompute=*/true, calls)};
+  };
+  for (const Checkpoint ck : {Checkpoint::on, Checkpoint::off})
+    EXPECT_NE(error_of([&] {
+                autograd::checkpoint_layer(always, {x, w}, ck);
+              }).find("of the first run is shape-only"),
+              std::string::npos);
+  autograd::clear_tape();
+  // A recompute that reads its shape-only output (here: an op on top of it) throws in backward.
+  const autograd::RecomputeFunction reads = [&](const std::vector<Tensor>& in, bool recompute) {
+    return std::vector<Tensor>{tanh_op(fused(in, recompute, calls))};
+  };
+  Tensor out = autograd::checkpoint_layer(reads, {x, w}, Checkpoint::on).at(0);
+  EXPECT_NE(error_of([&] { backward(sum(out)); }).find("no storage"), std::string::npos);
+  autograd::clear_tape();
+}
+
+TEST(Autograd, CheckpointLetsGoOfItsFunctionBeforeTheSubBackward) {
+  autograd::clear_tape();
+  auto kept = std::make_shared<int>(7);  // stands for what a layer's closure keeps for its recompute
+  std::weak_ptr<int> watch = kept;
+  auto calls = std::make_shared<int>(0);
+  bool alive_in_sub_backward = true;
+  class Probe : public Node {  // records whether the closure's state was still alive when its backward ran
+   public:
+    Probe(std::weak_ptr<int> w, bool* alive) : w_(std::move(w)), alive_(alive) {}
+    const char* name() const override { return "test_probe"; }
+    std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
+      *alive_ = !w_.expired();
+      return {g[0].clone()};
+    }
+
+   private:
+    std::weak_ptr<int> w_;
+    bool* alive_;
+  };
+  Tensor x = rnd({8}, 34).requires_grad_();
+  Tensor w = rnd({8}, 35).requires_grad_();
+  Tensor out;
+  {
+    const autograd::RecomputeFunction fn = [kept, calls, watch, &alive_in_sub_backward](const std::vector<Tensor>& in,
+                                                                                        bool) {
+      Tensor y = fused(in, false, calls);
+      Tensor o = y.detach().clone();
+      autograd::record(std::make_shared<Probe>(watch, &alive_in_sub_backward), {y}, {o});
+      return std::vector<Tensor>{o};
+    };
+    out = autograd::checkpoint_layer(fn, {x, w}, Checkpoint::on).at(0);
+  }
+  kept.reset();
+  EXPECT_FALSE(watch.expired());  // the checkpoint node holds fn until its backward
+  backward(sum(out));
+  EXPECT_FALSE(alive_in_sub_backward);
+  EXPECT_TRUE(watch.expired());
+  EXPECT_TRUE(x.grad().defined());
   autograd::clear_tape();
 }
 

@@ -10,6 +10,7 @@
 #include <functional>
 #include <string>
 
+#include "autograd/tensor_internals.h"
 #include "bigdn_fixtures.h"
 #include "kernels/kernels.h"
 #include "util/test_util.h"
@@ -349,7 +350,11 @@ TEST(BigdnAutograd, CheckpointGivesBitwiseEqualGradsAndSavesLess) {
     EXPECT_LT(saved[1], saved[0]) << "checkpoint on should keep fewer bytes";
     EXPECT_GT(saved[1], 0u);
     std::printf("[checkpoint] %s saved bytes: off %zu, on %zu\n", dtype_name(dt), saved[0], saved[1]);
-    const LayerRun a = run_layer(off, w), b = run_layer(on, w);
+    const size_t made = gdncp::detail::TensorInternals::shape_only_made();
+    const LayerRun a = run_layer(off, w);
+    EXPECT_EQ(gdncp::detail::TensorInternals::shape_only_made(), made) << "no checkpoint, no recompute";
+    const LayerRun b = run_layer(on, w);
+    EXPECT_EQ(gdncp::detail::TensorInternals::shape_only_made(), made + 1) << "the recompute's out must be shape-only";
     EXPECT_TRUE(bitwise_equal(a.out, b.out));
     for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_TRUE(bitwise_equal(a.grads[i], b.grads[i])) << kGradNames[i];
     EXPECT_EQ(autograd::saved_bytes(), 0u) << "saved tensors must be freed after backward";

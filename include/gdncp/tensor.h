@@ -55,6 +55,9 @@ namespace autograd {
 class Node;
 struct AutogradMeta;
 }  // namespace autograd
+namespace detail {
+struct TensorInternals;  // src/autograd/tensor_internals.h (internal: shape-only tensors)
+}  // namespace detail
 
 // Raw memory of one tensor (or of several that share it through reshape/detach).
 struct Storage {
@@ -106,6 +109,8 @@ class Tensor {
   std::string str() const;  // "f32[2, 3] cpu"
 
   // --- data ------------------------------------------------------------
+  // Throws for a tensor without storage (internal: the shape-only outputs of a
+  // checkpoint recompute, whose values are never computed).
   void* data();
   const void* data() const;
   template <typename T>
@@ -148,6 +153,7 @@ class Tensor {
   bool storage_unique() const;
 
  private:
+  friend struct detail::TensorInternals;
   explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<TensorImpl> impl_;
 };

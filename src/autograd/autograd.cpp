@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "autograd/tape.h"
+#include "autograd/tensor_internals.h"
 #include "autograd/tensor_math.h"
 #include "gdncp/error.h"
 
@@ -51,6 +52,8 @@ void Node::save(const Tensor& t) {
     saved_.emplace_back();
     return;
   }
+  GDNCP_CHECK(!detail::is_shape_only(t), name(), ": save(): ", t.str(),
+              " has no values to keep for backward (Note [shape-only tensors])");
   saved_.push_back(t.detach());  // detached: an output saved by its own node would form a cycle
   saved_nbytes_ += t.nbytes();
   g_saved_bytes += t.nbytes();

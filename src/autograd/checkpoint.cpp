@@ -6,7 +6,13 @@
 // back-propagates the output gradients through that sub-tape. The recomputed
 // forward is the same code on the same inputs, so the gradients are bitwise
 // those of the un-checkpointed graph (for inputs used only inside fn).
+//
+// Memory in backward: the node lets go of fn (and whatever its closure keeps
+// for the recompute) as soon as the recompute has run, so the sub-backward's
+// peak carries only the rebuilt graph; a layer's recompute may return its
+// outputs shape-only (Note [checkpoint recompute]).
 #include "autograd/tape.h"
+#include "autograd/tensor_internals.h"
 #include "gdncp/autograd.h"
 #include "gdncp/error.h"
 
@@ -40,6 +46,7 @@ class CheckpointNode : public Node {
   const char* name() const override { return "checkpoint"; }
 
   std::vector<Tensor> backward(const std::vector<Tensor>& grad_outputs) override {
+    GDNCP_CHECK(fn_, "checkpoint: this checkpoint's backward already ran (or failed part-way)");
     std::vector<Tensor> inputs;
     for (size_t i = 0; i < requires_grad_.size(); ++i) {
       Tensor x = saved(i);
@@ -49,7 +56,12 @@ class CheckpointNode : public Node {
     Tape sub;
     TapeScope scope(sub);
     EnableGradGuard grad_on;
-    std::vector<Tensor> outputs = fn_(inputs);
+    std::vector<Tensor> outputs;
+    {
+      const Function fn = std::move(fn_);  // freed after this one re-run, with what its closure kept
+      fn_ = nullptr;
+      outputs = fn(inputs);
+    }
     GDNCP_CHECK(outputs.size() == grad_outputs.size(), "checkpoint: the recomputed function returned ",
                 outputs.size(), " outputs, the first run ", grad_outputs.size());
     std::vector<Tensor> roots, grads;
@@ -90,14 +102,23 @@ std::vector<Tensor> checkpoint(const Function& fn, const std::vector<Tensor>& in
 // to rebuild the sub-graph it back-propagates through; the outputs of that run
 // are roots of the sub-backward, whose values backward never reads. A layer
 // that records one fused node can therefore skip the kernels that only write
-// its outputs (phase C of the BiGDN layer, about a fifth of its forward).
+// its outputs (phase C of the BiGDN layer, about a fifth of its forward) and
+// return those outputs shape-only (Note [shape-only tensors] in
+// src/autograd/tensor_internals.h): no memory for them at the backward's peak,
+// and any read of them throws. Only the re-run may do so: the first run's
+// outputs reach the caller.
 std::vector<Tensor> checkpoint_layer(const RecomputeFunction& fn, const std::vector<Tensor>& inputs,
                                      Checkpoint mode) {
   auto ran = std::make_shared<bool>(false);
   const Function once_then_recompute = [fn, ran](const std::vector<Tensor>& x) {
     const bool recompute = *ran;
     *ran = true;
-    return fn(x, recompute);
+    std::vector<Tensor> outputs = fn(x, recompute);
+    if (!recompute)
+      for (size_t k = 0; k < outputs.size(); ++k)
+        GDNCP_CHECK(!detail::is_shape_only(outputs[k]), "checkpoint_layer: output ", k, " (", outputs[k].str(),
+                    ") of the first run is shape-only; only the recompute may skip writing its outputs");
+    return outputs;
   };
   return checkpoint(once_then_recompute, inputs, mode);
 }

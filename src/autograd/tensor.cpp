@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "autograd/device.h"
+#include "autograd/tensor_internals.h"
 #include "autograd/tensor_math.h"
 #include "gdncp/autograd.h"
 #include "gdncp/error.h"
@@ -133,6 +134,7 @@ Tensor host_generated(const Shape& shape, DType dtype, Device device, const Gen&
 }
 
 std::atomic<uint64_t> g_next_id{1};
+std::atomic<size_t> g_shape_only_made{0};
 
 }  // namespace
 
@@ -182,7 +184,40 @@ const TensorImpl& checked(const std::shared_ptr<TensorImpl>& impl) {
   GDNCP_CHECK(impl != nullptr, "Tensor: use of an undefined tensor");
   return *impl;
 }
+
+// An empty storage under a shape with elements (Note [shape-only tensors]).
+bool lacks_storage(const TensorImpl& t) {
+  return t.storage->nbytes < static_cast<size_t>(numel_of(t.shape)) * dtype_size(t.dtype);
+}
+
+void* storage_ptr(const std::shared_ptr<TensorImpl>& impl) {
+  const TensorImpl& t = checked(impl);
+  GDNCP_CHECK(!lacks_storage(t), "Tensor: ", dtype_name(t.dtype), shape_str(t.shape),
+              " has no storage: it is the shape-only output of a checkpoint recompute, whose values are never "
+              "computed (Note [shape-only tensors])");
+  return t.storage->ptr;
+}
 }  // namespace
+
+// --- shape-only tensors (src/autograd/tensor_internals.h) ---------------------------------
+
+namespace detail {
+
+Tensor TensorInternals::shape_only(const Shape& shape, DType dtype, Device device) {
+  for (int64_t s : shape) GDNCP_CHECK(s >= 0, "shape_only: negative size in shape ", shape_str(shape));
+  auto impl = std::make_shared<TensorImpl>();
+  impl->shape = shape;
+  impl->dtype = dtype;
+  impl->storage = std::make_shared<Storage>(0, device);  // nothing allocated
+  ++g_shape_only_made;
+  return Tensor(std::move(impl));
+}
+
+bool TensorInternals::is_shape_only(const Tensor& t) { return t.defined() && lacks_storage(*t.impl_); }
+
+size_t TensorInternals::shape_only_made() { return g_shape_only_made.load(); }
+
+}  // namespace detail
 
 const Shape& Tensor::shape() const { return checked(impl_).shape; }
 
@@ -199,11 +234,12 @@ Device Tensor::device() const { return checked(impl_).storage->device; }
 
 std::string Tensor::str() const {
   if (!defined()) return "undefined";
-  return std::string(dtype_name(dtype())) + shape_str(shape()) + " " + device_name(device());
+  return std::string(dtype_name(dtype())) + shape_str(shape()) + " " + device_name(device()) +
+         (lacks_storage(*impl_) ? " (shape-only)" : "");
 }
 
-void* Tensor::data() { return checked(impl_).storage->ptr; }
-const void* Tensor::data() const { return checked(impl_).storage->ptr; }
+void* Tensor::data() { return storage_ptr(impl_); }
+const void* Tensor::data() const { return storage_ptr(impl_); }
 
 template <typename T>
 T* Tensor::data_ptr() {

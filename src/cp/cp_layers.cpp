@@ -18,6 +18,7 @@
 // theirs, partial per rank (all_reduce_grads sums them). All fresh tensors.
 #include <memory>
 
+#include "autograd/tensor_internals.h"
 #include "cp/kv_z_scan.h"
 #include "cp/scan_engine.h"
 #include "cp/validate_cp.h"
@@ -54,12 +55,16 @@ class CpLayerNode : public autograd::Node {
     }
   }
 
+  // Note [early release]: the saved forward state (P, Pz, the composites, M,
+  // z, the scan states) is consumed once the scan backward is done, and the
+  // peak of the backward comes after it (Prep's backward holds dq̂, dk̂ and dqkv
+  // at once). So the node keeps handles to what Prep's backward still reads
+  // (the inputs, rstd) and releases its saved tensors there, with dM, dz and
+  // the scan's adjoints.
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
-    const auto input = [&](int i) -> const Tensor& { return saved(static_cast<size_t>(i)); };
-    const auto mid = [&](size_t k) -> const Tensor& { return saved(kNumInputs + k); };
-    const Tensor &qkv = input(kQkv), &beta = input(kBeta), &decay = input(kDecay), &qw = input(kQNormW),
-                 &kw = input(kKNormW), &cs = input(kRopeCos), &sn = input(kRopeSin);
-    const Tensor &rstd = mid(0), &P = mid(1), &Pz = mid(2), &gathered = mid(3), &M = mid(4), &z = mid(5);
+    // Handles, not references into the saved list: they outlive release().
+    const Tensor qkv = saved(kQkv), beta = saved(kBeta), decay = saved(kDecay), qw = saved(kQNormW),
+                 kw = saved(kKNormW), cs = saved(kRopeCos), sn = saved(kRopeSin), rstd = saved(kRstd);
     const Dims& d = d_;
     const Device dev = qkv.device();
     const DType ct = compute_dtype(qkv.dtype());
@@ -68,21 +73,17 @@ class CpLayerNode : public autograd::Node {
     // Output (phase C) backward.
     Tensor dq_hat = Tensor::empty({B, N, H, D}, grad_hat_dtype(mode_, qkv.dtype()), dev);
     Tensor dM = Tensor::empty({BH, F, D, D}, ct, dev), dz = Tensor::empty({BH, F, D}, ct, dev);
+    const Tensor &M = saved(kM), &z = saved(kZ);  // not used after release()
     if (bidi_)
       kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], Tensor(), qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, true, mode_);
     else
       kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], grads[1], qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, false, mode_);
 
-    // CP scan backward (one all-gather).
-    ScanContext ctx{&comm_, BH, F, D, decay, gathered};
-    std::vector<ScanJob> jobs = detail::kv_z_jobs(P, Tensor(), Pz, Tensor(), D, F, bidi_, cpo_, comm_.rank());
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      jobs[i].Y = mid(6 + 2 * i);
-      jobs[i].X0 = mid(7 + 2 * i);
-    }
-    const bool terminal = !bidi_ && cpo_.truncate_to_active > 0;  // outputs 2, 3: the terminal M, z
-    const detail::KvZGrads s =
-        detail::kv_z_backward(ctx, jobs, bidi_, dM, dz, terminal ? grads[2] : Tensor(), terminal ? grads[3] : Tensor());
+    // CP scan backward (one all-gather); then the saved state goes (Note [early release]).
+    const detail::KvZGrads s = scan_backward(grads, dM, dz);
+    dM = Tensor();
+    dz = Tensor();
+    release();
 
     // Prep (phase A + RMSNorm) backward.
     const PrepGrads g = prep_backward(dq_hat, s.dP, s.dA, s.dPz, s.dbz, qkv, rstd, qw, kw, cs, sn, beta, d,
@@ -98,6 +99,25 @@ class CpLayerNode : public autograd::Node {
   }
 
  private:
+  // Slots of the saved list after the inputs (save_state's order).
+  enum Saved : size_t { kRstd = kNumInputs, kP, kPz, kGathered, kM, kZ, kJobs };
+
+  // The CP scans' backward (one all-gather) over the saved state; its jobs,
+  // with their adjoints and handles, go on return.
+  detail::KvZGrads scan_backward(const std::vector<Tensor>& grads, const Tensor& dM, const Tensor& dz) const {
+    const Dims& d = d_;
+    ScanContext ctx{&comm_, d.BH(), d.F, d.D, saved(kDecay), saved(kGathered)};
+    std::vector<ScanJob> jobs =
+        detail::kv_z_jobs(saved(kP), Tensor(), saved(kPz), Tensor(), d.D, d.F, bidi_, cpo_, comm_.rank());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      jobs[i].Y = saved(kJobs + 2 * i);
+      jobs[i].X0 = saved(kJobs + 2 * i + 1);
+    }
+    const bool terminal = !bidi_ && cpo_.truncate_to_active > 0;  // outputs 2, 3: the terminal M, z
+    return detail::kv_z_backward(ctx, jobs, bidi_, dM, dz, terminal ? grads[2] : Tensor(),
+                                 terminal ? grads[3] : Tensor());
+  }
+
   Communicator& comm_;
   Dims d_;
   BigdnOptions opt_;
@@ -109,7 +129,7 @@ class CpLayerNode : public autograd::Node {
 // The fused forward on validated inputs; records one CpLayerNode when needed.
 // keep: the gathered composites, reused when set (checkpoint recompute: no
 // collective) and filled otherwise. recompute: the checkpoint's re-run in
-// backward, which skips phase C and leaves num/den/out unwritten, as their
+// backward, which skips phase C and returns num/den/out shape-only, as their
 // values are never read (Note [checkpoint recompute] in src/autograd/checkpoint.cpp);
 // terminal states are by-products of the scan and stay written.
 std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>& in, const Dims& d,
@@ -133,15 +153,18 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   if (keep) *keep = ctx.gathered;
   const auto [M, z] = detail::kv_z_states(jobs, bidi);
 
-  // Output: phase C once for both directions.
+  // Output: phase C once for both directions; the recompute's outputs are shape-only.
+  const auto output = [&](const Shape& shape, DType dtype) {
+    return recompute ? gdncp::detail::shape_only(shape, dtype, dev) : Tensor::empty(shape, dtype, dev);
+  };
   std::vector<Tensor> outputs;
-  Tensor den = Tensor::empty({B, H, N}, ct, dev);
+  Tensor den = output({B, H, N}, ct);
   if (bidi) {
-    Tensor out = Tensor::empty({B, N, H, D}, qkv.dtype(), dev);
+    Tensor out = output({B, N, H, D}, qkv.dtype());
     if (!recompute) kernels::phase_c_fwd(out, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/true, mode);
     outputs = {out};
   } else {
-    Tensor num = Tensor::empty({B, N, H, D}, ct, dev);
+    Tensor num = output({B, N, H, D}, ct);
     if (!recompute) kernels::phase_c_fwd(num, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/false, mode);
     outputs = {num, den};
     if (cpo.truncate_to_active > 0) {

@@ -16,6 +16,7 @@
 #include <memory>
 #include <utility>
 
+#include "autograd/tensor_internals.h"
 #include "gdncp/error.h"
 #include "gdncp/ops.h"
 #include "kernels/kernels.h"
@@ -97,7 +98,7 @@ class BigdnNode : public autograd::Node {
 
 // The fused forward on validated inputs; records one BigdnNode when needed.
 // write_out false: the checkpoint's re-run in backward, which skips phase C
-// (Note [checkpoint recompute] in src/autograd/checkpoint.cpp).
+// and returns out shape-only (Note [checkpoint recompute] in src/autograd/checkpoint.cpp).
 Tensor bigdn_fused(const std::vector<Tensor>& in, const Dims& d, const BigdnOptions& opt, bool write_out) {
   const Tensor &qkv = in[kQkv], &beta = in[kBeta], &decay = in[kDecay], &qw = in[kQNormW], &kw = in[kKNormW],
                &cs = in[kRopeCos], &sn = in[kRopeSin];
@@ -121,7 +122,9 @@ Tensor bigdn_fused(const std::vector<Tensor>& in, const Dims& d, const BigdnOpti
   m.zsum = Tensor::empty({BH, F, D}, ct, dev);
   kernels::scan_bidi_fwd(m.Mf, m.Mr, m.Msum, m.zf, m.zr, m.zsum, m.P, A, m.Pz, bz, decay, d);
 
-  Tensor out = Tensor::empty({B, N, H, D}, qkv.dtype(), dev);
+  // The checkpoint's re-run returns out shape-only (Note [checkpoint recompute]).
+  Tensor out =
+      write_out ? Tensor::empty({B, N, H, D}, qkv.dtype(), dev) : detail::shape_only({B, N, H, D}, qkv.dtype(), dev);
   if (write_out) {
     Tensor den = Tensor::empty({B, H, N}, ct, dev);
     kernels::phase_c_fwd(out, den, qkv, m.rstd, qw, cs, sn, m.Msum, m.zsum, d, opt.eps, /*divide=*/true, mode);
