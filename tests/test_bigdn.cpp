@@ -619,6 +619,37 @@ TEST(BigdnTwins, RejectGradHatOfAnotherDtype) {
       "dk_hat");
 }
 
+// rms_norm_bwd one stream at a time (the layer runs q's right after phase C's backward): each call
+// writes only its stream's channel and weight gradient, and the two calls together give bitwise
+// what one call with both hats gives. Both hats undefined is an error.
+TEST(BigdnTwins, RmsNormBwdOneStreamAtATime) {
+  const Dims d = dims(1, 2, 8, 2, 3);
+  for (DType dt : {DType::f32, DType::f64}) {
+    const LayerInputs in = make_layer_inputs(d, dt, 1300);
+    const DType ct = compute_dtype(dt);
+    const Shape tok = {d.B, d.N(), d.H, d.D};
+    Tensor rstd = Tensor::empty({d.B, d.N(), 2}, ct);
+    cpu::rms_stats(rstd, in.qkv, in.q_norm_w, in.k_norm_w, d, 1e-5);
+    const Tensor dqh = Tensor::randn(tok, ct, kCpu, 1301), dkh = Tensor::randn(tok, ct, kCpu, 1302);
+    Tensor both = poisoned(in.qkv.shape(), dt), bqw = poisoned({d.C()}, ct), bkw = poisoned({d.C()}, ct);
+    cpu::rms_norm_bwd(both, bqw, bkw, dqh, dkh, in.qkv, rstd, in.q_norm_w, in.k_norm_w, d);
+
+    Tensor split = poisoned(in.qkv.shape(), dt), sqw = poisoned({d.C()}, ct), skw = poisoned({d.C()}, ct);
+    cpu::rms_norm_bwd(split, sqw, skw, dqh, Tensor(), in.qkv, rstd, in.q_norm_w, in.k_norm_w, d);
+    const std::vector<double> v = split.to_vector();
+    for (size_t e = 0; e < v.size(); ++e)  // only channel 0 written
+      ASSERT_EQ(std::isfinite(v[e]), (e / static_cast<size_t>(d.C())) % 3 == 0) << dtype_name(dt) << " element " << e;
+    EXPECT_TRUE(has_nonfinite(skw)) << "q's call must leave dk_norm_w untouched";
+    cpu::rms_norm_bwd(split, sqw, skw, Tensor(), dkh, in.qkv, rstd, in.q_norm_w, in.k_norm_w, d);
+    EXPECT_TRUE(bitwise_equal(split, both)) << dtype_name(dt);  // channel 2 holds the same poison in both
+    EXPECT_TRUE(bitwise_equal(sqw, bqw)) << dtype_name(dt);
+    EXPECT_TRUE(bitwise_equal(skw, bkw)) << dtype_name(dt);
+    expect_error_naming(
+        [&] { cpu::rms_norm_bwd(split, sqw, skw, Tensor(), Tensor(), in.qkv, rstd, in.q_norm_w, in.k_norm_w, d); },
+        "dq_hat and dk_hat");
+  }
+}
+
 TEST(BigdnTwins, RejectShapesThatDoNotMatchDims) {
   const Dims d = dims(1, 2, 8, 2, 3);
   const LayerInputs in = make_layer_inputs(d, DType::f32, 995);

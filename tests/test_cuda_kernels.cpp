@@ -271,6 +271,22 @@ TEST(CudaTwins, RmsNormBwd) {
           EXPECT_TRUE(has_nonfinite(channel(gdqkv, 2))) << "rms_norm_bwd must leave channel 2 of dqkv untouched" << tag;
           if (dqw.defined()) expect_close(gdqw, dqw, 1e-5, "rms_norm_bwd dq_norm_w" + tag);
           if (dkw.defined()) expect_close(gdkw, dkw, 1e-5, "rms_norm_bwd dk_norm_w" + tag);
+          // One stream per call (as the layer runs them): bitwise the two-stream call, channel 2 untouched.
+          Tensor sdqkv = poisoned(in.qkv.shape(), dt), sdqw, sdkw;
+          if (gdqw.defined()) sdqw = poisoned({d.C()}, DType::f32);
+          if (gdkw.defined()) sdkw = poisoned({d.C()}, DType::f32);
+          kernels::rms_norm_bwd(sdqkv, sdqw, sdkw, gpu(dqh), Tensor(), gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w),
+                                gpu(in.k_norm_w), d);
+          EXPECT_TRUE(has_nonfinite(channel(sdqkv, 1))) << "q's call must leave channel 1 untouched" << tag;
+          kernels::rms_norm_bwd(sdqkv, sdqw, sdkw, Tensor(), gpu(dkh), gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w),
+                                gpu(in.k_norm_w), d);
+          EXPECT_TRUE(bitwise_equal(sdqkv, gdqkv)) << "rms_norm_bwd one stream at a time" << tag;
+          if (sdqw.defined()) {
+            EXPECT_TRUE(bitwise_equal(sdqw, gdqw)) << tag;
+          }
+          if (sdkw.defined()) {
+            EXPECT_TRUE(bitwise_equal(sdkw, gdkw)) << tag;
+          }
         }
 }
 

@@ -5,8 +5,8 @@
 // scan engine (Note [CP scan]):
 //   forward:  rms_stats → phase_a_fwd (Prep, once) → CP scans (one all-gather)
 //             → phase_c_fwd (Output, once; divide for the layer, raw otherwise)
-//   backward: phase_c_bwd → CP scan backward (one all-gather) → phase_a_bwd
-//             → rms_norm_bwd
+//   backward: phase_c_bwd → rms_norm_bwd(q) → CP scan backward (one all-gather)
+//             → phase_a_bwd → rms_norm_bwd(k)
 // The bidirectional layer runs the forward scan and the anti-causal scan over
 // the same per-frame transitions: the anti-causal one is the rank-reversed scan
 // of the flipped frames, shifted by one frame. The shift needs no halo
@@ -57,8 +57,8 @@ class CpLayerNode : public autograd::Node {
 
   // Note [early release]: the saved forward state (P, Pz, the composites, M,
   // z, the scan states) is consumed once the scan backward is done, and the
-  // peak of the backward comes after it (Prep's backward holds dq̂, dk̂ and dqkv
-  // at once). So the node keeps handles to what Prep's backward still reads
+  // peak of the backward comes after it (Prep's backward holds dk̂ and dqkv; q's
+  // RMSNorm backward already ran, so dq̂ is gone). So the node keeps handles to what Prep's backward still reads
   // (the inputs, rstd) and releases its saved tensors there, with dM, dz and
   // the scan's adjoints.
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
@@ -70,7 +70,7 @@ class CpLayerNode : public autograd::Node {
     const DType ct = compute_dtype(qkv.dtype());
     const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
 
-    // Output (phase C) backward.
+    // Output (phase C) backward, then q's RMSNorm backward, so that dq̂ is gone before dk̂ exists.
     Tensor dq_hat = Tensor::empty({B, N, H, D}, grad_hat_dtype(mode_, qkv.dtype()), dev);
     Tensor dM = Tensor::empty({BH, F, D, D}, ct, dev), dz = Tensor::empty({BH, F, D}, ct, dev);
     const Tensor &M = saved(kM), &z = saved(kZ);  // not used after release()
@@ -78,6 +78,9 @@ class CpLayerNode : public autograd::Node {
       kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], Tensor(), qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, true, mode_);
     else
       kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], grads[1], qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, false, mode_);
+    PrepGrads g = prep_backward_q(dq_hat, qkv, rstd, qw, kw, beta, d, needs_input_grad(kQNormW),
+                                  needs_input_grad(kKNormW));
+    dq_hat = Tensor();
 
     // CP scan backward (one all-gather); then the saved state goes (Note [early release]).
     const detail::KvZGrads s = scan_backward(grads, dM, dz);
@@ -85,9 +88,8 @@ class CpLayerNode : public autograd::Node {
     dz = Tensor();
     release();
 
-    // Prep (phase A + RMSNorm) backward.
-    const PrepGrads g = prep_backward(dq_hat, s.dP, s.dA, s.dPz, s.dbz, qkv, rstd, qw, kw, cs, sn, beta, d,
-                                      opt_.k_scale, mode_, needs_input_grad(kQNormW), needs_input_grad(kKNormW));
+    // Prep (phase A + k's RMSNorm) backward.
+    prep_backward_k(g, s.dP, s.dA, s.dPz, s.dbz, qkv, rstd, kw, cs, sn, beta, d, opt_.k_scale, mode_);
 
     std::vector<Tensor> out(kNumInputs);
     if (needs_input_grad(kQkv)) out[kQkv] = g.dqkv;

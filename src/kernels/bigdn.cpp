@@ -2,7 +2,7 @@
 //
 // bigdn() is one autograd node over the fused kernel twins (kernels.h):
 //   forward:  rms_stats → phase_a_fwd → scan_bidi_fwd → phase_c_fwd(divide)
-//   backward: phase_c_bwd → scan_bidi_bwd → phase_a_bwd → rms_norm_bwd
+//   backward: phase_c_bwd → rms_norm_bwd(q) → scan_bidi_bwd → phase_a_bwd → rms_norm_bwd(k)
 // With checkpointing on, autograd::checkpoint keeps only the inputs and
 // re-runs the forward in backward. bigdn_unfused() composes the fine ops of
 // gdncp/ops.h instead (one node per op), an independent check of the math.
@@ -72,14 +72,16 @@ class BigdnNode : public autograd::Node {
     Tensor dMsum = Tensor::empty({BH, F, D, D}, ct, dev), dzsum = Tensor::empty({BH, F, D}, ct, dev);
     kernels::phase_c_bwd(dq_hat, dMsum, dzsum, grads[0], Tensor(), qkv, rstd, qw, cs, sn, Msum, zsum, d, opt_.eps,
                          /*divide=*/true, mode_);
+    PrepGrads g = prep_backward_q(dq_hat, qkv, rstd, qw, kw, beta, d, needs_input_grad(kQNormW),
+                                  needs_input_grad(kKNormW));
+    dq_hat = Tensor();
 
     Tensor dP = Tensor::empty({BH, F, D, D}, ct, dev), dA = Tensor::empty({BH, F, D, D}, ct, dev);
     Tensor dPz = Tensor::empty({BH, F, D, D}, ct, dev), dbz = Tensor::empty({BH, F, D}, ct, dev);
     Tensor ddecay = Tensor::empty(decay.shape(), decay.dtype(), dev);
     kernels::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, d);
 
-    const PrepGrads g = prep_backward(dq_hat, dP, dA, dPz, dbz, qkv, rstd, qw, kw, cs, sn, beta, d, opt_.k_scale, mode_,
-                                      needs_input_grad(kQNormW), needs_input_grad(kKNormW));
+    prep_backward_k(g, dP, dA, dPz, dbz, qkv, rstd, kw, cs, sn, beta, d, opt_.k_scale, mode_);
 
     std::vector<Tensor> out(kNumInputs);
     if (needs_input_grad(kQkv)) out[kQkv] = g.dqkv;

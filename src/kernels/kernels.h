@@ -104,7 +104,9 @@ inline DType grad_hat_dtype(MathMode mode, DType qkv_dtype) {
      dqkv (qkv dtype; channel 2 untouched) and, when defined, dq_norm_w / dk_norm_w (C) in the weight dtype.        \
      With x the raw channel, r its rstd:                                                                            \
        dx = r·w·dx̂ − (r³/C)·x·Σ_c w_c dx̂_c x_c,   dw_c = Σ_tokens dx̂_c·x_c·r.                                       \
-     Reductions run in a fixed order (bitwise reproducible). */                                                      \
+     Reductions run in a fixed order (bitwise reproducible). One of dq_hat, dk_hat may be undefined: that stream's  \
+     channel of dqkv and its weight gradient are left untouched (the layer runs q's as soon as phase C's backward   \
+     has made dq_hat, so that dq_hat and dk_hat are never alive together). */                                         \
   void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tensor& dq_hat, const Tensor& dk_hat,   \
                     const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& k_norm_w,           \
                     const Dims& d);                                                                                 \

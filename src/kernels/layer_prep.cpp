@@ -19,21 +19,28 @@ Prep prep_forward(const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_nor
   return p;
 }
 
-PrepGrads prep_backward(const Tensor& dq_hat, const Tensor& dP, const Tensor& dA, const Tensor& dPz, const Tensor& dbz,
-                        const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& k_norm_w,
-                        const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta, const Dims& d,
-                        double k_scale, MathMode mode, bool want_dq_norm_w, bool want_dk_norm_w) {
+PrepGrads prep_backward_q(const Tensor& dq_hat, const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w,
+                          const Tensor& k_norm_w, const Tensor& beta, const Dims& d, bool want_dq_norm_w,
+                          bool want_dk_norm_w) {
   const Device dev = qkv.device();
-  Tensor dk_hat = Tensor::empty({d.B, d.N(), d.H, d.D}, grad_hat_dtype(mode, qkv.dtype()), dev);
   PrepGrads g;
   g.dqkv = Tensor::empty(qkv.shape(), qkv.dtype(), dev);
   g.dbeta = Tensor::empty(beta.shape(), beta.dtype(), dev);
-  kernels::phase_a_bwd(dk_hat, g.dqkv, g.dbeta, dP, dA, dPz, dbz, qkv, rstd, k_norm_w, rope_cos, rope_sin, beta, d,
-                       k_scale, mode);
   if (q_norm_w.defined() && want_dq_norm_w) g.dq_norm_w = Tensor::empty(q_norm_w.shape(), q_norm_w.dtype(), dev);
   if (k_norm_w.defined() && want_dk_norm_w) g.dk_norm_w = Tensor::empty(k_norm_w.shape(), k_norm_w.dtype(), dev);
-  kernels::rms_norm_bwd(g.dqkv, g.dq_norm_w, g.dk_norm_w, dq_hat, dk_hat, qkv, rstd, q_norm_w, k_norm_w, d);
+  Tensor none;
+  kernels::rms_norm_bwd(g.dqkv, g.dq_norm_w, none, dq_hat, Tensor(), qkv, rstd, q_norm_w, k_norm_w, d);
   return g;
+}
+
+void prep_backward_k(PrepGrads& g, const Tensor& dP, const Tensor& dA, const Tensor& dPz, const Tensor& dbz,
+                     const Tensor& qkv, const Tensor& rstd, const Tensor& k_norm_w, const Tensor& rope_cos,
+                     const Tensor& rope_sin, const Tensor& beta, const Dims& d, double k_scale, MathMode mode) {
+  Tensor dk_hat = Tensor::empty({d.B, d.N(), d.H, d.D}, grad_hat_dtype(mode, qkv.dtype()), qkv.device());
+  kernels::phase_a_bwd(dk_hat, g.dqkv, g.dbeta, dP, dA, dPz, dbz, qkv, rstd, k_norm_w, rope_cos, rope_sin, beta, d,
+                       k_scale, mode);
+  Tensor none;
+  kernels::rms_norm_bwd(g.dqkv, none, g.dk_norm_w, Tensor(), dk_hat, qkv, rstd, Tensor(), k_norm_w, d);
 }
 
 }  // namespace gdncp

@@ -4,7 +4,8 @@
 // and Output.
 //
 //   forward:  rms_stats → phase_a_fwd (k prep fused)
-//   backward: phase_a_bwd → rms_norm_bwd (q's dq̂ comes from phase C's backward)
+//   backward: rms_norm_bwd of q (its dq̂ comes from phase C's backward), then
+//             phase_a_bwd → rms_norm_bwd of k
 // Shapes and dtypes as kernels.h says; every result is a fresh tensor on qkv's
 // device.
 #pragma once
@@ -30,13 +31,19 @@ struct PrepGrads {
   Tensor dq_norm_w, dk_norm_w;  // the weight's dtype; undefined unless asked for and the weight is defined
 };
 
-// Backward of Prep given dq_hat = dL/dq̂ (B, N, H, D) in grad_hat_dtype(mode)
-// (bf16 in bf16 mode, else the compute dtype) and the gradients of P, A, Pz, bz;
-// dL/dk̂ is made in the same dtype. want_dq_norm_w / want_dk_norm_w: whether the
-// caller needs that weight's gradient.
-PrepGrads prep_backward(const Tensor& dq_hat, const Tensor& dP, const Tensor& dA, const Tensor& dPz, const Tensor& dbz,
-                        const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& k_norm_w,
-                        const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta, const Dims& d,
-                        double k_scale, MathMode mode, bool want_dq_norm_w, bool want_dk_norm_w);
+// Backward of Prep, in two steps so that dq̂ and dk̂ are never alive together (they
+// and dqkv make the peak of the layer's backward):
+//  - prep_backward_q, as soon as phase C's backward has made dq_hat = dL/dq̂
+//    (B, N, H, D) in grad_hat_dtype(mode): allocates the gradients and runs q's
+//    RMSNorm backward (channel 0 of dqkv, dq_norm_w); the caller drops dq_hat then;
+//  - prep_backward_k, given the gradients of P, A, Pz, bz: phase A's backward (the v
+//    channel, dbeta, dL/dk̂ in the same dtype as dq̂) and k's RMSNorm backward.
+// want_dq_norm_w / want_dk_norm_w: whether the caller needs that weight's gradient.
+PrepGrads prep_backward_q(const Tensor& dq_hat, const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w,
+                          const Tensor& k_norm_w, const Tensor& beta, const Dims& d, bool want_dq_norm_w,
+                          bool want_dk_norm_w);
+void prep_backward_k(PrepGrads& g, const Tensor& dP, const Tensor& dA, const Tensor& dPz, const Tensor& dbz,
+                     const Tensor& qkv, const Tensor& rstd, const Tensor& k_norm_w, const Tensor& rope_cos,
+                     const Tensor& rope_sin, const Tensor& beta, const Dims& d, double k_scale, MathMode mode);
 
 }  // namespace gdncp

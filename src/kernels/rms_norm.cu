@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(32 * kBwdMaxWarps, kBwdMinBlocks)
   const int c = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const float* w = c == 0 ? qw : kw;
   const In dxh = c == 0 ? dq_hat : dk_hat;
+  if (!dxh.p) return;  // stream not asked for: its channel stays untouched (the whole block leaves)
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * tokens_per_block;
   const int64_t t1 = min(tokens, t0 + tokens_per_block);
   float* mine = acc + static_cast<int64_t>(warp) * C;
@@ -139,6 +140,7 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
                   const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& k_norm_w,
                   const Dims& d) {
   GDNCP_CHECK(d.B > 0 && d.N() > 0 && d.C() > 0 && d.C() % 2 == 0, "cuda rms_norm_bwd: bad sizes");
+  GDNCP_CHECK(dq_hat.defined() || dk_hat.defined(), "cuda rms_norm_bwd: dq_hat and dk_hat are both undefined");
   const int C = static_cast<int>(d.C());
   const int64_t tokens = d.B * d.N();
   // Warps per block so that their dw accumulators fit in shared memory.
@@ -158,8 +160,9 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
       in_of(dk_hat, "dk_hat"), in_of(qkv, "qkv"), f32_or_null(rstd, "rstd"), f32_or_null(q_norm_w, "q_norm_w"),
       f32_or_null(k_norm_w, "k_norm_w"), tokens, C, per_block);
   GDNCP_CUDA_CHECK(cudaGetLastError());
-  float* dqw = (q_norm_w.defined() && dq_norm_w.defined()) ? f32_out(dq_norm_w, "dq_norm_w") : nullptr;
-  float* dkw = (k_norm_w.defined() && dk_norm_w.defined()) ? f32_out(dk_norm_w, "dk_norm_w") : nullptr;
+  const bool q = dq_hat.defined(), k = dk_hat.defined();
+  float* dqw = (q && q_norm_w.defined() && dq_norm_w.defined()) ? f32_out(dq_norm_w, "dq_norm_w") : nullptr;
+  float* dkw = (k && k_norm_w.defined() && dk_norm_w.defined()) ? f32_out(dk_norm_w, "dk_norm_w") : nullptr;
   if (dqw || dkw) {
     rms_dw_sum_kernel<<<dim3(static_cast<unsigned>((C + 255) / 256), 2), 256, 0, stream()>>>(
         dqw, dkw, static_cast<const float*>(part.data()), static_cast<int>(used), C);

@@ -11,6 +11,8 @@
 // compute dtype or bf16 (read as stored, widened to T).
 // Long reductions (over C channels, over all tokens) accumulate in double in a
 // fixed order, so results are bitwise reproducible.
+#include <utility>
+
 #include "kernels/cpu_common.h"
 #include "kernels/kernels.h"
 
@@ -53,6 +55,7 @@ void rms_norm_bwd_impl(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const
   Tensor* dw_out[2] = {&dq_norm_w, &dk_norm_w};
 
   for (int64_t c = 0; c < 2; ++c) {
+    if (!dxhat_of[c]) continue;  // stream not asked for: its channel stays untouched
     const T* w = w_of[c];
     std::vector<T> dx(static_cast<size_t>(tokens * C));
     std::vector<double> dw(w ? static_cast<size_t>(C) : 0, 0.0);
@@ -106,10 +109,12 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
   const Shape qkv_s = {d.B, d.N(), 3, d.H, d.D}, row_s = {d.B, d.N(), d.H, d.D};
   check_shape(dqkv, qkv_s, op, "dqkv");
   check_shape(qkv, qkv_s, op, "qkv");
-  check_shape(dq_hat, row_s, op, "dq_hat");
-  check_shape(dk_hat, row_s, op, "dk_hat");
-  check_grad_hat(dq_hat, qkv.dtype(), op, "dq_hat");
-  check_grad_hat(dk_hat, qkv.dtype(), op, "dk_hat");
+  GDNCP_CHECK(dq_hat.defined() || dk_hat.defined(), op, ": dq_hat and dk_hat are both undefined");
+  for (const auto& [hat, name] : {std::pair<const Tensor*, const char*>{&dq_hat, "dq_hat"}, {&dk_hat, "dk_hat"}}) {
+    if (!hat->defined()) continue;  // that stream's channel is left untouched
+    check_shape(*hat, row_s, op, name);
+    check_grad_hat(*hat, qkv.dtype(), op, name);
+  }
   check_shape(rstd, {d.B, d.N(), 2}, op, "rstd");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dq_norm_w, &dk_norm_w, &q_norm_w, &k_norm_w})
     check_shape_if_defined(*t, {d.C()}, op, "norm weight");
