@@ -20,8 +20,8 @@
 //    shared memory while the block walks 64-token tiles. Backward grid: B·H·F; a block owns a
 //    frame because dM_f and dz_f sum over its tokens (fixed order, no atomics).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
-#include <cstdlib>
 
 #include "kernels/cuda_common.cuh"
 
@@ -424,7 +424,12 @@ __device__ __forceinline__ void sts8(float* p, const float (&x)[8]) {
   *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
   *reinterpret_cast<float4*>(p + 4) = make_float4(x[4], x[5], x[6], x[7]);
 }
+// Address of element i of a bf16 or f32 tensor (for prefetches).
+__device__ __forceinline__ const void* element(const In& x, int64_t i) {
+  return static_cast<const char*>(x.p) + i * (x.bf ? 2 : 4);
+}
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.L1 [%0];" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.L2 [%0];" ::"l"(p)); }
 
 // The raw inputs of 8 channels of one q row (zero for an invalid row or channels ≥ D).
 struct QRow {
@@ -488,7 +493,9 @@ __device__ __forceinline__ void load_vecs(float* zs, float* ws, const float* __r
 
 // ---------------------------------------------------------------------------
 // forward (bf16): a persistent grid walks the items (frame, 64-token tile) in order,
-// each block a contiguous run of them; M_f is reloaded when the frame changes.
+// each block a contiguous run of them; M_f is reloaded when the frame changes. qʳ and den
+// are double-buffered (one barrier per item), and the q rows of the next item are
+// prefetched to L2 (the RoPE tables, shared by the heads, are in L2 already).
 // ---------------------------------------------------------------------------
 template <int DP>
 struct FwdLd {  // 2 × 4 warps over a KS×DP output tile
@@ -497,8 +504,8 @@ struct FwdLd {  // 2 × 4 warps over a KS×DP output tile
   static constexpr int BATCH = DP == 128 ? 2 : 1;                        // rows whose loads go out together
 };
 template <int DP>
-constexpr size_t fwd_ld_smem_bytes() {  // M_f, qʳ (bf16); z_f, w, den (f32)
-  return static_cast<size_t>(DP + FwdLd<DP>::KS) * FwdLd<DP>::LDH * 2 + (2 * DP + FwdLd<DP>::KS) * 4;
+constexpr size_t fwd_ld_smem_bytes() {  // M_f, 2 × qʳ (bf16); z_f, w, 2 × den (f32)
+  return static_cast<size_t>(DP + 2 * FwdLd<DP>::KS) * FwdLd<DP>::LDH * 2 + (2 * DP + 2 * FwdLd<DP>::KS) * 4;
 }
 
 template <int DP>
@@ -513,10 +520,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int KS = Tl::KS, LDH = Tl::LDH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* Mk = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // M_f [i][j]: B of qʳ M as (n = j, k = i), LdCol
-  __nv_bfloat16* Qh = Mk + DP * LDH;                                // qʳ [s][d]: A as (m = s, k = d), LdRow
-  float* zs = reinterpret_cast<float*>(Qh + KS * LDH);              // z_f [DP]
+  __nv_bfloat16* Qh = Mk + DP * LDH;                                // 2 × qʳ [s][d]: A as (m = s, k = d), LdRow
+  float* zs = reinterpret_cast<float*>(Qh + 2 * KS * LDH);          // z_f [DP]
   float* ws = zs + DP;                                               // q norm weights of head h [DP]
-  float* dens = ws + DP;                                             // den [KS]
+  float* dens = ws + DP;                                             // 2 × den [KS]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rs = tid / RM::LPR, c0 = 8 * (tid % RM::LPR);
@@ -529,12 +536,24 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int64_t bhf = it / ntiles, bh = bhf / F, b = bh / H;
     const int tile = static_cast<int>(it % ntiles), f = static_cast<int>(bhf % F), h = static_cast<int>(bh % H);
     const int s0 = tile * KS;
-    __syncthreads();  // the previous tile is consumed
     if (bhf != cur) {
       cur = bhf;
+      __syncthreads();  // no warp still reads M_f, z_f, w
       load_mat_h<DP, kThreads>(Mk, LDH, M + bhf * D * D, D, vec4);
       load_vecs(zs, ws, z, qw, bhf, h, D, DP);
       __syncthreads();
+    }
+    // Buffer it & 1 was last read by item it − 2, which every warp finished before the barrier of item it − 1.
+    __nv_bfloat16* Qb = Qh + (it & 1) * KS * LDH;
+    float* db = dens + (it & 1) * KS;
+    if (it + 1 < it1 && c0 < D) {  // the q rows of the next item, to L2
+      const int64_t bhx = (it + 1) / ntiles, bx = bhx / F / H;
+      const int hx = static_cast<int>(bhx / F % H), fx = static_cast<int>(bhx % F);
+      const int sx = static_cast<int>((it + 1) % ntiles) * KS + rs;
+#pragma unroll
+      for (int p = 0; p < Tl::NP; ++p)
+        if (sx + p * RM::RPB < S)
+          prefetch_l2(element(qkv, qkv_index(bx, static_cast<int64_t>(fx) * S + sx + p * RM::RPB, 0, hx, c0, N, H, D)));
     }
     float w8[8], z8[8];
     lds8(w8, ws + c0);
@@ -555,13 +574,13 @@ __global__ void __launch_bounds__(kThreads, 2)
           const int r = (p0 + u) * RM::RPB + rs, s = s0 + r;
           float qp[8], qr[8];
           prep8(q[u], w8, qp, qr);
-          st8h(Qh + r * LDH + c0, qr);
+          st8h(Qb + r * LDH + c0, qr);
           float dp = 0.f;
 #pragma unroll
           for (int k = 0; k < 8; ++k) dp += qp[k] * z8[k];
           const float dn = row_sum<RM::LPR>(dp);
           if (tid % RM::LPR == 0) {
-            dens[r] = dn;
+            db[r] = divide ? 1.f / (dn + eps) : 1.f;
             if (s < S) den[bh * N + static_cast<int64_t>(f) * S + s] = dn;
           }
         }
@@ -570,7 +589,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
     const int rows = min(KS, S - s0);
     float acc[Tl::TM][Tl::TN][4] = {};
-    warp_mma_ld<Tl::TM, Tl::TN>(acc, LdRow{Qh, LDH}, m0, LdCol{Mk, LDH}, n0, Kd, rows, D);
+    warp_mma_ld<Tl::TM, Tl::TN>(acc, LdRow{Qb, LDH}, m0, LdCol{Mk, LDH}, n0, Kd, rows, D);
 #pragma unroll
     for (int i = 0; i < Tl::TM; ++i)
 #pragma unroll
@@ -578,7 +597,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int r = m0 + 16 * i + g + 8 * half, s = s0 + r;
         if (s >= S) continue;
         const int64_t n = static_cast<int64_t>(f) * S + s;
-        const float scale = divide ? 1.f / (dens[r] + eps) : 1.f;
+        const float scale = db[r];
 #pragma unroll
         for (int j = 0; j < Tl::TN; ++j) {
           const int col = n0 + 8 * j + 2 * t;
@@ -663,11 +682,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
     const float ddin = (!divide && valid && dden.p) ? dden[bh * N + n] : 0.f;
     if (tile + 1 < tile1 && s + KS < S && c0 < D) {  // the next tile's row, read in a few microseconds
       const int64_t nx = n + KS;
-      prefetch_l1(static_cast<const char*>(qkv.p) + qkv_index(b, nx, 0, h, c0, N, H, D) * (qkv.bf ? 2 : 4));
+      prefetch_l1(element(qkv, qkv_index(b, nx, 0, h, c0, N, H, D)));
       prefetch_l1(rope_cos + nx * D + c0);
       prefetch_l1(rope_sin + nx * D + c0);
       if (dout.p)
-        prefetch_l1(static_cast<const char*>(dout.p) + (row + static_cast<int64_t>(KS) * H * D) * (dout.bf ? 2 : 4));
+        prefetch_l1(element(dout, row + static_cast<int64_t>(KS) * H * D));
     }
     float w8[8], z8[8], qp[8], qr[8];
     lds8(w8, ws + c0);
@@ -773,7 +792,26 @@ void sum_parts(float* dst, const float* parts, int64_t n, int P) {
   GDNCP_CUDA_CHECK(cudaGetLastError());
 }
 
-constexpr int kMaxParts = 8;  // token splits of a frame in the bf16 backward
+// Token parts per frame of the bf16 backward: the fewest tile times over the waves of blocks
+// (a block's own cost — M_f in, dM_f out — counted as 3 tiles) plus the sum of the parts
+// (about a tile per part per SM). Measured on an H200 at B·H·F = 220 (1.67 waves of whole
+// frames) and 880: one part is as fast as three, or faster; small B·H·F gain from parts.
+constexpr int kMaxParts = 8;
+int bwd_parts(int64_t frames, int64_t slots, int ntiles) {
+  int best = 1;
+  double best_cost = 1e300;
+  for (int p = 1; p <= std::min(kMaxParts, ntiles); ++p) {
+    const int per = (ntiles + p - 1) / p;
+    if ((ntiles + per - 1) / per != p) continue;  // the same runs as a smaller p
+    const double blocks = static_cast<double>(frames * p), waves = std::ceil(blocks / static_cast<double>(slots));
+    const double cost = waves * (per + 3) + (p > 1 ? blocks / static_cast<double>(slots) + 1 : 0.0);
+    if (cost < best_cost - 1e-9) {
+      best_cost = cost;
+      best = p;
+    }
+  }
+  return best;
+}
 
 }  // namespace
 
@@ -839,14 +877,12 @@ void phase_c_bwd(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, con
     constexpr int DP = decltype(dp)::value;
     constexpr MathMode MODE = decltype(md)::value;
     if constexpr (MODE == MathMode::bf16) {
-      // Split each frame's tokens into `parts` so that the grid fills whole waves.
+      // Each frame's tokens in `parts` runs (bwd_parts), summed in order when parts > 1.
       const size_t smem = bwd_ld_smem_bytes<DP>();
       allow_smem(phase_c_bwd_ld_kernel<DP>, smem);
       const int ntiles = (sz.S + BwdLd<DP>::KS - 1) / BwdLd<DP>::KS;
       const int64_t slots = static_cast<int64_t>(blocks_per_sm(phase_c_bwd_ld_kernel<DP>, kBwdThreads, smem)) * sm_count();
-      int splits = wave_splits(sz.BHF, slots, std::min(kMaxParts, ntiles));
-      if (const char* e = std::getenv("GDNCP_PHC_PARTS")) splits = std::max(1, std::min(ntiles, std::atoi(e)));  // TEMP: tuning
-      const int per_part = (ntiles + splits - 1) / splits, parts = (ntiles + per_part - 1) / per_part;
+      const int parts = bwd_parts(sz.BHF, slots, ntiles), per_part = (ntiles + parts - 1) / parts;
       Tensor work;  // the parts' dM and dz shares when parts > 1
       float *pm = dm, *pz = dzz;
       if (parts > 1) {
