@@ -497,6 +497,27 @@ __device__ __forceinline__ void load_vecs(float* zs, float* ws, const float* __r
 // are double-buffered (one barrier per item), and the q rows of the next item are
 // prefetched to L2 (the RoPE tables, shared by the heads, are in L2 already).
 // ---------------------------------------------------------------------------
+// (b, h, f, tile) of item it = ((b·H + h)·F + f)·ntiles + tile; next() steps to item it + 1.
+struct Item {
+  int b, h, f, tile;
+  __device__ Item(int64_t it, int H, int F, int ntiles) {
+    const int64_t bhf = it / ntiles, bh = bhf / F;
+    tile = static_cast<int>(it - bhf * ntiles);
+    f = static_cast<int>(bhf - bh * F);
+    b = static_cast<int>(bh / H);
+    h = static_cast<int>(bh - static_cast<int64_t>(b) * H);
+  }
+  __device__ void next(int H, int F, int ntiles) {
+    if (++tile < ntiles) return;
+    tile = 0;
+    if (++f < F) return;
+    f = 0;
+    if (++h < H) return;
+    h = 0;
+    ++b;
+  }
+};
+
 template <int DP>
 struct FwdLd {  // 2 × 4 warps over a KS×DP output tile
   static constexpr int KS = 64, WM = 2, WN = 4, TM = KS / (16 * WM), TN = DP / (8 * WN);
@@ -532,10 +553,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t N = static_cast<int64_t>(F) * S;
   const int64_t it0 = blockIdx.x * items / gridDim.x, it1 = (blockIdx.x + 1) * items / gridDim.x;
   int64_t cur = -1;
-  for (int64_t it = it0; it < it1; ++it) {
-    const int64_t bhf = it / ntiles, bh = bhf / F, b = bh / H;
-    const int tile = static_cast<int>(it % ntiles), f = static_cast<int>(bhf % F), h = static_cast<int>(bh % H);
-    const int s0 = tile * KS;
+  Item item(it0, H, F, ntiles), nx = item;
+  nx.next(H, F, ntiles);
+  for (int64_t it = it0; it < it1; ++it, item = nx, nx.next(H, F, ntiles)) {
+    const int64_t b = item.b, bh = b * H + item.h, bhf = bh * F + item.f;
+    const int f = item.f, h = item.h, s0 = item.tile * KS;
     if (bhf != cur) {
       cur = bhf;
       __syncthreads();  // no warp still reads M_f, z_f, w
@@ -547,13 +569,12 @@ __global__ void __launch_bounds__(kThreads, 2)
     __nv_bfloat16* Qb = Qh + (it & 1) * KS * LDH;
     float* db = dens + (it & 1) * KS;
     if (it + 1 < it1 && c0 < D) {  // the q rows of the next item, to L2
-      const int64_t bhx = (it + 1) / ntiles, bx = bhx / F / H;
-      const int hx = static_cast<int>(bhx / F % H), fx = static_cast<int>(bhx % F);
-      const int sx = static_cast<int>((it + 1) % ntiles) * KS + rs;
+      const int sx = nx.tile * KS + rs;
 #pragma unroll
       for (int p = 0; p < Tl::NP; ++p)
         if (sx + p * RM::RPB < S)
-          prefetch_l2(element(qkv, qkv_index(bx, static_cast<int64_t>(fx) * S + sx + p * RM::RPB, 0, hx, c0, N, H, D)));
+          prefetch_l2(element(qkv, qkv_index(nx.b, static_cast<int64_t>(nx.f) * S + sx + p * RM::RPB, 0, nx.h, c0, N,
+                                             H, D)));
     }
     float w8[8], z8[8];
     lds8(w8, ws + c0);
@@ -610,10 +631,12 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // ---------------------------------------------------------------------------
-// backward (bf16): grid (B·H·F, parts) of 512-thread blocks (16 warps: the dM_f sums take
-// 32 registers per thread, which leaves room for the row work without spills; one block
-// per SM). Block (frame, part) walks its run of KS-token tiles, KS = RPB (one row per thread
-// per tile). Per tile, with qʳ and dnum double-buffered:
+// backward (bf16): 512-thread blocks (16 warps: the dM_f sums take 32 registers per thread,
+// which leaves room for the row work without spills; one block per SM). The frames that fill
+// whole waves get a block each; those of the last, partial wave are split into `parts` runs
+// of tokens (bwd_parts), whose dM_f, dz_f shares are added in part order afterwards. A block
+// walks its run of KS-token tiles, KS = RPB (one row per thread per tile). Per tile, with qʳ
+// and dnum double-buffered:
 //   rows:  prep, den, dnum -> bf16 tiles                                    | sync
 //   warps: dqʳ = dnum Mᵀ (f32) -> shared                                    | sync
 //   rows:  dden = −qʳ·dqʳ/(den+eps), dq̂, the dz share;  warps: dM += qʳᵀ dnum
@@ -638,7 +661,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
     phase_c_bwd_ld_kernel(Out dq_hat, float* __restrict__ dM, float* __restrict__ dz, In dout, In dden, In qkv,
                           const float* __restrict__ rstd, const float* __restrict__ qw,
                           const float* __restrict__ rope_cos, const float* __restrict__ rope_sin,
-                          const float* __restrict__ M, const float* __restrict__ z, int H, int D, int F, int S,
+                          const float* __restrict__ M, const float* __restrict__ z, float* __restrict__ wM,
+                          float* __restrict__ wz, int H, int D, int F, int S, int64_t BHF, int64_t whole, int parts,
                           int tiles_per_part, float eps, bool divide, bool vec, bool vec4) {
   using Tl = BwdLd<DP>;
   using RM = RowMap<DP, kBwdThreads>;
@@ -651,8 +675,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   float* zs = G + KS * LDG;                                // z_f [DP]
   float* ws = zs + DP;                                     // q norm weights of head h [DP]
 
-  const int64_t bhf = blockIdx.x, bh = bhf / F, b = bh / H, BHF = gridDim.x;
-  const int f = static_cast<int>(bhf % F), h = static_cast<int>(bh % H), part = blockIdx.y;
+  // Blocks [0, whole) own frame blockIdx.x. The others run part p of a frame of the last
+  // BHF − whole, with their dM and dz shares going to the workspace as [p][frame − whole].
+  const int64_t x = blockIdx.x, nsplit = BHF - whole;
+  const bool split = x >= whole;
+  const int64_t bhf = split ? whole + (x - whole) / parts : x, bh = bhf / F, b = bh / H;
+  const int f = static_cast<int>(bhf % F), h = static_cast<int>(bh % H);
+  const int part = split ? static_cast<int>((x - whole) % parts) : 0;
   const int64_t N = static_cast<int64_t>(F) * S;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rs = tid / RM::LPR, c0 = 8 * (tid % RM::LPR);
@@ -661,7 +690,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
 
   const int m1 = 16 * (warp / Tl::WN1), n1 = 16 * (warp % Tl::WN1);
   const int m2 = (warp / Tl::WN2) * Tl::TM2 * 16, n2 = (warp % Tl::WN2) * Tl::TN2 * 8, Kd = round16(D);
-  const int ntiles = (S + KS - 1) / KS, tile0 = part * tiles_per_part, tile1 = min(ntiles, tile0 + tiles_per_part);
+  const int ntiles = (S + KS - 1) / KS, per = split ? tiles_per_part : ntiles;
+  const int tile0 = part * per, tile1 = min(ntiles, tile0 + per);
   float acc2[Tl::TM2][Tl::TN2][4] = {};
   float dzp[8] = {};
   __syncthreads();  // M_f, z_f, w ready
@@ -747,9 +777,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   if (tid < D) {
     float v = 0.f;
     for (int r = 0; r < KS; ++r) v += G[r * LDG + tid];
-    dz[(part * BHF + bhf) * D + tid] = v;
+    (split ? wz + (part * nsplit + bhf - whole) * D : dz + bhf * D)[tid] = v;
   }
-  float* dMo = dM + (part * BHF + bhf) * D * D;
+  float* dMo = split ? wM + (part * nsplit + bhf - whole) * D * D : dM + bhf * D * D;
 #pragma unroll
   for (int i = 0; i < Tl::TM2; ++i)
 #pragma unroll
@@ -792,10 +822,11 @@ void sum_parts(float* dst, const float* parts, int64_t n, int P) {
   GDNCP_CUDA_CHECK(cudaGetLastError());
 }
 
-// Token parts per frame of the bf16 backward: the fewest tile times over the waves of blocks
-// (a block's own cost — M_f in, dM_f out — counted as 3 tiles) plus the sum of the parts
-// (about a tile per part per SM). Measured on an H200 at B·H·F = 220 (1.67 waves of whole
-// frames) and 880: one part is as fast as three, or faster; small B·H·F gain from parts.
+// Token parts per frame for `frames` frames of the bf16 backward (those of the last, partial
+// wave): the fewest tile times over their waves of blocks (a block's own cost — M_f in, dM_f
+// out — counted as 3 tiles) plus the sum of the parts (about a tile per part per SM).
+// Measured on an H200: splitting every frame in 3 parts at B·H·F = 220 (1.67 waves) was no
+// faster than whole frames, and 12 % slower at 880 (6.67 waves): split only the last wave.
 constexpr int kMaxParts = 8;
 int bwd_parts(int64_t frames, int64_t slots, int ntiles) {
   int best = 1;
@@ -882,21 +913,24 @@ void phase_c_bwd(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, con
       allow_smem(phase_c_bwd_ld_kernel<DP>, smem);
       const int ntiles = (sz.S + BwdLd<DP>::KS - 1) / BwdLd<DP>::KS;
       const int64_t slots = static_cast<int64_t>(blocks_per_sm(phase_c_bwd_ld_kernel<DP>, kBwdThreads, smem)) * sm_count();
-      const int parts = bwd_parts(sz.BHF, slots, ntiles), per_part = (ntiles + parts - 1) / parts;
-      Tensor work;  // the parts' dM and dz shares when parts > 1
-      float *pm = dm, *pz = dzz;
-      if (parts > 1) {
-        work = Tensor::empty({parts * sz.BHF * sz.D * (sz.D + 1)}, DType::f32, Device::cuda);
-        pm = work.data_ptr<float>();
-        pz = pm + parts * sz.BHF * sz.D * sz.D;
+      // Whole frames fill the full waves; the frames of the last, partial wave run in `parts` runs each.
+      const int64_t rest = sz.BHF % slots, DD = static_cast<int64_t>(sz.D) * sz.D;
+      const int parts = rest ? bwd_parts(rest, slots, ntiles) : 1, per_part = (ntiles + parts - 1) / parts;
+      const int64_t whole = parts > 1 ? sz.BHF - rest : sz.BHF, nsplit = sz.BHF - whole;
+      Tensor work;  // the split frames' dM and dz shares
+      float *wm = nullptr, *wz = nullptr;
+      if (nsplit > 0) {
+        work = Tensor::empty({parts * nsplit * (DD + sz.D)}, DType::f32, Device::cuda);
+        wm = work.data_ptr<float>();
+        wz = wm + parts * nsplit * DD;
       }
-      phase_c_bwd_ld_kernel<DP><<<dim3(static_cast<unsigned>(sz.BHF), static_cast<unsigned>(parts)), kBwdThreads,
-                                  smem, stream()>>>(dq, pm, pz, go, gd, x, r, qw, cs, sn, m, zz, sz.H, sz.D, sz.F, sz.S,
-                                              per_part, static_cast<float>(eps), divide, vec, vec4);
+      phase_c_bwd_ld_kernel<DP><<<static_cast<unsigned>(whole + nsplit * parts), kBwdThreads, smem, stream()>>>(
+          dq, dm, dzz, go, gd, x, r, qw, cs, sn, m, zz, wm, wz, sz.H, sz.D, sz.F, sz.S, sz.BHF, whole, parts, per_part,
+          static_cast<float>(eps), divide, vec, vec4);
       GDNCP_CUDA_CHECK(cudaGetLastError());
-      if (parts > 1) {
-        sum_parts(dm, pm, sz.BHF * sz.D * sz.D, parts);
-        sum_parts(dzz, pz, sz.BHF * sz.D, parts);
+      if (nsplit > 0) {
+        sum_parts(dm + whole * DD, wm, nsplit * DD, parts);
+        sum_parts(dzz + whole * sz.D, wz, nsplit * sz.D, parts);
       }
     } else {
       const size_t smem = bwd_smem_bytes<DP, MODE>();
