@@ -411,15 +411,7 @@ __device__ __forceinline__ void st8(const Out& dst, int64_t i, const float (&x)[
       if (k < left) dst.set_pair(i + k, x[k], x[k + 1]);
   }
 }
-// Shared memory: 8 channels as bf16 (one 16-byte store), 8 f32 (two 16-byte loads / stores).
-__device__ __forceinline__ void st8h(__nv_bfloat16* p, const float (&x)[8]) {
-  *reinterpret_cast<uint4*>(p) = make_uint4(pack_bf16(make_float2(x[0], x[1])), pack_bf16(make_float2(x[2], x[3])),
-                                            pack_bf16(make_float2(x[4], x[5])), pack_bf16(make_float2(x[6], x[7])));
-}
-__device__ __forceinline__ void lds8(float (&x)[8], const float* p) {
-  const float4 a = *reinterpret_cast<const float4*>(p), c = *reinterpret_cast<const float4*>(p + 4);
-  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = c.x, x[5] = c.y, x[6] = c.z, x[7] = c.w;
-}
+// Shared memory: 8 f32 channels in two 16-byte stores (reads: ld8f; bf16 stores: st8h).
 __device__ __forceinline__ void sts8(float* p, const float (&x)[8]) {
   *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
   *reinterpret_cast<float4*>(p + 4) = make_float4(x[4], x[5], x[6], x[7]);
@@ -445,17 +437,6 @@ __device__ __forceinline__ void load_qrow(QRow& q, const In& qkv, const float* _
   ld8(q.c, cs, n * D + c0, left, vec);
   ld8(q.s, sn, n * D + c0, left, vec);
 }
-// q⁺ and qʳ of the row (prep_pair per channel pair).
-__device__ __forceinline__ void prep8(const QRow& q, const float (&w)[8], float (&qp)[8], float (&qr)[8]) {
-#pragma unroll
-  for (int k = 0; k < 8; k += 2) {
-    float2 p, r;
-    prep_pair(make_float2(q.x[k], q.x[k + 1]), q.r, make_float2(w[k], w[k + 1]), 1.f, make_float2(q.c[k], q.c[k + 1]),
-              make_float2(q.s[k], q.s[k + 1]), p, r);
-    qp[k] = p.x, qp[k + 1] = p.y, qr[k] = r.x, qr[k + 1] = r.y;
-  }
-}
-
 // Ms[i·ld + j] = bf16(M[i][j]) for i, j < DP, zero outside D×D (vec4: D % 4 == 0, M 16-byte aligned).
 template <int DP, int NT>
 __device__ __forceinline__ void load_mat_h(__nv_bfloat16* Ms, int ld, const float* __restrict__ M, int D, bool vec4) {
@@ -577,8 +558,8 @@ __global__ void __launch_bounds__(kThreads, 2)
                                              H, D)));
     }
     float w8[8], z8[8];
-    lds8(w8, ws + c0);
-    lds8(z8, zs + c0);
+    ld8f(w8, ws + c0);
+    ld8f(z8, zs + c0);
 #pragma unroll
     for (int p0 = 0; p0 < Tl::NP; p0 += Tl::BATCH) {  // BATCH rows per thread at a time: loads first, then the math
       QRow q[Tl::BATCH];
@@ -594,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (p0 + u < Tl::NP) {
           const int r = (p0 + u) * RM::RPB + rs, s = s0 + r;
           float qp[8], qr[8];
-          prep8(q[u], w8, qp, qr);
+          prep_octet(q[u].x, q[u].r, w8, 1.f, q[u].c, q[u].s, qp, qr);
           st8h(Qb + r * LDH + c0, qr);
           float dp = 0.f;
 #pragma unroll
@@ -719,9 +700,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
         prefetch_l1(element(dout, row + static_cast<int64_t>(KS) * H * D));
     }
     float w8[8], z8[8], qp[8], qr[8];
-    lds8(w8, ws + c0);
-    lds8(z8, zs + c0);
-    prep8(q, w8, qp, qr);
+    ld8f(w8, ws + c0);
+    ld8f(z8, zs + c0);
+    prep_octet(q.x, q.r, w8, 1.f, q.c, q.s, qp, qr);
     float dp = 0.f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) dp += qp[k] * z8[k];
@@ -749,7 +730,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
     // rows: dden, dq̂, dz share
     {
       float gr[8], dq[8];
-      lds8(gr, G + rs * LDG + c0);
+      ld8f(gr, G + rs * LDG + c0);
       float dot = 0.f;
 #pragma unroll
       for (int k = 0; k < 8; ++k) dot += qr[k] * gr[k];
