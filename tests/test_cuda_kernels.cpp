@@ -195,7 +195,10 @@ TEST(CudaTwins, ScanBidi) {
 TEST(CudaTwins, PhaseC) {
   REQUIRE_GPU();
   uint64_t seed = 400;
-  for (const Dims& d : twin_shapes())
+  std::vector<Dims> shapes = twin_shapes();
+  // More frames than a wave of backward blocks on an H200 (132): whole frames plus split ones.
+  shapes.push_back(dims(1, 14, 16, 10, 300));
+  for (const Dims& d : shapes)
     for (MathMode m : kModes)
       for (bool divide : {true, false}) {
         const DType dt = m == MathMode::bf16 ? DType::bf16 : DType::f32;
@@ -234,6 +237,13 @@ TEST(CudaTwins, PhaseC) {
         expect_close(gdq, dq, twin_tol(m), "phase_c_bwd dq_hat" + tag);
         expect_close(gdM, dM, twin_tol(m), "phase_c_bwd dM" + tag);
         expect_close(gdz, dz, twin_tol(m), "phase_c_bwd dz" + tag);
+        if (m == MathMode::bf16) {  // the layers' bf16 dq_hat above; the kernel also stores f32
+          Tensor fdq = poisoned(tok, DType::f32), fdM = poisoned(mat, DType::f32), fdz = poisoned(vec, DType::f32);
+          kernels::phase_c_bwd(fdq, fdM, fdz, gpu(dout), gpu(dden), gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w),
+                               gpu(in.rope_cos), gpu(in.rope_sin), gpu(M), gpu(z), d, in.opt.eps, divide, m);
+          expect_close(fdq, dq, twin_tol(m), "phase_c_bwd f32 dq_hat" + tag);
+          EXPECT_TRUE(bitwise_equal(fdM, gdM) && bitwise_equal(fdz, gdz)) << "phase_c_bwd dM, dz vs dq_hat dtype" << tag;
+        }
       }
 }
 
