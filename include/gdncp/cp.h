@@ -65,6 +65,15 @@ class Communicator {
   virtual void all_gather_host(void* out, const void* in, size_t bytes) = 0;
   // True after a timeout or an asynchronous error aborted the communicator.
   virtual bool aborted() const = 0;
+  // Deferred completion: after begin_deferred(), a device collective returns
+  // once it is enqueued on the stream, and complete() waits for every such
+  // collective against the deadline (throwing on a miss, as a plain call does)
+  // and ends the deferral. A caller enqueues the work that follows its
+  // collective before the host waits, so the device never idles while the
+  // host makes its round trip. Host (MPI) collectives complete at once: for
+  // them both are no-ops.
+  virtual void begin_deferred() {}
+  virtual void complete() {}
   // "mpi" or "nccl".
   virtual const char* backend() const = 0;
 

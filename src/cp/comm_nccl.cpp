@@ -8,7 +8,10 @@
 // also give the device time spent in collectives (Stats::seconds).
 //
 // Waiting for each collective costs one host round trip; the CP layers issue
-// one collective per forward and one per backward. The small validation
+// one collective per forward and one per backward, in deferred mode
+// (Communicator::begin_deferred): the wait moves to complete(), after the
+// layer has enqueued the kernels that follow the collective, so the device
+// never idles on the round trip. The deadline applies unchanged. The small validation
 // exchange (host memory) goes over MPI when the communicator was bootstrapped
 // from an MPI communicator, so it does not wait for the stream.
 #include <mpi.h>
@@ -39,11 +42,14 @@ Clock::duration as_duration(double s) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
 }
 
+// Polling back-off: yield for the first ~50k polls (a few tens of ms: a
+// collective in a training step completes well within that, and a sleep's
+// granularity of ~60 µs would be a bubble on the device), then sleep.
 void pause(int spins) {
-  if (spins < 64)
+  if (spins < 50000)
     std::this_thread::yield();
   else
-    std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 10 : 200));
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 60000 ? 10 : 200));
 }
 
 ncclDataType_t nccl_type(DType t) {
@@ -89,6 +95,10 @@ class NcclCommunicator final : public Communicator {
   }
 
   ~NcclCommunicator() override {
+    for (Pending& p : pending_) {  // a deferral left open by an exception: events only
+      cudaEventDestroy(p.start);
+      cudaEventDestroy(p.stop);
+    }
     cudaEventDestroy(start_);
     cudaEventDestroy(stop_);
     cudaEventDestroy(order_);
@@ -169,6 +179,21 @@ class NcclCommunicator final : public Communicator {
     all_reduce_sum(one);
   }
 
+  void begin_deferred() override { deferred_ = true; }
+
+  void complete() override {
+    deferred_ = false;
+    std::vector<Pending> todo;
+    todo.swap(pending_);
+    std::string failure;
+    for (Pending& p : todo) {
+      if (failure.empty() && !aborted_) failure = wait(p.call, p.start, p.stop, p.bytes, p.deadline);
+      cudaEventDestroy(p.start);
+      cudaEventDestroy(p.stop);
+    }
+    if (!failure.empty()) abort_and_throw(failure);
+  }
+
   void all_gather_host(void* out, const void* in, size_t bytes) override {
     check_usable("all_gather_host");
     if (host_) {  // over MPI: no device round trip, no wait for the stream
@@ -184,7 +209,10 @@ class NcclCommunicator final : public Communicator {
     const cudaStream_t cur = static_cast<cudaStream_t>(current_stream());
     GDNCP_CUDA_CHECK(
         cudaMemcpyAsync(send.data(), host.data(), static_cast<size_t>(n) * 8, cudaMemcpyHostToDevice, cur));
+    const bool deferred = deferred_;
+    deferred_ = false;
     all_gather(recv, send);  // waits: the copy back below cannot block on NCCL
+    deferred_ = deferred;
     std::vector<double> all(static_cast<size_t>(n * size_));
     GDNCP_CUDA_CHECK(cudaMemcpyAsync(all.data(), recv.data(), all.size() * 8, cudaMemcpyDeviceToHost, cur));
     GDNCP_CUDA_CHECK(cudaStreamSynchronize(cur));
@@ -213,7 +241,8 @@ class NcclCommunicator final : public Communicator {
     GDNCP_FAIL(why, " (rank ", rank_, " of ", size_, "); the NCCL communicator is aborted");
   }
 
-  // Enqueues op on the collective stream and waits for it with the deadline.
+  // Enqueues op on the collective stream and waits for it with the deadline,
+  // or, deferred, leaves the wait to complete().
   template <typename Op>
   void run(const char* call, size_t bytes, Op op) {
     const cudaStream_t cur = static_cast<cudaStream_t>(current_stream());
@@ -223,16 +252,36 @@ class NcclCommunicator final : public Communicator {
       GDNCP_CUDA_CHECK(cudaStreamWaitEvent(s, order_, 0));
     }
     const auto deadline = Clock::now() + as_duration(timeout_seconds_);
-    GDNCP_CUDA_CHECK(cudaEventRecord(start_, s));
+    cudaEvent_t start = start_, stop = stop_;
+    if (deferred_) {  // events of its own: the wait comes later
+      GDNCP_CUDA_CHECK(cudaEventCreate(&start));
+      GDNCP_CUDA_CHECK(cudaEventCreate(&stop));
+      pending_.push_back(Pending{call, bytes, deadline, start, stop});
+    }
+    GDNCP_CUDA_CHECK(cudaEventRecord(start, s));
     const ncclResult_t r = op(s);
     if (r != ncclSuccess && r != ncclInProgress)
       abort_and_throw(std::string("NCCL call ") + call + " failed: " + ncclGetErrorString(r));
     const ncclResult_t st = settle(comm_, deadline);
     if (st == ncclInProgress) abort_and_throw(std::string(call) + " could not be enqueued within the timeout");
     if (st != ncclSuccess) abort_and_throw(std::string(call) + " failed: " + ncclGetErrorString(st));
-    GDNCP_CUDA_CHECK(cudaEventRecord(stop_, s));
+    GDNCP_CUDA_CHECK(cudaEventRecord(stop, s));
+    if (!deferred_) {
+      const std::string failure = wait(call, start, stop, bytes, deadline);
+      if (!failure.empty()) abort_and_throw(failure);
+    }
+    if (s != cur) {
+      GDNCP_CUDA_CHECK(cudaEventRecord(order_, s));
+      GDNCP_CUDA_CHECK(cudaStreamWaitEvent(cur, order_, 0));
+    }
+  }
+
+  // Polls the end event of one collective until it completes, an asynchronous
+  // error shows or the deadline passes; returns the failure ("" on success) and
+  // counts the collective in the statistics.
+  std::string wait(const char* call, cudaEvent_t start, cudaEvent_t stop, size_t bytes, Clock::time_point deadline) {
     for (int spins = 0;; ++spins) {
-      const cudaError_t q = cudaEventQuery(stop_);
+      const cudaError_t q = cudaEventQuery(stop);
       if (q == cudaSuccess) break;
       if (q != cudaErrorNotReady) {
         GDNCP_CUDA_CHECK(q);
@@ -240,22 +289,26 @@ class NcclCommunicator final : public Communicator {
       ncclResult_t async = ncclSuccess;
       GDNCP_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
       if (async != ncclSuccess && async != ncclInProgress)
-        abort_and_throw(std::string(call) + " failed asynchronously: " + ncclGetErrorString(async));
+        return std::string(call) + " failed asynchronously: " + ncclGetErrorString(async);
       if (Clock::now() > deadline)
-        abort_and_throw(std::string(call) + " did not complete within " + std::to_string(timeout_seconds_) +
-                        " s (a rank missing or out of step)");
+        return std::string(call) + " did not complete within " + std::to_string(timeout_seconds_) +
+               " s (a rank missing or out of step)";
       pause(spins);
     }
     float ms = 0;
-    GDNCP_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+    GDNCP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     stats_.calls += 1;
     stats_.bytes += static_cast<int64_t>(bytes);
     stats_.seconds += ms * 1e-3;
-    if (s != cur) {
-      GDNCP_CUDA_CHECK(cudaEventRecord(order_, s));
-      GDNCP_CUDA_CHECK(cudaStreamWaitEvent(cur, order_, 0));
-    }
+    return "";
   }
+
+  struct Pending {
+    const char* call;
+    size_t bytes;
+    Clock::time_point deadline;
+    cudaEvent_t start, stop;
+  };
 
   ncclComm_t comm_ = nullptr;
   bool owned_ = false;
@@ -264,6 +317,8 @@ class NcclCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1, device_ = 0;
   bool aborted_ = false;
   cudaEvent_t start_ = nullptr, stop_ = nullptr, order_ = nullptr;
+  bool deferred_ = false;
+  std::vector<Pending> pending_;  // deferred collectives, in enqueue order
 };
 
 }  // namespace
