@@ -348,6 +348,31 @@ TEST(NcclComm, Collectives) {
   EXPECT_GT(c.stats().calls, 0);
 }
 
+// Deferred completion: collectives return once enqueued, complete() waits for them
+// (they are counted then) and ends the deferral; results are those of plain calls.
+TEST(NcclComm, DeferredCollectivesCompleteLater) {
+  REQUIRE_GPUS();
+  cp::Communicator& c = *nccl_world();
+  const int P = c.size(), r = c.rank();
+  auto contribution = [](int rr) { return Tensor::randn({9}, DType::f32, Device::cpu, 200 + rr); };
+  const int64_t calls0 = c.stats().calls;
+  c.begin_deferred();
+  Tensor out = Tensor::empty({P, 9}, DType::f32, Device::cuda);
+  poison(out);
+  c.all_gather(out, gpu(contribution(r)));
+  Tensor s = gpu(contribution(r));
+  c.all_reduce_sum(s);
+  EXPECT_EQ(c.stats().calls, calls0) << "deferred collectives are counted when complete() waits for them";
+  c.complete();
+  EXPECT_EQ(c.stats().calls, calls0 + 2);
+  for (int k = 0; k < P; ++k) EXPECT_TRUE(bitwise_equal(slice(out, 0, k, k + 1).reshape({9}), contribution(k)));
+  Tensor plain = gpu(contribution(r));
+  c.all_reduce_sum(plain);  // not deferred any more: counted at once
+  EXPECT_EQ(c.stats().calls, calls0 + 3);
+  EXPECT_TRUE(bitwise_equal(cpu(s), cpu(plain)));
+  EXPECT_FALSE(c.aborted());
+}
+
 // --- layers on P GPUs vs one GPU and vs the f64 CPU oracle ---------------------------------
 
 
