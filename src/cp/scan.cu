@@ -6,13 +6,15 @@
 //                   frames' transitions stream through a cp.async ring that
 //                   the warps of a block share.
 //   fold_kernel     the same over the gathered composites of the ranks.
-//   correct_kernel  X_t += C_t·v for every (b·h, t) at once, the same tiles.
+//   scan_correct    X_t += C_t·v for every (b·h, t) at once: one cuBLAS
+//                   strided-batched f32 GEMM per correction (Note [corrections
+//                   through cuBLAS]).
 //   outer_kernel    one block per (b·h, frame): Gr = L Rᵀ (Note [outer tiles]),
 //                   then dP (=, +=) −g·Gr and dg += ⟨Gr, I − P⟩ (fixed-order sum).
 // Gradient rule as the CPU twin: dg accumulates, dP when asked; the rest overwritten.
 // No atomics: every result is bitwise reproducible.
 //
-// Note [warp tiles]. Each step of a sweep (fold, correction) multiplies a D×D
+// Note [warp tiles]. Each step of a sweep (fold) multiplies a D×D
 // matrix op(A) into the state, a D×E matrix whose columns evolve on their own.
 // One warp owns a slice of 16 columns: lane (r, h) = (lane % 16, lane / 16)
 // accumulates rows r + 16a (a < RA, 16·RA ≥ D) × columns 8h … 8h+7 in 8·RA
@@ -35,6 +37,7 @@
 
 #include "cp/cp_cuda.cuh"
 #include "cp/cp_kernels.h"
+#include "kernels/cublas_handle.h"
 
 namespace gdncp {
 namespace cp {
@@ -401,51 +404,6 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fold_kernel(const __grid_const
   cp_async_wait_all();
 }
 
-// --- corrections --------------------------------------------------------------------------------
-struct CorrectArgs {
-  float* X = nullptr;
-  const float* C = nullptr;
-  const float* v = nullptr;
-  int E = 0;
-  bool vec = false;
-  int tiles = 0, groups = 0, block0 = 0;
-};
-constexpr int kMaxCorrections = 4;
-struct CorrectBatch {
-  CorrectArgs c[kMaxCorrections];
-  int D = 0, F = 0, n = 0, warps = 1;
-};
-
-// X_t += C_t · v for one (correction, b·h·F + t, slice) per warp.
-template <int RA>
-__global__ void __launch_bounds__(32 * kMaxWarps) correct_kernel(const __grid_constant__ CorrectBatch batch) {
-  extern __shared__ __align__(16) float smem[];
-  const Place pl = place_of(batch.c, batch.n, batch.warps);
-  const CorrectArgs& a = batch.c[pl.job];
-  const int D = batch.D, E = a.E;
-  const int64_t bt = pl.unit, bh = bt / batch.F;
-  const bool live = pl.tile < a.tiles;
-  const Slice sl = slice_of(D, E, pl.tile);
-  float* ys = smem + kStages * stage_floats(RA) + pl.warp * slice_floats(RA);
-  const int64_t DE = static_cast<int64_t>(D) * E, DD = static_cast<int64_t>(D) * D;
-  auto mat = [&](int) { return a.C + bt * DD; };
-  Ring<RA, decltype(mat)> ring = make_ring<RA>(smem, mat, D, 1, false, a.vec);
-  ring.start();
-  fill_slice<RA>(ys, sl, live, [&](int i, int col) { return a.v[bh * DE + static_cast<int64_t>(i) * E + col]; });
-  float x[RA][8], acc[RA][8];
-  float* Xt = a.X + bt * DE;
-  load_own<RA>(x, Xt, sl, live);
-  ring.product(acc, ys, live);
-  if (live) {
-#pragma unroll
-    for (int i = 0; i < RA; ++i)
-#pragma unroll
-      for (int c = 0; c < 8; ++c)
-        if (sl.ok(i, c)) Xt[sl.at(i, c)] = x[i][c] + acc[i][c];
-  }
-  cp_async_wait_all();
-}
-
 // --- transition gradients -----------------------------------------------------------------------
 struct OuterSrc {
   const float* L = nullptr;
@@ -706,29 +664,28 @@ void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, c
   scan_grad_outers(one, decay, s.BH, s.F, s.D);
 }
 
+// Note [corrections through cuBLAS]: X_t += C_t·v for all frames t of one b·h is
+// one GEMM — the frames' C_t stacked are an (F·D)×D row-major matrix, their X_t
+// an (F·D)×E one — so a correction is one strided-batched f32 GEMM over b·h
+// (CUBLAS_COMPUTE_32F: plain f32, no TF32; cuBLAS is bitwise reproducible run
+// to run on one device and stream). Row-major through column-major as in
+// matmul.cu: Xᵀ (E, F·D) += vᵀ (E, D) · Cᵀ (D, F·D).
 void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D) {
   GDNCP_CHECK(D >= 1 && D <= kRowThreads, "cp cuda correct: D = ", D, " must be in [1, ", kRowThreads, "]");
-  for (size_t first = 0; first < cs.size(); first += kMaxCorrections) {
-    const size_t n = std::min<size_t>(kMaxCorrections, cs.size() - first);
-    CorrectBatch batch;
-    batch.D = static_cast<int>(D);
-    batch.F = static_cast<int>(F);
-    batch.n = static_cast<int>(n);
-    int64_t units[kMaxCorrections];
-    for (size_t k = 0; k < n; ++k) {
-      Correction& c = cs[first + k];
-      GDNCP_CHECK(c.E == 1 || c.E == D, "cp cuda correct: E = ", c.E, " must be 1 or D");
-      CorrectArgs& a = batch.c[k];
-      a.X = f32_out(c.X, "X");
-      a.C = f32_in(c.C, "C");
-      a.v = f32_in(c.v, "v");
-      GDNCP_CHECK(a.X && a.C && a.v, "scan_correct: X, C and v must be defined");
-      a.E = static_cast<int>(c.E);
-      a.vec = D % 4 == 0 && aligned16(a.C);
-      a.tiles = static_cast<int>(cdiv(c.E, kTileCols));
-      units[k] = BH * F;
-    }
-    launch_tiles(correct_kernel<7>, correct_kernel<8>, batch, batch.c, units, static_cast<int>(D), "correct_kernel");
+  GDNCP_CHECK(BH <= INT32_MAX && F * D <= INT32_MAX, "cp cuda correct: B·H = ", BH, ", F·D = ", F * D,
+              " exceed cuBLAS's 32-bit sizes");
+  if (BH * F == 0) return;
+  for (Correction& c : cs) {
+    GDNCP_CHECK(c.E == 1 || c.E == D, "cp cuda correct: E = ", c.E, " must be 1 or D");
+    float* X = f32_out(c.X, "X");
+    const float *C = f32_in(c.C, "C"), *v = f32_in(c.v, "v");
+    GDNCP_CHECK(X && C && v, "scan_correct: X, C and v must be defined");
+    const int E = static_cast<int>(c.E), FD = static_cast<int>(F * D), Di = static_cast<int>(D);
+    const float one = 1.f;
+    GDNCP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        gdncp::cuda::cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, E, FD, Di, &one, v, CUDA_R_32F, E, D * E, C,
+        CUDA_R_32F, Di, F * D * D, &one, X, CUDA_R_32F, E, F * D * E, static_cast<int>(BH), CUBLAS_COMPUTE_32F,
+        CUBLAS_GEMM_DEFAULT));
   }
 }
 

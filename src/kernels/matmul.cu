@@ -15,36 +15,37 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "kernels/cublas_handle.h"
 #include "kernels/nn_kernels.h"
 
 namespace gdncp {
 namespace cuda {
-namespace {
 
 // One handle per (thread, device): cuBLAS handles are not meant to be shared
 // between threads, and a handle belongs to the device current at creation.
-cublasHandle_t handle_for_current_device() {
+cublasHandle_t cublas_handle() {
   thread_local std::unordered_map<int, cublasHandle_t> handles;
   int dev = 0;
   GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
   auto it = handles.find(dev);
-  if (it != handles.end()) return it->second;
   cublasHandle_t h = nullptr;
-  GDNCP_CUBLAS_CHECK(cublasCreate(&h));
-  GDNCP_CUBLAS_CHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
-  handles.emplace(dev, h);
+  if (it != handles.end()) {
+    h = it->second;
+  } else {
+    GDNCP_CUBLAS_CHECK(cublasCreate(&h));
+    GDNCP_CUBLAS_CHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+    handles.emplace(dev, h);
+  }
+  GDNCP_CUBLAS_CHECK(cublasSetStream(h, static_cast<cudaStream_t>(current_stream())));
   return h;
 }
-
-}  // namespace
 
 void gemm(Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K) {
   GDNCP_CHECK(c.dtype() == DType::f32 || c.dtype() == DType::bf16, "matmul: CUDA supports f32 and bf16, got ",
               dtype_name(c.dtype()));
   GDNCP_CHECK(M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX, "matmul: sizes M=", M, " N=", N, " K=", K,
               " exceed cuBLAS's 32-bit limit");
-  cublasHandle_t h = handle_for_current_device();
-  GDNCP_CUBLAS_CHECK(cublasSetStream(h, static_cast<cudaStream_t>(current_stream())));
+  cublasHandle_t h = cublas_handle();
   const cudaDataType_t t = c.dtype() == DType::f32 ? CUDA_R_32F : CUDA_R_16BF;
   const float alpha = 1.0f, beta = 0.0f;
   // Column-major: cᵀ (N, M) = op(b)ᵀ (N, K) · op(a)ᵀ (K, M); see Note [row-major through cuBLAS].
