@@ -513,6 +513,22 @@ __device__ __forceinline__ void st2h(__nv_bfloat16* p, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
+// Stores a warp's accumulator tile (rows m0 + 16i + .., columns n0 + 8j + ..) into the
+// row-major D×D matrix out, dropping the padding rows and columns.
+template <int TM, int TN>
+__device__ __forceinline__ void store_tile(float* out, const float (&acc)[TM][TN][4], int m0, int n0, int D) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const int row = m0 + 16 * i + g, col = n0 + 8 * j + 2 * t;
+      if (col >= D) continue;
+      if (row < D) st2(out + row * D + col, acc[i][j][0], acc[i][j][1]);
+      if (row + 8 < D) st2(out + (row + 8) * D + col, acc[i][j][2], acc[i][j][3]);
+    }
+}
+
 // K rounded up to the mma step (16 covers bf16 and tf32).
 __host__ __device__ __forceinline__ int round16(int k) { return (k + 15) / 16 * 16; }
 

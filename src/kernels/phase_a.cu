@@ -29,6 +29,11 @@ using namespace detail;
 
 constexpr int kThreads = 256;
 
+// The product a forward block owns: 0 → P, 1 → A, 2 → Pz.
+__device__ __forceinline__ float* P_or(int prod, float* P, float* A, float* Pz) {
+  return prod == 0 ? P : prod == 1 ? A : Pz;
+}
+
 template <int DP>
 struct FwdTile {  // 2 × 4 warps over the DP×DP product
   static constexpr int WM = 2, WN = 4, TM = DP / (16 * WM), TN = DP / (8 * WN), KS = 32;
@@ -124,17 +129,7 @@ __global__ void __launch_bounds__(kThreads, 2) phase_a_fwd_kernel(float* __restr
     warp_mma<MODE, Tl::TM, Tl::TN>(acc, OpKM{Xs, LD}, m0, OpKM{Ys, LD}, n0, KS, D, D);
   }
 
-  float* out = (prod == 0 ? P : prod == 1 ? A : Pz) + static_cast<int64_t>(bhf) * D * D;
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int i = 0; i < Tl::TM; ++i)
-#pragma unroll
-    for (int j = 0; j < Tl::TN; ++j) {
-      const int row = m0 + 16 * i + g, col = n0 + 8 * j + 2 * t;
-      if (col >= D) continue;
-      if (row < D) st2(out + row * D + col, acc[i][j][0], acc[i][j][1]);
-      if (row + 8 < D) st2(out + (row + 8) * D + col, acc[i][j][2], acc[i][j][3]);
-    }
+  store_tile(P_or(prod, P, A, Pz) + static_cast<int64_t>(bhf) * D * D, acc, m0, n0, D);
   if (prod == 2 && threadIdx.x < D) bz[static_cast<int64_t>(bhf) * D + threadIdx.x] = bsum;
 }
 
@@ -246,17 +241,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     warp_mma_ld<Tl::TM, Tl::TN>(acc, LdCol{Xh, LD}, m0, LdCol{Yh, LD}, n0, KS, D, D);
   }
 
-  float* out = (prod == 0 ? P : prod == 1 ? A : Pz) + static_cast<int64_t>(bhf) * D * D;
-  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int i = 0; i < Tl::TM; ++i)
-#pragma unroll
-    for (int j = 0; j < Tl::TN; ++j) {
-      const int row = m0 + 16 * i + g, col = n0 + 8 * j + 2 * t;
-      if (col >= D) continue;
-      if (row < D) st2(out + row * D + col, acc[i][j][0], acc[i][j][1]);
-      if (row + 8 < D) st2(out + (row + 8) * D + col, acc[i][j][2], acc[i][j][3]);
-    }
+  store_tile(P_or(prod, P, A, Pz) + static_cast<int64_t>(bhf) * D * D, acc, m0, n0, D);
   if (prod == 2) {
     __syncthreads();
     if (tid < D) {

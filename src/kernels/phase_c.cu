@@ -322,15 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
   }
 
-#pragma unroll
-  for (int i = 0; i < Tl::TM2; ++i)
-#pragma unroll
-    for (int j = 0; j < Tl::TN2; ++j) {
-      const int row = m2 + 16 * i + g, col = n2 + 8 * j + 2 * t;
-      if (col >= D) continue;
-      if (row < D) st2(dM + mat0 + row * D + col, acc2[i][j][0], acc2[i][j][1]);
-      if (row + 8 < D) st2(dM + mat0 + (row + 8) * D + col, acc2[i][j][2], acc2[i][j][3]);
-    }
+  store_tile(dM + mat0, acc2, m2, n2, D);
   if (tid < D) dz[static_cast<int64_t>(bhf) * D + tid] = dz_acc;
 }
 
@@ -760,16 +752,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
     for (int r = 0; r < KS; ++r) v += G[r * LDG + tid];
     (split ? wz + (part * nsplit + bhf - whole) * D : dz + bhf * D)[tid] = v;
   }
-  float* dMo = split ? wM + (part * nsplit + bhf - whole) * D * D : dM + bhf * D * D;
-#pragma unroll
-  for (int i = 0; i < Tl::TM2; ++i)
-#pragma unroll
-    for (int j = 0; j < Tl::TN2; ++j) {
-      const int r = m2 + 16 * i + g, col = n2 + 8 * j + 2 * t;
-      if (col >= D) continue;
-      if (r < D) st2(dMo + r * D + col, acc2[i][j][0], acc2[i][j][1]);
-      if (r + 8 < D) st2(dMo + (r + 8) * D + col, acc2[i][j][2], acc2[i][j][3]);
-    }
+  store_tile(split ? wM + (part * nsplit + bhf - whole) * D * D : dM + bhf * D * D, acc2, m2, n2, D);
 }
 
 // dst[i] = Σ_p parts[p·n + i], added in the order p = 0, 1, … (n even).
