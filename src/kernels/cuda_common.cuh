@@ -239,11 +239,6 @@ __device__ __forceinline__ void ld8f(float (&x)[8], const float* p) {
   const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
   x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
 }
-// Weights of channels d0..d0+7 (1 where w is absent, 0 at or beyond D).
-__device__ __forceinline__ void octet_weight(float (&x)[8], const float* w, int64_t i, int d0, int D) {
-#pragma unroll
-  for (int q = 0; q < 8; ++q) x[q] = d0 + q < D ? (w ? __ldg(w + i + q) : 1.f) : 0.f;
-}
 // Stores 8 values as bf16 (one 16-byte shared store; p 16-byte aligned).
 __device__ __forceinline__ void st8h(__nv_bfloat16* p, const float (&x)[8]) {
   uint4 u;
