@@ -48,6 +48,7 @@ struct Sweep {
   Tensor out_before, out_after, final_state;
   Tensor P, add_before, add_after, init;
   SweepSpec spec;
+  int64_t final_offset = 0;  // elements into final_state where the (BH, D, E) final states go (a pack buffer)
 };
 
 // One source of a transition gradient: an adjoint sweep's L (its out_before) and the states R of the

@@ -374,15 +374,17 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fold_kernel(const __grid_const
   const Slice sl = slice_of(D, E, pl.tile);
   float* ys = smem + kStages * stage_floats(RA) + pl.warp * slice_floats(RA);
   const int64_t DE = static_cast<int64_t>(D) * E, DD = static_cast<int64_t>(D) * D;
-  auto mat = [&](int q) { return a.M + a.m_off + a.order[q] * a.m_stride + bh * DD; };
-  Ring<RA, decltype(mat)> ring = make_ring<RA>(smem, mat, D, a.n, a.transpose, a.vec);
+  // From a zero state the first step is X = h (no product): the ring streams the other ranks' M.
+  const int q0 = a.init ? 0 : 1;
+  auto mat = [&](int q) { return a.M + a.m_off + a.order[q + q0] * a.m_stride + bh * DD; };
+  Ring<RA, decltype(mat)> ring = make_ring<RA>(smem, mat, D, max(a.n - q0, 0), a.transpose, a.vec);
   if (a.M) ring.start();
   fill_slice<RA>(ys, sl, live,
                  [&](int i, int col) { return a.init ? a.init[bh * DE + static_cast<int64_t>(i) * E + col] : 0.f; });
   float h[RA][8], acc[RA][8];
   for (int q = 0; q < a.n; ++q) {
     load_own<RA>(h, a.H + a.h_off + a.order[q] * a.h_stride + bh * DE, sl, live);
-    if (a.M) {
+    if (a.M && q >= q0) {
       ring.product(acc, ys, live);
       __syncwarp();
     } else {
@@ -584,6 +586,10 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
       a.ob = f32_out(w.out_before, "out_before");
       a.oa = f32_out(w.out_after, "out_after");
       a.fin = f32_out(w.final_state, "final_state");
+      GDNCP_CHECK(!a.fin || (w.final_offset >= 0 && w.final_offset + s.BH * s.D * s.E <= w.final_state.numel()),
+                  "scan_sweeps: final_offset ", w.final_offset, " leaves no room for the final states in ",
+                  w.final_state.str());
+      if (a.fin) a.fin += w.final_offset;
       a.P = f32_in(w.P, "P");
       GDNCP_CHECK(a.P, "scan_sweep: P is undefined");
       a.vb = f32_in(w.add_before, "add_before");

@@ -80,10 +80,13 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
 
   // 1. The local scans from a zero state (all jobs in one batch of sweeps):
   //    states Y_loc into Y, and with P > 1 the composites h (last state) and
-  //    M (product of the transitions) and, where a correction will follow, the
-  //    cumulative products Wcum per frame.
+  //    M (product of the transitions), written straight into the all-gather's
+  //    pack, and, where a correction will follow, the cumulative products Wcum
+  //    per frame. A checkpoint recompute (composites kept) writes no composites.
+  const bool gather = P > 1 && !ctx.gathered.defined();
+  Tensor pack = gather ? Tensor::empty({L.fwd_total}, dt, dev) : Tensor();
   std::vector<Sweep> sweeps;
-  std::vector<Tensor> h(jobs.size()), M(jobs.size()), cum(jobs.size());
+  std::vector<Tensor> cum(jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
     j.Y = Tensor::empty(states_shape(BH, F, D, j.E), dt, dev);
@@ -99,12 +102,11 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       sh.final_state = j.T;
     }
     if (P > 1) {
-      h[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-      sh.final_state = h[i];
-      M[i] = Tensor::empty({BH, D, D}, dt, dev);
+      sh.final_state = pack;
+      sh.final_offset = L.h[i];
       Sweep sm = sh;
       sm.out_before = sm.out_after = Tensor();
-      sm.final_state = M[i];
+      sm.final_offset = L.M[i];
       sm.add_after = Tensor();
       sm.spec.init = Init::identity;
       sm.spec.E = D;
@@ -112,7 +114,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
         cum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
         (j.anti ? sm.out_before : sm.out_after) = cum[i];
       }
-      sweeps.push_back(sm);
+      if (gather || cum[i].defined()) sweeps.push_back(sm);  // else it would write nothing
     }
     sweeps.push_back(sh);
   }
@@ -123,12 +125,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   }
 
   // 2. One all-gather of every job's composites (kept: a checkpoint recompute passes them back in).
-  if (!ctx.gathered.defined()) {
-    Tensor pack = Tensor::empty({L.fwd_total}, dt, dev);
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      kern::copy_region(pack, L.h[i], h[i], 0, h[i].numel());
-      kern::copy_region(pack, L.M[i], M[i], 0, M[i].numel());
-    }
+  if (gather) {
     Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * L.fwd_total}, dt, dev);
     comm.all_gather(gathered, pack);
     ctx.gathered = gathered;
@@ -202,8 +199,10 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   //    dU; its final state is the adjoint of X0), and where an adjoint a will
   //    arrive from later ranks, the cumulative products Rcum_t of the
   //    transposed transitions it passes through. One batch.
+  //    With P > 1 the adjoints of X0 go straight into the all-gather's pack.
   std::vector<Sweep> sweeps;
-  std::vector<Tensor> dX0(jobs.size()), rcum(jobs.size());
+  std::vector<Tensor> rcum(jobs.size());
+  Tensor pack = P > 1 ? Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev) : Tensor();
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
     j.dU = Tensor::empty(states_shape(BH, F, D, j.E), dt, dev);
@@ -211,8 +210,9 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       sweeps.push_back(adjoint(j, j.dU, Tensor(), j.terminal ? j.dT : Tensor()));
       continue;
     }
-    if (logical(j, r, P) > 0) dX0[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-    sweeps.push_back(adjoint(j, j.dU, dX0[i], Tensor()));
+    const bool has_dX0 = logical(j, r, P) > 0;  // the adjoint of X0, where X0 came from earlier ranks
+    sweeps.push_back(adjoint(j, j.dU, has_dX0 ? pack : Tensor(), Tensor()));
+    sweeps.back().final_offset = L.dX0[i];
     if (seeded(j)) {
       rcum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
       Sweep w = adjoint(j, rcum[i], Tensor(), Tensor());
@@ -227,11 +227,8 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   if (P > 1) {
     GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
     // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients.
-    Tensor pack = Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev);
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      if (dX0[i].defined()) kern::copy_region(pack, L.dX0[i], dX0[i], 0, dX0[i].numel());
+    for (size_t i = 0; i < jobs.size(); ++i)
       if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
-    }
     Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * pack.numel()}, dt, dev);
     comm.all_gather(gathered, pack);
     const int64_t stride = pack.numel();

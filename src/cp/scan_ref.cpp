@@ -239,8 +239,15 @@ void add(Tensor& out, const Tensor& a, const Tensor& b) {
 }
 
 void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
-  for (Sweep& w : sweeps)
-    scan_sweep(w.out_before, w.out_after, w.final_state, w.P, decay, w.add_before, w.add_after, w.init, w.spec);
+  for (Sweep& w : sweeps) {
+    if (!w.final_state.defined() || w.final_offset == 0) {
+      scan_sweep(w.out_before, w.out_after, w.final_state, w.P, decay, w.add_before, w.add_after, w.init, w.spec);
+      continue;
+    }
+    Tensor fin = Tensor::empty({w.spec.BH, w.spec.D, w.spec.E}, w.final_state.dtype());
+    scan_sweep(w.out_before, w.out_after, fin, w.P, decay, w.add_before, w.add_after, w.init, w.spec);
+    copy_region(w.final_state, w.final_offset, fin, 0, fin.numel());
+  }
 }
 
 void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
