@@ -20,7 +20,7 @@ build() {  # tree targets...
 status=0
 build . gdncp_bench mpi_test_cp_gpu >"$OUT/build.log" 2>&1 || { echo "build FAILED"; tail -30 "$OUT/build.log"; exit 1; }
 for np in 1 2; do
-  mpirun -np $np --oversubscribe --bind-to none build-gpu/tests/mpi_test_cp_gpu >"$OUT/test_np$np.log" 2>&1 || status=1
+  mpirun -np $np --oversubscribe --bind-to none build-gpu/tests/mpi_test_cp_gpu --gtest_color=no >"$OUT/test_np$np.log" 2>&1 || status=1
   echo "mpi_test_cp_gpu np$np: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/test_np$np.log" | sort | uniq -c | tr '\n' ' ')"
 done
 runs="ours ours"
