@@ -6,8 +6,8 @@
 # 8 files). Steps run in order of value and each has a time limit, so a short
 # lease still brings back the most important results.
 #   OUT=/tmp/out scripts/gpu_all.sh
-# Knobs: BUILD_DIR, JOBS, BENCH_ARGS, TRAIN_STEPS, SKIP_SANITIZER, BASE_DIR (A/B of the CP
-# benchmark against another tree in the same call).
+# Knobs: BUILD_DIR, JOBS, BENCH_ARGS, TRAIN_STEPS, SKIP_SANITIZER. An A/B of the CP benchmark
+# against another tree in one call: scripts/cp_quick.sh with BASE_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_all_out}
@@ -55,25 +55,6 @@ if [ "$NP" -ge 2 ]; then
     >"$OUT/cp_bench.log" 2>&1 || status=1
   say "gdncp_bench --cp (2 GPUs): in $(($(date +%s) - t0)) s"
   tail -30 "$OUT/cp_bench.log" | tee -a "$S"
-fi
-
-# --- optional A/B: BASE_DIR = another tree (e.g. a worktree carried under .carry/) whose
-# CP benchmark runs between two more runs of ours, in the same call -------------------------
-if [ -n "${BASE_DIR:-}" ] && [ "$NP" -ge 2 ]; then
-  t0=$(date +%s)
-  if (cd "$BASE_DIR" && cmake -S . -B build-gpu "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DGDNCP_CUDA=ON \
-      -DCMAKE_CUDA_ARCHITECTURES=90-real && cmake --build build-gpu -j "$JOBS" --target gdncp_bench) >"$OUT/base_build.log" 2>&1; then
-    for who in base ours base ours; do
-      bin="$BUILD_DIR/bench/gdncp_bench"
-      [ $who = base ] && bin="$BASE_DIR/build-gpu/bench/gdncp_bench"
-      echo "### $who"
-      timeout 120 mpirun -np 2 --bind-to none "$bin" --cp | grep -E "strong|weak|P=|ckpt" | grep -v "^ *$"
-    done >"$OUT/ab.log" 2>&1
-    say "A/B against $BASE_DIR in $(($(date +%s) - t0)) s:"
-    grep -E "###|bigdn_cp P=2 strong  |bigdn_cp P=1   |strong scaling :|weak scaling :" "$OUT/ab.log" | tee -a "$S"
-  else
-    say "A/B: the base tree did not build"; tail -20 "$OUT/base_build.log"
-  fi
 fi
 
 # --- the trainer at a production-like shape: CP=1 on 1 GPU vs CP=2 on 2 GPUs --------------

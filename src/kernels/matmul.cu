@@ -12,7 +12,6 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include <mutex>
 #include <unordered_map>
 
 #include "kernels/cublas_handle.h"
