@@ -30,21 +30,31 @@ SweepSpec spec_of(const ScanContext& c, const ScanJob& j) {
   return s;
 }
 
+// Note [which composites travel]. The folds start from a zero state, and their
+// first step is X = h of the first rank in order, with no product. So the
+// forward folds read M only of logical positions 1 … P−2 (1 … P−1 for the
+// terminal fold), and the backward folds, from a zero adjoint, only of
+// positions r'+1 … P−2 (up to P−1 from a terminal gradient). No rank ever reads
+// the M of logical position 0, and with two ranks and no terminal state no rank
+// reads any M: the pack then carries only the states h, and no rank sweeps a
+// product of transitions beyond the Wcum its correction needs.
+bool gathers_M(const ScanJob& j, int P) { return P > 2 || j.terminal; }
+
 // Offsets (elements) of each job's pieces inside one rank's packed slice.
 struct Layout {
-  std::vector<int64_t> h, M;  // forward: composite state, composite transition
+  std::vector<int64_t> h, M;  // forward: composite state, composite transition (-1: not gathered)
   int64_t fwd_total = 0;
   std::vector<int64_t> dX0, dT;  // backward: adjoint of X0, adjoint of the terminal state
   int64_t bwd_total = 0;
 };
 
-Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs) {
+Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs, int P) {
   Layout L;
   for (const auto& j : jobs) {
     L.h.push_back(L.fwd_total);
     L.fwd_total += c.BH * c.D * j.E;
-    L.M.push_back(L.fwd_total);
-    L.fwd_total += c.BH * c.D * c.D;
+    L.M.push_back(gathers_M(j, P) ? L.fwd_total : -1);
+    if (gathers_M(j, P)) L.fwd_total += c.BH * c.D * c.D;
   }
   for (const auto& j : jobs) {
     L.dX0.push_back(L.bwd_total);
@@ -76,13 +86,15 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   const DType dt = compute_dtype(jobs);
   const Device dev = jobs.front().P.device();
   const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
-  const Layout L = layout_of(ctx, jobs);
+  const Layout L = layout_of(ctx, jobs, P);
 
   // 1. The local scans from a zero state (all jobs in one batch of sweeps):
-  //    states Y_loc into Y, and with P > 1 the composites h (last state) and
-  //    M (product of the transitions), written straight into the all-gather's
-  //    pack, and, where a correction will follow, the cumulative products Wcum
-  //    per frame. A checkpoint recompute (composites kept) writes no composites.
+  //    states Y_loc into Y, and with P > 1 the composite state h (last state)
+  //    written straight into the all-gather's pack; where a correction will
+  //    follow (X0 ≠ 0), the cumulative products Wcum per frame, whose last is
+  //    the composite transition M (into the pack where it travels: Note [which
+  //    composites travel]). A checkpoint recompute (composites kept) writes no
+  //    composites.
   const bool gather = P > 1 && !ctx.gathered.defined();
   Tensor pack = gather ? Tensor::empty({L.fwd_total}, dt, dev) : Tensor();
   std::vector<Sweep> sweeps;
@@ -104,17 +116,18 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
     if (P > 1) {
       sh.final_state = pack;
       sh.final_offset = L.h[i];
+    }
+    if (P > 1 && logical(j, r, P) > 0) {  // X0 ≠ 0 here: Wcum for the correction
       Sweep sm = sh;
+      cum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
       sm.out_before = sm.out_after = Tensor();
-      sm.final_offset = L.M[i];
+      (j.anti ? sm.out_before : sm.out_after) = cum[i];
+      sm.final_state = L.M[i] >= 0 ? pack : Tensor();
+      sm.final_offset = std::max<int64_t>(L.M[i], 0);
       sm.add_after = Tensor();
       sm.spec.init = Init::identity;
       sm.spec.E = D;
-      if (logical(j, r, P) > 0) {  // X0 ≠ 0 here: keep Wcum for the correction
-        cum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
-        (j.anti ? sm.out_before : sm.out_after) = cum[i];
-      }
-      if (gather || cum[i].defined()) sweeps.push_back(sm);  // else it would write nothing
+      sweeps.push_back(sm);
     }
     sweeps.push_back(sh);
   }
@@ -138,12 +151,14 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
     Fold f;
-    f.Mbuf = f.Hbuf = ctx.gathered;
-    f.m_off = L.M[i];
+    f.Hbuf = ctx.gathered;
+    if (L.M[i] >= 0) f.Mbuf = ctx.gathered;
+    f.m_off = std::max<int64_t>(L.M[i], 0);
     f.h_off = L.h[i];
     f.m_stride = f.h_stride = L.fwd_total;
     f.E = j.E;
     for (int pos = 0; pos < logical(j, r, P); ++pos) f.order.push_back(physical(j, pos, P));
+    GDNCP_CHECK(f.Mbuf.defined() || f.order.size() <= 1, "cp scan: the fold needs composites that were not gathered");
     j.X0 = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
     f.X = j.X0;
     fs.push_back(f);
@@ -172,7 +187,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   const DType dt = compute_dtype(jobs);
   const Device dev = jobs.front().P.device();
   const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
-  const Layout L = layout_of(ctx, jobs);
+  const Layout L = layout_of(ctx, jobs, P);
 
   // Sweeps of the state adjoint: anti jobs run ascending with the slot
   // gradient added after the step, forward jobs descending with it added before.
@@ -257,11 +272,13 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
         seed[i] = a0[i];
         continue;
       }
+      GDNCP_CHECK(L.M[i] >= 0 || (f.order.size() == 1 && !a0[i].defined()),
+                  "cp scan backward: the fold needs composites that were not gathered");
       seed[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
       f.X = seed[i];
       f.init = a0[i];
-      f.Mbuf = ctx.gathered;
-      f.m_off = L.M[i];
+      if (L.M[i] >= 0) f.Mbuf = ctx.gathered;
+      f.m_off = std::max<int64_t>(L.M[i], 0);
       f.m_stride = L.fwd_total;
       f.transpose = true;
       f.Hbuf = gathered;

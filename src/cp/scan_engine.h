@@ -5,7 +5,9 @@
 // Note [scan step]) over the global sequence, in the logical rank order
 // (rank_reverse: P−1 → 0). Forward, per job:
 //   1. composites of this rank from a zero state: h = state after the local
-//      frames, M = the product of the local transitions (a sweep from I);
+//      frames, M = the product of the local transitions (a sweep from I, run
+//      only where a correction needs it or another rank reads M: Note [which
+//      composites travel] in scan_engine.cpp);
 //   2. ONE all-gather of every job's (h, M) packed together;
 //   3. the incoming state X0 = fold over the logically earlier ranks of
 //      X ← M_j X + h_j (and the terminal state, with truncation, the fold over

@@ -155,9 +155,10 @@ void fold_impl(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off,
       std::copy(x0 + bh * DE, x0 + (bh + 1) * DE, xb);
     else
       std::fill(xb, xb + DE, T(0));
-    for (const int j : order) {
+    for (size_t q = 0; q < order.size(); ++q) {
+      const int j = order[q];
       const T* h = hb + h_off + j * h_stride + bh * DE;
-      if (mb) {
+      if (mb && (x0 || q > 0)) {  // from a zero state the first step is X = h: M_j is never read there
         const T* m = mb + m_off + j * m_stride + bh * DD;
         std::fill(tmp.begin(), tmp.end(), T(0));
         for (int64_t i = 0; i < D; ++i)
