@@ -4,6 +4,7 @@
 // -DGDNCP_CP_BENCH_MAIN. One rank per GPU under mpirun.
 #include "cp_bench.h"
 
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 #include <mpi.h>
 
@@ -20,6 +21,7 @@
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
 #include "gdncp/gdncp.h"
+#include "loopback_comm.h"
 #include "timing.h"
 
 namespace gdncp {
@@ -195,7 +197,98 @@ double validate(cp::Communicator& world, const CpBenchConfig& c, int64_t Fg) {
   return max_over_ranks(std::sqrt(num / std::max(den, 1e-300)));
 }
 
+// One GPU, stand-in peers (CpBenchConfig::emulate, loopback_comm.h).
+int run_emulated(const CpBenchConfig& c) {
+  const int P = c.emulate;
+  GDNCP_CHECK(c.global_frames % P == 0, "cp_bench: global_frames ", c.global_frames, " is not divisible by ", P);
+  const int64_t Fg = c.global_frames, F = Fg / P;
+  int dev = 0;
+  cudaDeviceProp prop;
+  GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
+  GDNCP_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  std::shared_ptr<cp::Communicator> one = cp::make_nccl_communicator(MPI_COMM_SELF, dev);
+  std::vector<std::shared_ptr<cp::Communicator>> peers;
+  for (int r = 0; r < P; ++r) peers.push_back(std::make_shared<LoopbackPeers>(r, P));
+
+  struct Spec {
+    std::string name;
+    cp::Communicator* comm;  // nullptr: bigdn
+    int64_t frames;          // this rank's
+    int block;               // which rank's frames of the Fg
+    Checkpoint ck;
+  };
+  std::vector<Spec> specs;
+  for (const Checkpoint ck : {Checkpoint::off, Checkpoint::on}) {
+    const std::string cks = ck == Checkpoint::on ? " ckpt" : "";
+    specs.push_back({"bigdn 1 GPU" + cks, nullptr, Fg, 0, ck});
+    specs.push_back({"bigdn_cp P=1" + cks, one.get(), Fg, 0, ck});
+    specs.push_back({"bigdn_cp P=1 F/P" + cks, one.get(), F, 0, ck});
+    for (int r = 0; r < P; ++r)
+      specs.push_back({"bigdn_cp rank " + std::to_string(r) + "/" + std::to_string(P) + cks, peers[r].get(), F, r, ck});
+  }
+  if (c.profile_row >= 0) {  // one row, its steps bracketed for ncu
+    GDNCP_CHECK(c.profile_row < static_cast<int>(specs.size()), "cp_bench: --profile-row ", c.profile_row, " of ",
+                specs.size());
+    const Spec& s = specs[static_cast<size_t>(c.profile_row)];
+    Layer l = make_layer(c, Fg, s.frames, s.block, DType::bf16, 5);
+    const BigdnOptions o = options(c, s.ck);
+    auto step = [&] {
+      zero_grads(l);
+      Tensor out = forward(s.comm, l, o);
+      backward(out, l.gout);
+    };
+    for (int i = 0; i < c.warmup; ++i) step();
+    synchronize();
+    GDNCP_CUDA_CHECK(cudaProfilerStart());
+    for (int i = 0; i < c.iters; ++i) step();
+    synchronize();
+    GDNCP_CUDA_CHECK(cudaProfilerStop());
+    std::printf("cp_bench: profiled row %d (%s), %d steps\n", c.profile_row, s.name.c_str(), c.iters);
+    return 0;
+  }
+  std::printf(
+      "cp_bench on one %s, %d ranks emulated (stand-in peers: each rank's kernels, collectives replaced by device "
+      "copies): B=%lld S=%lld H=%lld D=%lld bf16, %lld global frames\n",
+      prop.name, P, static_cast<long long>(c.batch), static_cast<long long>(c.tokens), static_cast<long long>(c.heads),
+      static_cast<long long>(c.head_dim), static_cast<long long>(Fg));
+  std::vector<Row> rows;
+  for (const Spec& s : specs) {
+    Layer l = make_layer(c, Fg, s.frames, s.block, DType::bf16, 5);
+    rows.push_back(measure(s.name, s.comm, l, s.ck, c));
+  }
+  std::printf("\n  %-28s %4s %10s %10s %10s\n", "config", "F/rk", "fwd+bwd ms", "peak MiB", "held MiB");
+  for (const Row& x : rows)
+    std::printf("  %-28s %4lld %10.3f %10.1f %10.1f\n", x.name.c_str(), static_cast<long long>(x.F), x.ms, x.peak_mib,
+                x.held_mib);
+  const size_t per_ck = 3 + static_cast<size_t>(P);
+  for (size_t k = 0; k < 2; ++k) {
+    const Row &t1 = rows[k * per_ck + 1], &t1f = rows[k * per_ck + 2];
+    double worst = 0;
+    for (int r = 0; r < P; ++r) worst = std::max(worst, rows[k * per_ck + 3 + static_cast<size_t>(r)].ms);
+    std::printf(
+        "  %s: slowest rank %.3f ms; its CP-only compute (vs one GPU on F/P frames) %.3f ms; strong scaling "
+        "without the collectives' time and skew (an upper bound): %.1f%%\n",
+        k ? "ckpt" : "off ", worst, worst - t1f.ms, 100.0 * t1.ms / (P * worst));
+  }
+  if (!c.json.empty()) {
+    std::ostringstream js;
+    js << "{\n\"device\": \"" << prop.name << "\", \"emulated_ranks\": " << P << ", \"B\": " << c.batch
+       << ", \"S\": " << c.tokens << ", \"H\": " << c.heads << ", \"D\": " << c.head_dim
+       << ", \"global_frames\": " << Fg << ", \"dtype\": \"bf16\",\n\"timing\": \"CUDA events, " << c.warmup
+       << " warm-up, median of " << c.iters << "\",\n\"rows\": [\n";
+    for (size_t i = 0; i < rows.size(); ++i)
+      js << (i ? ",\n" : "") << "{\"name\": \"" << rows[i].name << "\", \"frames_per_rank\": " << rows[i].F
+         << ", \"ms\": " << rows[i].ms << ", \"peak_mib\": " << rows[i].peak_mib
+         << ", \"held_mib\": " << rows[i].held_mib << "}";
+    js << "\n]\n}\n";
+    std::ofstream(c.json) << js.str();
+    std::printf("\nwrote %s\n", c.json.c_str());
+  }
+  return 0;
+}
+
 int run(const CpBenchConfig& c) {
+  if (c.emulate > 0) return run_emulated(c);
   int P = 1, r = 0;
   GDNCP_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &P));
   GDNCP_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &r));
@@ -364,7 +457,7 @@ int run_cp_bench(const CpBenchConfig& config) {
 
 #ifdef GDNCP_CP_BENCH_MAIN
 // Standalone: cp_bench [--frames 11] [--global-frames 22] [--tokens 920] [--heads 20] [--dim 112]
-//                      [--warmup 5] [--iters 20] [--json PATH]
+//                      [--warmup 5] [--iters 20] [--json PATH] [--emulate P [--profile-row K]]
 int main(int argc, char** argv) {
   gdncp::bench::CpBenchConfig c;
   for (int i = 1; i < argc; ++i) {
@@ -388,6 +481,10 @@ int main(int argc, char** argv) {
       c.iters = std::stoi(next());
     else if (f == "--json")
       c.json = next();
+    else if (f == "--emulate")
+      c.emulate = std::stoi(next());
+    else if (f == "--profile-row")
+      c.profile_row = std::stoi(next());
     else {
       std::fprintf(stderr, "cp_bench: unknown flag %s\n", f.c_str());
       return 1;

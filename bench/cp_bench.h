@@ -23,10 +23,23 @@ struct CpBenchConfig {
   int64_t global_frames = 22;    // strong scaling (split over the ranks)
   int warmup = 5, iters = 20;
   std::string json;  // write the results here (rank 0) when set
+  // > 0: one GPU, no mpirun: each rank r of `emulate` ranks runs on stand-in
+  // peers (bench/loopback_comm.h) beside the one-GPU rows (run_emulated).
+  int emulate = 0;
+  // >= 0 with emulate: run only this row, its timed steps between
+  // cudaProfilerStart/Stop (for ncu --profile-from-start off), and print nothing else.
+  int profile_row = -1;
 };
 
 // Initialises MPI if the caller has not (and finalises it then). Returns a
 // process exit code (0 = validated and timed).
+//
+// With emulate = P (one process, one GPU): bigdn and bigdn_cp on one GPU over
+// global_frames, bigdn_cp on one GPU over one rank's frames (global_frames/P),
+// and bigdn_cp as each rank r of P on stand-in peers — that rank's kernels, the
+// collectives replaced by device copies — with checkpointing off and on. The
+// rank rows are the compute of a P-GPU run; the real run adds the collectives'
+// time and the ranks' skew, so what it prints are bounds, not the scaling itself.
 int run_cp_bench(const CpBenchConfig& config);
 
 }  // namespace bench

@@ -4,8 +4,11 @@
 // bandwidth, cuBLAS bf16 GEMM rate) and against the floor of the work.
 //
 //   gdncp_bench [--json PATH] [--batches 1,4,8] [--dims 112,128] [--frames 11] [--tokens 920]
-//               [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp] [--profile]
+//               [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp [--emulate P [--profile-row K]]]
+//               [--profile]
 // --profile runs one forward+backward of the first configuration and exits (to run under ncu).
+// --cp --emulate P: the CP benchmark on one GPU, each rank of P on stand-in peers (cp_bench.h);
+// --profile-row K then runs only row K's steps between cudaProfilerStart/Stop (for ncu).
 //
 // Floor: max(bytes / copy bandwidth, flops / GEMM rate), where bytes count every
 // input read once and every output written once (intermediates free) and flops
@@ -43,6 +46,7 @@ struct Args {
   int64_t frames = 11, tokens = 920, heads = 20;
   int warmup = 5, iters = 30;
   bool cp = false;
+  int emulate = 0, profile_row = -1;  // --cp on one GPU with stand-in peers (cp_bench.h)
   bool profile = false;  // one forward+backward of the first configuration, nothing else (for ncu)
 };
 
@@ -71,17 +75,20 @@ bool parse_args(int argc, char** argv, Args& a) {
     else if (f == "--iters") a.iters = std::stoi(next());
     else if (f == "--quick") { a.batches = {1, 4}; a.head_dims = {112}; a.iters = 20; }
     else if (f == "--cp") a.cp = true;
+    else if (f == "--emulate") a.emulate = std::stoi(next());
+    else if (f == "--profile-row") a.profile_row = std::stoi(next());
     else if (f == "--profile") a.profile = true;
     else if (f == "--help" || f == "-h") {
       std::printf("gdncp_bench [--json PATH] [--batches 1,4,8] [--dims 112,128] [--frames 11] [--tokens 920]\n"
-                  "            [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp] [--profile]\n");
+                  "            [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp [--emulate P [--profile-row K]]]\n"
+                  "            [--profile]\n");
       std::exit(0);
     } else {
       std::fprintf(stderr, "gdncp_bench: unknown flag %s (try --help)\n", f.c_str());
       return false;
     }
   }
-  return a.iters >= 20 && a.warmup >= 1;
+  return (a.iters >= 20 || a.profile_row >= 0) && a.warmup >= 1;
 }
 
 // --- timing -------------------------------------------------------------------
@@ -444,6 +451,8 @@ int run_cp(const Args& a) {
   c.warmup = a.warmup;
   c.iters = a.iters;
   c.json = a.json;
+  c.emulate = a.emulate;
+  c.profile_row = a.profile_row;
   return bench::run_cp_bench(c);
 }
 
