@@ -73,6 +73,22 @@ Shape states_shape(int64_t BH, int64_t F, int64_t D, int64_t E) {
   return E == 1 ? Shape{BH, F, D} : Shape{BH, F, D, E};
 }
 
+// Folds over ranks; those without a product need no fold kernel: over no rank
+// from a zero state X = 0, over one rank from a zero state X = h of that rank
+// (a device copy out of the gathered buffer).
+void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
+  std::vector<Fold> products;
+  for (Fold& f : fs) {
+    if (f.init.defined() || f.order.size() > 1)
+      products.push_back(f);
+    else if (f.order.empty())
+      f.X.fill_(0.0);
+    else
+      kern::copy_region(f.X, 0, f.Hbuf, f.h_off + f.order[0] * f.h_stride, f.X.numel());
+  }
+  kern::folds(products, BH, D);
+}
+
 }  // namespace
 
 int64_t active_frames(int64_t K, int rank, int64_t F) {
@@ -172,7 +188,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       fs.push_back(ft);
     }
   }
-  kern::folds(fs, BH, D);
+  run_folds(fs, BH, D);
 
   // 4. The correction of SPEC §6, all frames at once: Y_t = Y_loc,t + Wcum_t X0.
   std::vector<Correction> cs;
@@ -263,7 +279,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       for (int p = 0; p < P; ++p) f.order.push_back(p);
       sums.push_back(f);
     }
-    kern::folds(sums, BH, D);
+    run_folds(sums, BH, D);
     for (size_t i = 0; i < jobs.size(); ++i) {
       const ScanJob& j = jobs[i];
       Fold f;
@@ -287,7 +303,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       f.E = j.E;
       backs.push_back(f);
     }
-    kern::folds(backs, BH, D);
+    run_folds(backs, BH, D);
     // 4. The composite's gradient folded into the last state (Note [CP scan]):
     //    the adjoint seeded with a is λ_t + Rcum_t a, all frames at once.
     std::vector<Correction> cs;
