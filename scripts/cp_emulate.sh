@@ -2,11 +2,11 @@
 # The CP layer's per-rank work on ONE GPU (gdncp_bench --cp --emulate P: each rank on stand-in
 # peers, bench/loopback_comm.h), as an A/B against base sources in the same call, and per-kernel
 # device times under ncu. For a machine with one GPU, where the 2-GPU run cannot be made.
-#   OUT=/tmp/out [BASE_SRC=.carry/base] [NCU_ROWS="1 2 3"] [SWEEP_DETAIL=1] scripts/cp_emulate.sh
+#   OUT=/tmp/out [BASE_SRC=.carry/base] [NCU_ROWS="1 2 3" [NCU_BASE=1]] [SWEEP_DETAIL=1] scripts/cp_emulate.sh
 # BASE_SRC: a folder mirroring the repository's paths with the base versions of the library
 # files that differ; the library is rebuilt with them (the same gdncp_bench binary loads either
 # library: it links libgdncp.so). NCU_ROWS: rows of the emulated benchmark to run under ncu
-# (kernel durations; 0-based, as printed). SWEEP_DETAIL=1: ncu sections for the first two
+# (kernel durations; 0-based, as printed; ours, and with NCU_BASE=1 the base too). SWEEP_DETAIL=1: ncu sections for the first two
 # sweep_kernel launches (one forward, one backward) of row SWEEP_ROW (default 3: rank 0, ours).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,7 +70,7 @@ ncu_rows() {  # who rows...
 }
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/nsight-compute*/ncu 2>/dev/null | head -1)
 if [ -n "${NCU_ROWS:-}" ] && [ -n "$NCU" ]; then
-  for who in ours $([ "$who_list" != ours ] && echo base); do ncu_rows $who $NCU_ROWS; done
+  for who in ours $([ "$who_list" != ours ] && [ -n "${NCU_BASE:-}" ] && echo base); do ncu_rows $who $NCU_ROWS; done
   if [ -n "${SWEEP_DETAIL:-}" ]; then
     first=${SWEEP_ROW:-3}
     LD_LIBRARY_PATH="$B/libs/ours" timeout 240 "$NCU" --clock-control none --profile-from-start off \

@@ -103,8 +103,45 @@ TEST(CudaTwins, ScanSweepMatchesCpu) {
   }
 }
 
+// A final state written into a pack at an offset that is not 16-byte aligned (a Z job's
+// B·H·D elements before it, B·H·D % 4 != 0): the sweep falls back from float4 state
+// accesses to scalar ones (src/cp/scan.cu, Slice::vec) and writes exactly its elements.
+TEST(CudaTwins, ScanSweepUnalignedPackOffset) {
+  REQUIRE_GPUS();
+  const int64_t BH = 3, F = 3, D = 16, E = 16, off = 2, n = BH * D * E;
+  const Tensor P = rnd({BH, F, D, D}, 80, 0.5 / D), U = rnd({BH, F, D, E}, 81);
+  const Tensor decay = Tensor::uniform({1, BH, F}, DType::f32, Device::cpu, 82, 0.5, 0.99);
+  Tensor pack[2], states[2];
+  for (int g = 0; g < 2; ++g) {
+    const Device dev = g ? Device::cuda : Device::cpu;
+    std::vector<cp::Sweep> sw(1);
+    sw[0].P = g ? gpu(P) : P;
+    sw[0].add_after = g ? gpu(U) : U;
+    sw[0].out_after = poisoned({BH, F, D, E}, dev);
+    sw[0].final_state = poisoned({off + n + 1}, dev);
+    sw[0].final_offset = off;
+    sw[0].spec = cp::SweepSpec{BH, F, D, E, false, false, cp::Init::zero, F};
+    if (g)
+      cp::cuda::scan_sweeps(sw, gpu(decay));
+    else
+      cp::cpu::scan_sweeps(sw, decay);
+    pack[g] = cpu(sw[0].final_state);
+    states[g] = cpu(sw[0].out_after);
+  }
+  EXPECT_TRUE(close_rel(states[1], states[0], 1e-5, "states"));
+  const std::vector<double> a = pack[1].to_vector(), b = pack[0].to_vector();
+  for (int64_t i = 0; i < off + n + 1; ++i) {
+    const bool inside = i >= off && i < off + n;
+    EXPECT_EQ(std::isfinite(a[static_cast<size_t>(i)]), inside) << "pack element " << i;
+    if (inside) {
+      const double want = b[static_cast<size_t>(i)];
+      EXPECT_NEAR(a[static_cast<size_t>(i)], want, 1e-5 * (1 + std::fabs(want))) << "pack element " << i;
+    }
+  }
+}
+
 // Large B·H: the CUDA launches then put 2 and 4 state slices (warps) in one block,
-// sharing the staged transitions, with idle warps where D/16 slices do not divide
+// sharing the staged transitions, with idle warps where D/8 slices do not divide
 // (src/cp/scan.cu, Note [warp tiles]); a wide and a narrow sweep in one batch, a
 // correction over many (b·h, t) and a fold.
 TEST(CudaTwins, ScanKernelsManySlicesMatchCpu) {
@@ -374,7 +411,6 @@ TEST(NcclComm, DeferredCollectivesCompleteLater) {
 }
 
 // --- layers on P GPUs vs one GPU and vs the f64 CPU oracle ---------------------------------
-
 
 std::vector<Tensor> leaves_on(const LayerInputs& in, Device dev) {
   auto mk = [&](const Tensor& t) {

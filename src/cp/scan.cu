@@ -16,13 +16,14 @@
 //
 // Note [warp tiles]. Each step of a sweep (fold) multiplies a D×D
 // matrix op(A) into the state, a D×E matrix whose columns evolve on their own.
-// One warp owns a slice of 16 columns: lane (r, h) = (lane % 16, lane / 16)
-// accumulates rows r + 16a (a < RA, 16·RA ≥ D) × columns 8h … 8h+7 in 8·RA
+// One warp owns a slice of 8 columns: lane (r, h) = (lane % 16, lane / 16)
+// accumulates rows r + 16a (a < RA, 16·RA ≥ D) × columns 4h … 4h+3 in 4·RA
 // registers; the slice itself lives in shared memory (pitch kYP) and is read
-// as broadcasts. A streams through a ring of kStages shared buffers in chunks
-// of kKC values of k, issued kStages − 1 chunks ahead with cp.async and across
-// frame boundaries (A does not depend on the state, so the next frame's A is
-// in flight while this frame's product runs). A chunk keeps A's row-major
+// as broadcasts. The steps are sequential, so a sweep is latency-bound: 8
+// columns a warp (not 16) give twice the warps, each with half the products
+// of a step and half the registers (measured: Note [eight columns]). A streams through a ring of kStages shared buffers
+// in chunks of kKC values of k, issued kStages − 1 chunks ahead with cp.async and across frame boundaries (A does not
+// depend on the state, so the next frame's A is in flight while this frame's product runs). A chunk keeps A's row-major
 // order: for op(A) = A it is A[:, k0 … k0+kKC) (pitch kKCP, 5 float4: read
 // along k as float4 without bank conflicts), for op(A) = Aᵀ it is
 // A[k0 … k0+kKC, :] (read along i). The warps of a block are slices of the
@@ -47,12 +48,12 @@ namespace {
 using namespace dev;
 
 constexpr int kMaxRanks = 64;
-constexpr int kTileCols = 16;  // state columns per warp (Note [warp tiles])
-constexpr int kKC = 16;        // values of k per staged chunk
-constexpr int kKCP = 20;       // pitch of a chunk of op(A) = A: 5 float4 (odd: conflict-free along k)
-constexpr int kYP = 20;        // pitch of the state slice: 5 float4
-constexpr int kStages = 4;     // depth of the cp.async ring
-constexpr int kMaxWarps = 4;   // slices per block
+constexpr int kTileCols = 8;  // state columns per warp (Note [warp tiles])
+constexpr int kKC = 16;       // values of k per staged chunk
+constexpr int kKCP = 20;      // pitch of a chunk of op(A) = A: 5 float4 (odd: conflict-free along k)
+constexpr int kYP = 12;       // pitch of the state slice: 3 float4 (odd: a lane's float4 rows conflict-free)
+constexpr int kStages = 4;    // depth of the cp.async ring
+constexpr int kMaxWarps = 4;  // slices per block
 
 // Floats of one ring stage and of one warp's state slice, for RA row slots.
 __host__ __device__ constexpr int stage_floats(int ra) { return 16 * ra * kKCP; }
@@ -112,32 +113,28 @@ __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast
 __device__ __forceinline__ float comp(const float4& v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
-__device__ __forceinline__ void fma8(float (&acc)[8], float p, const float4& y0, const float4& y1) {
-  acc[0] = fmaf(p, y0.x, acc[0]);
-  acc[1] = fmaf(p, y0.y, acc[1]);
-  acc[2] = fmaf(p, y0.z, acc[2]);
-  acc[3] = fmaf(p, y0.w, acc[3]);
-  acc[4] = fmaf(p, y1.x, acc[4]);
-  acc[5] = fmaf(p, y1.y, acc[5]);
-  acc[6] = fmaf(p, y1.z, acc[6]);
-  acc[7] = fmaf(p, y1.w, acc[7]);
+__device__ __forceinline__ void fma4(float (&acc)[4], float p, const float4& y) {
+  acc[0] = fmaf(p, y.x, acc[0]);
+  acc[1] = fmaf(p, y.y, acc[1]);
+  acc[2] = fmaf(p, y.z, acc[2]);
+  acc[3] = fmaf(p, y.w, acc[3]);
 }
 
 // acc += op(A)[rows of this lane][k0 … k0+kKC) · slice[k0 … k0+kKC)[columns of this lane], k in order.
 template <int RA>
-__device__ __forceinline__ void mma_chunk(float (&acc)[RA][8], const float* buf, const float* ys, int k0,
+__device__ __forceinline__ void mma_chunk(float (&acc)[RA][4], const float* buf, const float* ys, int k0,
                                           bool transpose) {
   const int lane = threadIdx.x % 32, r = lane % 16, h = lane / 16;
-  const float* y = ys + k0 * kYP + 8 * h;
+  const float* y = ys + k0 * kYP + 4 * h;
   if (transpose) {
-#pragma unroll 4
+#pragma unroll 8
     for (int kk = 0; kk < kKC; ++kk) {
       float p[RA];
 #pragma unroll
       for (int a = 0; a < RA; ++a) p[a] = buf[kk * (16 * RA) + r + 16 * a];
-      const float4 y0 = ld4(y + kk * kYP), y1 = ld4(y + kk * kYP + 4);
+      const float4 y0 = ld4(y + kk * kYP);
 #pragma unroll
-      for (int a = 0; a < RA; ++a) fma8(acc[a], p[a], y0, y1);
+      for (int a = 0; a < RA; ++a) fma4(acc[a], p[a], y0);
     }
   } else {
 #pragma unroll
@@ -147,26 +144,31 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[RA][8], const float* buf,
       for (int a = 0; a < RA; ++a) p[a] = ld4(buf + (r + 16 * a) * kKCP + k4);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float4 y0 = ld4(y + (k4 + j) * kYP), y1 = ld4(y + (k4 + j) * kYP + 4);
+        const float4 y0 = ld4(y + (k4 + j) * kYP);
 #pragma unroll
-        for (int a = 0; a < RA; ++a) fma8(acc[a], comp(p[a], j), y0, y1);
+        for (int a = 0; a < RA; ++a) fma4(acc[a], comp(p[a], j), y0);
       }
     }
   }
 }
 
-// The lane's elements of its warp's slice: rows r + 16a, columns c0 + 8h + c (c < 8).
+// The lane's elements of its warp's slice: rows r + 16a, columns c0 + 4h + c (c < 4).
+// vec: E % 4 == 0, so a lane's 4 columns are all in or all out, and the matrices are 16-byte aligned:
+// the 4 columns are one float4.
 struct Slice {
   int D, E, c0, r, h;
-  __device__ bool ok(int a, int c) const { return r + 16 * a < D && c0 + 8 * h + c < E; }
+  bool vec;
+  __device__ bool row_ok(int a) const { return r + 16 * a < D; }
+  __device__ bool ok(int a, int c) const { return row_ok(a) && c0 + 4 * h + c < E; }
   __device__ int64_t at(int a, int c) const {  // offset in a D×E matrix
-    return static_cast<int64_t>(r + 16 * a) * E + c0 + 8 * h + c;
+    return static_cast<int64_t>(r + 16 * a) * E + c0 + 4 * h + c;
   }
-  __device__ int sh(int a, int c) const { return (r + 16 * a) * kYP + 8 * h + c; }  // offset in the slice
+  __device__ int sh(int a, int c) const { return (r + 16 * a) * kYP + 4 * h + c; }  // offset in the slice
 };
-__device__ __forceinline__ Slice slice_of(int D, int E, int tile) {
+// vec: the launcher checked that E % 4 == 0 and that every state pointer of the job is 16-byte aligned.
+__device__ __forceinline__ Slice slice_of(int D, int E, int tile, bool vec) {
   const int lane = threadIdx.x % 32;
-  return Slice{D, E, tile * kTileCols, lane % 16, lane / 16};
+  return Slice{D, E, tile * kTileCols, lane % 16, lane / 16, vec};
 }
 
 // The whole slice: value(i, col) inside D×E (live warps), 0 elsewhere.
@@ -180,28 +182,43 @@ __device__ __forceinline__ void fill_slice(float* ys, const Slice& s, bool live,
 }
 // dst = the lane's elements of the D×E matrix src (0 outside); all loads issued before any use.
 template <int RA>
-__device__ __forceinline__ void load_own(float (&dst)[RA][8], const float* src, const Slice& s, bool live) {
+__device__ __forceinline__ void load_own(float (&dst)[RA][4], const float* src, const Slice& s, bool live) {
 #pragma unroll
-  for (int a = 0; a < RA; ++a)
+  for (int a = 0; a < RA; ++a) {
+    if (s.vec) {
+      const float4 v = live && s.ok(a, 0) ? ld4(src + s.at(a, 0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      dst[a][0] = v.x;
+      dst[a][1] = v.y;
+      dst[a][2] = v.z;
+      dst[a][3] = v.w;
+    } else {
 #pragma unroll
-    for (int c = 0; c < 8; ++c) dst[a][c] = (live && s.ok(a, c)) ? src[s.at(a, c)] : 0.f;
+      for (int c = 0; c < 4; ++c) dst[a][c] = (live && s.ok(a, c)) ? src[s.at(a, c)] : 0.f;
+    }
+  }
 }
 // dst (D×E) = the lane's elements of the slice (or zeros).
 template <int RA>
 __device__ __forceinline__ void store_own(float* dst, const float* ys, const Slice& s, bool live, bool zeros = false) {
   if (!live) return;
 #pragma unroll
-  for (int a = 0; a < RA; ++a)
+  for (int a = 0; a < RA; ++a) {
+    if (s.vec) {
+      if (s.ok(a, 0))
+        *reinterpret_cast<float4*>(dst + s.at(a, 0)) = zeros ? make_float4(0.f, 0.f, 0.f, 0.f) : ld4(ys + s.sh(a, 0));
+    } else {
 #pragma unroll
-    for (int c = 0; c < 8; ++c)
-      if (s.ok(a, c)) dst[s.at(a, c)] = zeros ? 0.f : ys[s.sh(a, c)];
+      for (int c = 0; c < 4; ++c)
+        if (s.ok(a, c)) dst[s.at(a, c)] = zeros ? 0.f : ys[s.sh(a, c)];
+    }
+  }
 }
 template <int RA>
-__device__ __forceinline__ void zero(float (&acc)[RA][8]) {
+__device__ __forceinline__ void zero(float (&acc)[RA][4]) {
 #pragma unroll
   for (int a = 0; a < RA; ++a)
 #pragma unroll
-    for (int c = 0; c < 8; ++c) acc[a][c] = 0.f;
+    for (int c = 0; c < 4; ++c) acc[a][c] = 0.f;
 }
 
 // The ring of one block: chunk q = part q % nch of the matrix of step q / nch
@@ -222,7 +239,7 @@ struct Ring {
     for (int c = 0; c < kStages - 1; ++c) issue(c);
   }
   // acc = op(A_step) · slice over the next nch chunks; every thread of the block calls it.
-  __device__ void product(float (&acc)[RA][8], const float* ys, bool compute) {
+  __device__ void product(float (&acc)[RA][4], const float* ys, bool compute) {
     zero<RA>(acc);
     for (int j = 0; j < nch; ++j, ++q) {
       cp_async_wait_ring();  // chunk q has landed (this thread's copies)
@@ -262,7 +279,7 @@ struct SweepArgs {
   const float* ua = nullptr;
   const float* init = nullptr;
   int D = 0, F = 0, E = 0, active = 0, init_kind = 0;
-  bool descending = false, transpose = false, vec = false;
+  bool descending = false, transpose = false, vec = false, vec_states = false;
   int tiles = 0, groups = 0, block0 = 0;  // slices per b·h, blocks per b·h, first block
 };
 constexpr int kMaxSweeps = 8;
@@ -280,7 +297,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) sweep_kernel(const __grid_cons
   const SweepArgs& a = batch.s[pl.job];
   const int bh = pl.unit, D = a.D, E = a.E, F = a.F;
   const bool live = pl.tile < a.tiles;  // dead warps only help stage the ring
-  const Slice sl = slice_of(D, E, pl.tile);
+  const Slice sl = slice_of(D, E, pl.tile, a.vec_states);
   float* ys = smem + kStages * stage_floats(RA) + pl.warp * slice_floats(RA);
   const int64_t DE = static_cast<int64_t>(D) * E, DD = static_cast<int64_t>(D) * D;
   auto frame = [&](int step) { return a.descending ? F - 1 - step : step; };
@@ -296,7 +313,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) sweep_kernel(const __grid_cons
   });
   // pre: the additive term of the next use — U_t (add_after), else the next frame's add_before.
   const bool pre_u = a.ua != nullptr, pre_v = a.vb != nullptr && !pre_u;
-  float pre[RA][8], acc[RA][8];
+  float pre[RA][4], acc[RA][4];
   zero<RA>(pre);
   if (pre_v) load_own<RA>(pre, at(a.vb, frame(0)), sl, live);
   for (int step = 0; step < F; ++step) {
@@ -307,14 +324,14 @@ __global__ void __launch_bounds__(32 * kMaxWarps) sweep_kernel(const __grid_cons
 #pragma unroll
         for (int i = 0; i < RA; ++i)
 #pragma unroll
-          for (int c = 0; c < 8; ++c)
+          for (int c = 0; c < 4; ++c)
             if (sl.ok(i, c)) ys[sl.sh(i, c)] += pre[i][c];
       } else {  // both add terms given: this one unprefetched
         const float* v = at(a.vb, t);
 #pragma unroll
         for (int i = 0; i < RA; ++i)
 #pragma unroll
-          for (int c = 0; c < 8; ++c)
+          for (int c = 0; c < 4; ++c)
             if (sl.ok(i, c)) ys[sl.sh(i, c)] += v[sl.at(i, c)];
       }
     }
@@ -331,7 +348,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) sweep_kernel(const __grid_cons
 #pragma unroll
       for (int i = 0; i < RA; ++i)
 #pragma unroll
-        for (int c = 0; c < 8; ++c)
+        for (int c = 0; c < 4; ++c)
           if (sl.ok(i, c)) {
             float y = g * (ys[sl.sh(i, c)] - acc[i][c]);
             if (pre_u) y += pre[i][c];  // 4. Y += Ua_t
@@ -353,7 +370,7 @@ struct FoldArgs {
   const float* H = nullptr;
   int64_t m_off = 0, m_stride = 0, h_off = 0, h_stride = 0;
   int D = 0, E = 0, n = 0;
-  bool transpose = false, vec = false;
+  bool transpose = false, vec = false, vec_states = false;
   int tiles = 0, groups = 0, block0 = 0;
   int order[kMaxRanks];
 };
@@ -371,7 +388,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fold_kernel(const __grid_const
   const FoldArgs& a = batch.f[pl.job];
   const int bh = pl.unit, D = a.D, E = a.E;
   const bool live = pl.tile < a.tiles;
-  const Slice sl = slice_of(D, E, pl.tile);
+  const Slice sl = slice_of(D, E, pl.tile, a.vec_states);
   float* ys = smem + kStages * stage_floats(RA) + pl.warp * slice_floats(RA);
   const int64_t DE = static_cast<int64_t>(D) * E, DD = static_cast<int64_t>(D) * D;
   // From a zero state the first step is X = h (no product): the ring streams the other ranks' M.
@@ -381,7 +398,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fold_kernel(const __grid_const
   if (a.M) ring.start();
   fill_slice<RA>(ys, sl, live,
                  [&](int i, int col) { return a.init ? a.init[bh * DE + static_cast<int64_t>(i) * E + col] : 0.f; });
-  float h[RA][8], acc[RA][8];
+  float h[RA][4], acc[RA][4];
   for (int q = 0; q < a.n; ++q) {
     load_own<RA>(h, a.H + a.h_off + a.order[q] * a.h_stride + bh * DE, sl, live);
     if (a.M && q >= q0) {
@@ -391,13 +408,13 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fold_kernel(const __grid_const
 #pragma unroll
       for (int i = 0; i < RA; ++i)
 #pragma unroll
-        for (int c = 0; c < 8; ++c) acc[i][c] = live && sl.ok(i, c) ? ys[sl.sh(i, c)] : 0.f;
+        for (int c = 0; c < 4; ++c) acc[i][c] = live && sl.ok(i, c) ? ys[sl.sh(i, c)] : 0.f;
     }
     if (live) {
 #pragma unroll
       for (int i = 0; i < RA; ++i)
 #pragma unroll
-        for (int c = 0; c < 8; ++c)
+        for (int c = 0; c < 4; ++c)
           if (sl.ok(i, c)) ys[sl.sh(i, c)] = acc[i][c] + h[i][c];  // CPU: tmp + h, or x + h
     }
     __syncwarp();
@@ -521,6 +538,14 @@ int sm_count() {
   return counts[static_cast<size_t>(dev)];
 }
 
+// Note [eight columns]. Measured on one H200 (2026-12-01, B·H = 20, D = 112,
+// bidirectional layer, ncu): 16-column slices took 221 registers and issued at
+// 0.37 warps per scheduler with 1.4 resident; 8-column slices take 128 and the
+// sweeps of one forward+backward went 926 → 753 µs over 22 frames on one rank
+// and 576 → 456 µs for one rank of two (11 frames). What remains is latency:
+// 5–7 cycles between a warp's instructions, a third of it at the ring's
+// barriers in the transposed sweeps.
+//
 // Slices per block (Note [warp tiles]): one warp per block while the launch
 // holds at most one warp per SM sub-partition; beyond that 2, then 4, so the
 // warps of a block share the staged transitions (less L2 traffic).
@@ -604,6 +629,8 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
       a.descending = s.descending;
       a.transpose = s.transpose;
       a.vec = s.D % 4 == 0 && aligned16(a.P);
+      a.vec_states = s.E % 4 == 0 && aligned16(a.ob) && aligned16(a.oa) && aligned16(a.fin) && aligned16(a.vb) &&
+                     aligned16(a.ua) && aligned16(a.init);
       a.tiles = static_cast<int>(cdiv(s.E, kTileCols));
       units[k] = s.BH;
     }
@@ -688,10 +715,10 @@ void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D)
     GDNCP_CHECK(X && C && v, "scan_correct: X, C and v must be defined");
     const int E = static_cast<int>(c.E), FD = static_cast<int>(F * D), Di = static_cast<int>(D);
     const float one = 1.f;
-    GDNCP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-        gdncp::cuda::cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, E, FD, Di, &one, v, CUDA_R_32F, E, D * E, C,
-        CUDA_R_32F, Di, F * D * D, &one, X, CUDA_R_32F, E, F * D * E, static_cast<int>(BH), CUBLAS_COMPUTE_32F,
-        CUBLAS_GEMM_DEFAULT));
+    GDNCP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(gdncp::cuda::cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, E, FD, Di,
+                                                  &one, v, CUDA_R_32F, E, D * E, C, CUDA_R_32F, Di, F * D * D, &one, X,
+                                                  CUDA_R_32F, E, F * D * E, static_cast<int>(BH), CUBLAS_COMPUTE_32F,
+                                                  CUBLAS_GEMM_DEFAULT));
   }
 }
 
@@ -721,6 +748,8 @@ void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
       a.n = static_cast<int>(f.order.size());
       a.transpose = f.transpose;
       a.vec = D % 4 == 0 && a.M && aligned16(a.M) && f.m_off % 4 == 0 && f.m_stride % 4 == 0;
+      a.vec_states = f.E % 4 == 0 && aligned16(a.X) && aligned16(a.init) && aligned16(a.H) && f.h_off % 4 == 0 &&
+                     f.h_stride % 4 == 0;
       std::copy(f.order.begin(), f.order.end(), a.order);
       a.tiles = static_cast<int>(cdiv(f.E, kTileCols));
       units[k] = BH;
