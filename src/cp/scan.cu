@@ -21,16 +21,19 @@
 // registers; the slice itself lives in shared memory (pitch kYP) and is read
 // as broadcasts. The steps are sequential, so a sweep is latency-bound: 8
 // columns a warp (not 16) give twice the warps, each with half the products
-// of a step and half the registers (measured: Note [eight columns]). A streams through a ring of kStages shared buffers
-// in chunks of kKC values of k, issued kStages − 1 chunks ahead with cp.async and across frame boundaries (A does not
-// depend on the state, so the next frame's A is in flight while this frame's product runs). A chunk keeps A's row-major
-// order: for op(A) = A it is A[:, k0 … k0+kKC) (pitch kKCP, 5 float4: read
-// along k as float4 without bank conflicts), for op(A) = Aᵀ it is
-// A[k0 … k0+kKC, :] (read along i). The warps of a block are slices of the
-// same (sweep, b·h) and share the ring; a step costs one barrier per chunk.
-// Sums over k run in index order, like the CPU twin. The additive terms of a
-// step (U_t, or the next frame's add_before) are loaded into registers before
-// the product, so their latency hides behind it.
+// of a step and half the registers (measured: Note [eight columns]).
+// A streams through a ring of kStages shared buffers in chunks of kKC values
+// of k, issued kStages − 1 chunks ahead with cp.async and across frame
+// boundaries (A does not depend on the state, so the next frame's A is in
+// flight while this frame's product runs). A chunk is op(A)[:, k0 … k0+kKC)
+// stored [i][k] (pitch kKCP, 5 float4: read along k as float4 without bank
+// conflicts) for op(A) = A and Aᵀ alike: the transposed sweeps transpose on
+// the way into shared memory, so their products load as few operands as the
+// plain ones. The warps of a block are slices of the same (sweep, b·h) and
+// share the ring; a step costs one barrier per chunk. Sums over k run in
+// index order, like the CPU twin. The additive terms of a step (U_t, or the
+// next frame's add_before) are loaded into registers before the product, so
+// their latency hides behind it.
 #include <algorithm>
 #include <mutex>
 #include <set>
@@ -61,7 +64,7 @@ __host__ __device__ constexpr int slice_floats(int ra) { return 16 * ra * kYP; }
 constexpr int smem_bytes(int ra, int warps) {
   return (kStages * stage_floats(ra) + warps * slice_floats(ra)) * static_cast<int>(sizeof(float));
 }
-static_assert(kKC <= kKCP, "a chunk of op(A) = Aᵀ (kKC rows of 16·RA) fits a stage");
+static_assert(kKC <= kKCP, "a staged row of a chunk holds its kKC values of k");
 
 // --- cp.async ------------------------------------------------------------------------------
 // ok = false: the destination is zero-filled and nothing is read.
@@ -78,21 +81,20 @@ __device__ __forceinline__ void cp_async_wait_ring() {
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Stages chunk j of the row-major D×D matrix A into buf (Note [warp tiles]);
-// vec: 16-byte copies (D % 4 == 0, A 16-byte aligned). Entries with k ≥ D are
-// zero-filled; rows (columns of Aᵀ) i ≥ D stay unwritten: they only reach the
-// sums of rows ≥ D, which are never stored. Called by every thread of the block.
-__device__ __forceinline__ void stage_chunk(float* buf, const float* A, int D, int Dp, int j, bool transpose,
-                                            bool vec) {
+// Stages chunk j of op(A), A a row-major D×D matrix, into buf as [i][k0 … k0+kKC) with pitch
+// kKCP (Note [warp tiles]): the product reads it the same way for op(A) = A and op(A) = Aᵀ.
+// op(A) = A: 16-byte copies along k (vec: D % 4 == 0, A 16-byte aligned), else 4-byte ones.
+// op(A) = Aᵀ: buf[i][kk] = A[k0 + kk][i], 4-byte copies, consecutive threads along i (reads of
+// A's rows coalesced; the transpose happens on the way into shared memory). Entries with
+// k ≥ D are zero-filled; rows i ≥ D stay unwritten: they only reach the sums of rows ≥ D,
+// which are never stored. Called by every thread of the block.
+__device__ __forceinline__ void stage_chunk(float* buf, const float* A, int D, int j, bool transpose, bool vec) {
   const int k0 = j * kKC, tid = threadIdx.x, nt = blockDim.x;
-  if (transpose) {  // rows k0 … of A, each contiguous along i
-    for (int kk = 0; kk < kKC; ++kk) {
+  if (transpose) {
+    for (int idx = tid; idx < D * kKC; idx += nt) {
+      const int kk = idx / D, i = idx % D;
       const bool ok = k0 + kk < D;
-      const float* row = A + (ok ? (k0 + kk) * D : 0);
-      if (vec)
-        for (int i = 4 * tid; i < D; i += 4 * nt) cp_async(buf + kk * Dp + i, row + (ok ? i : 0), ok, true);
-      else
-        for (int i = tid; i < D; i += nt) cp_async(buf + kk * Dp + i, row + (ok ? i : 0), ok, false);
+      cp_async(buf + i * kKCP + kk, A + (ok ? (k0 + kk) * D + i : 0), ok, false);
     }
   } else if (vec) {  // columns k0 … of every row of A, 4 pieces of 4 per row
     for (int idx = tid; idx < D * (kKC / 4); idx += nt) {
@@ -120,34 +122,22 @@ __device__ __forceinline__ void fma4(float (&acc)[4], float p, const float4& y) 
   acc[3] = fmaf(p, y.w, acc[3]);
 }
 
-// acc += op(A)[rows of this lane][k0 … k0+kKC) · slice[k0 … k0+kKC)[columns of this lane], k in order.
+// acc += op(A)[rows of this lane][k0 … k0+kKC) · slice[k0 … k0+kKC)[columns of this lane], k in order;
+// buf is the staged chunk ([i][k], stage_chunk): one float4 of op(A) per row slot and 4 values of k.
 template <int RA>
-__device__ __forceinline__ void mma_chunk(float (&acc)[RA][4], const float* buf, const float* ys, int k0,
-                                          bool transpose) {
+__device__ __forceinline__ void mma_chunk(float (&acc)[RA][4], const float* buf, const float* ys, int k0) {
   const int lane = threadIdx.x % 32, r = lane % 16, h = lane / 16;
   const float* y = ys + k0 * kYP + 4 * h;
-  if (transpose) {
-#pragma unroll 8
-    for (int kk = 0; kk < kKC; ++kk) {
-      float p[RA];
 #pragma unroll
-      for (int a = 0; a < RA; ++a) p[a] = buf[kk * (16 * RA) + r + 16 * a];
-      const float4 y0 = ld4(y + kk * kYP);
+  for (int k4 = 0; k4 < kKC; k4 += 4) {
+    float4 p[RA];
 #pragma unroll
-      for (int a = 0; a < RA; ++a) fma4(acc[a], p[a], y0);
-    }
-  } else {
+    for (int a = 0; a < RA; ++a) p[a] = ld4(buf + (r + 16 * a) * kKCP + k4);
 #pragma unroll
-    for (int k4 = 0; k4 < kKC; k4 += 4) {
-      float4 p[RA];
+    for (int j = 0; j < 4; ++j) {
+      const float4 y0 = ld4(y + (k4 + j) * kYP);
 #pragma unroll
-      for (int a = 0; a < RA; ++a) p[a] = ld4(buf + (r + 16 * a) * kKCP + k4);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float4 y0 = ld4(y + (k4 + j) * kYP);
-#pragma unroll
-        for (int a = 0; a < RA; ++a) fma4(acc[a], comp(p[a], j), y0);
-      }
+      for (int a = 0; a < RA; ++a) fma4(acc[a], comp(p[a], j), y0);
     }
   }
 }
@@ -231,8 +221,7 @@ struct Ring {
   bool transpose, vec;
   int q = 0;  // next chunk to consume
   __device__ void issue(int c) const {
-    if (c < total)
-      stage_chunk(buf + (c % kStages) * stage_floats(RA), mat(c / nch), D, 16 * RA, c % nch, transpose, vec);
+    if (c < total) stage_chunk(buf + (c % kStages) * stage_floats(RA), mat(c / nch), D, c % nch, transpose, vec);
     cp_async_commit();  // possibly empty: keeps the group count uniform
   }
   __device__ void start() const {
@@ -245,7 +234,7 @@ struct Ring {
       cp_async_wait_ring();  // chunk q has landed (this thread's copies)
       __syncthreads();       // everyone's copies visible; everyone done with chunk q − 1
       issue(q + kStages - 1);
-      if (compute) mma_chunk<RA>(acc, buf + (q % kStages) * stage_floats(RA), ys, j * kKC, transpose);
+      if (compute) mma_chunk<RA>(acc, buf + (q % kStages) * stage_floats(RA), ys, j * kKC);
     }
   }
 };
