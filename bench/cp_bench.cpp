@@ -270,12 +270,29 @@ int run_emulated(const CpBenchConfig& c) {
         "without the collectives' time and skew (an upper bound): %.1f%%\n",
         k ? "ckpt" : "off ", worst, worst - t1f.ms, 100.0 * t1.ms / (P * worst));
   }
+  // Memory of a deep model (as in run()): stacks of layer calls as rank 0 of P.
+  std::vector<std::pair<int, std::pair<double, double>>> stacks;
+  {
+    Layer l = make_layer(c, Fg, F, 0, DType::bf16, 5);
+    for (const int L : {1, 8, 20}) {
+      const double off = stack_peak_mib(peers[0].get(), l, Checkpoint::off, c, L);
+      const double on = stack_peak_mib(peers[0].get(), l, Checkpoint::on, c, L);
+      stacks.push_back({L, {off, on}});
+      std::printf(
+          "  checkpointing a stack of %2d layer calls, rank 0/%d: peak %.0f -> %.0f MiB (%+.0f%%, ratio %.3f)\n", L, P,
+          off, on, 100.0 * (on - off) / off, on / off);
+    }
+  }
   if (!c.json.empty()) {
     std::ostringstream js;
     js << "{\n\"device\": \"" << prop.name << "\", \"emulated_ranks\": " << P << ", \"B\": " << c.batch
        << ", \"S\": " << c.tokens << ", \"H\": " << c.heads << ", \"D\": " << c.head_dim
        << ", \"global_frames\": " << Fg << ", \"dtype\": \"bf16\",\n\"timing\": \"CUDA events, " << c.warmup
-       << " warm-up, median of " << c.iters << "\",\n\"rows\": [\n";
+       << " warm-up, median of " << c.iters << "\",\n\"stacks_rank0\": [";
+    for (size_t i = 0; i < stacks.size(); ++i)
+      js << (i ? ", " : "") << "{\"layers\": " << stacks[i].first << ", \"peak_mib_off\": " << stacks[i].second.first
+         << ", \"peak_mib_ckpt\": " << stacks[i].second.second << "}";
+    js << "],\n\"rows\": [\n";
     for (size_t i = 0; i < rows.size(); ++i)
       js << (i ? ",\n" : "") << "{\"name\": \"" << rows[i].name << "\", \"frames_per_rank\": " << rows[i].F
          << ", \"ms\": " << rows[i].ms << ", \"peak_mib\": " << rows[i].peak_mib

@@ -2,12 +2,14 @@
 # The CP layer's per-rank work on ONE GPU (gdncp_bench --cp --emulate P: each rank on stand-in
 # peers, bench/loopback_comm.h), as an A/B against base sources in the same call, and per-kernel
 # device times under ncu. For a machine with one GPU, where the 2-GPU run cannot be made.
-#   OUT=/tmp/out [BASE_SRC=.carry/base] [NCU_ROWS="1 2 3" [NCU_BASE=1]] [SWEEP_DETAIL=1] scripts/cp_emulate.sh
-# BASE_SRC: a folder mirroring the repository's paths with the base versions of the library
-# files that differ; the library is rebuilt with them (the same gdncp_bench binary loads either
-# library: it links libgdncp.so). NCU_ROWS: rows of the emulated benchmark to run under ncu
-# (kernel durations; 0-based, as printed; ours, and with NCU_BASE=1 the base too). SWEEP_DETAIL=1: ncu sections for the first two
-# sweep_kernel launches (one forward, one backward) of row SWEEP_ROW (default 3: rank 0, ours).
+#   OUT=/tmp/out [BASE_SRC=".carry/base .carry/prev"] [NCU_ROWS="1 2 3" [NCU_BASE=1]] [SWEEP_DETAIL=1] \
+#     scripts/cp_emulate.sh
+# BASE_SRC: folders (each named by its last component) mirroring the repository's paths with the
+# base versions of the library files that differ; the library is rebuilt with each (the same
+# gdncp_bench binary loads any of them: it links libgdncp.so), and the runs alternate.
+# NCU_ROWS: rows of the emulated benchmark to run under ncu (kernel durations; 0-based, as
+# printed; ours, and with NCU_BASE=1 the bases too). SWEEP_DETAIL=1: ncu sections for the first
+# two sweep_kernel launches (one forward, one backward) of row SWEEP_ROW (default 3: rank 0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/cp_emulate_out}
@@ -27,29 +29,36 @@ lib=$(readlink -f "$B/libgdncp.so.0")
 mkdir -p "$B/libs/ours"
 cp "$lib" "$B/libs/ours/libgdncp.so.0"
 who_list="ours"
-if [ -n "${BASE_SRC:-}" ]; then
+bases=""
+for base in ${BASE_SRC:-}; do  # each: overlay, rebuild the library, keep it as libs/<name>, restore ours
+  name=$(basename "$base")
+  rm -rf "$B/libs/saved"
   mkdir -p "$B/libs/saved"
-  (cd "$BASE_SRC" && find . -type f) | while read -r f; do
+  (cd "$base" && find . -type f) | while read -r f; do
     mkdir -p "$B/libs/saved/$(dirname "$f")"
     cp "$f" "$B/libs/saved/$f" 2>/dev/null || true
-    cp "$BASE_SRC/$f" "$f"
+    cp "$base/$f" "$f"
   done
   if cmake --build "$B" -j "$(nproc)" --target gdncp >>"$OUT/build.log" 2>&1; then
-    mkdir -p "$B/libs/base"
-    cp "$(readlink -f "$B/libgdncp.so.0")" "$B/libs/base/libgdncp.so.0"
-    who_list="ours base ours base"
+    mkdir -p "$B/libs/$name"
+    cp "$(readlink -f "$B/libgdncp.so.0")" "$B/libs/$name/libgdncp.so.0"
+    bases="$bases $name"
   else
-    echo "base build FAILED"
+    echo "$name build FAILED"
     tail -20 "$OUT/build.log"
   fi
   (cd "$B/libs/saved" && find . -type f) | while read -r f; do cp "$B/libs/saved/$f" "$f"; done
-fi
+done
+[ -n "$bases" ] && who_list="ours$bases ours$bases"
 status=0
 for who in $who_list; do
   echo "### $who"
-  LD_LIBRARY_PATH="$B/libs/$who" timeout 180 "$B/bench/gdncp_bench" --cp --emulate "$P" \
-    --json "$OUT/emulate_$who.json" >"$OUT/emulate_$who.log" 2>&1 || status=1
-  grep -E "bigdn|slowest" "$OUT/emulate_$who.log"
+  json=()
+  [ "$who" = ours ] && json=(--json "$OUT/emulate_ours.json")
+  LD_LIBRARY_PATH="$B/libs/$who" timeout 180 "$B/bench/gdncp_bench" --cp --emulate "$P" "${json[@]}" \
+    >"$B/run.log" 2>&1 || status=1
+  cat "$B/run.log" >>"$OUT/emulate_$who.log"
+  grep -E "bigdn|slowest|stack of  8" "$B/run.log"
 done
 # Per-kernel device times (ncu serialises kernels: these are each kernel alone).
 ncu_rows() {  # who rows...
@@ -70,7 +79,7 @@ ncu_rows() {  # who rows...
 }
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/nsight-compute*/ncu 2>/dev/null | head -1)
 if [ -n "${NCU_ROWS:-}" ] && [ -n "$NCU" ]; then
-  for who in ours $([ "$who_list" != ours ] && [ -n "${NCU_BASE:-}" ] && echo base); do ncu_rows $who $NCU_ROWS; done
+  for who in ours $([ -n "${NCU_BASE:-}" ] && echo "$bases"); do ncu_rows $who $NCU_ROWS; done
   if [ -n "${SWEEP_DETAIL:-}" ]; then
     first=${SWEEP_ROW:-3}
     LD_LIBRARY_PATH="$B/libs/ours" timeout 240 "$NCU" --clock-control none --profile-from-start off \
