@@ -68,13 +68,13 @@ ncu_rows() {  # who rows...
     LD_LIBRARY_PATH="$B/libs/$who" timeout 240 "$NCU" --clock-control none --profile-from-start off \
       --metrics gpu__time_duration.sum --csv --print-units base \
       "$B/bench/gdncp_bench" --cp --emulate "$P" --profile-row "$row" --warmup 2 --iters 2 \
-      >"$OUT/ncu_raw.csv" 2>"$OUT/ncu_err.log" || { echo "ncu row $row FAILED"; tail -5 "$OUT/ncu_err.log"; continue; }
+      >"$B/ncu_raw.csv" 2>"$B/ncu_err.log" || { echo "ncu row $row FAILED"; tail -5 "$B/ncu_err.log"; continue; }
     echo "--- ncu $who row $row: kernels of 2 steps, device ns per step"
     awk -F'","' '/^"/ && !kn { for (i = 1; i <= NF; i++) { h = $i; gsub(/"/, "", h); if (h == "Kernel Name") kn = i;
         if (h == "Metric Value") mv = i }; next }
       /^"/ && /gpu__time_duration/ { n=$kn; gsub(/\(.*$/,"",n); v=$mv; gsub(/[",]/,"",v); t[n]+=v/2; c[n]+=0.5; s+=v/2 }
       END { for (k in t) printf "  %10.0f ns %5.1f x  %s\n", t[k], c[k], k; printf "  %10.0f ns total\n", s }' \
-      "$OUT/ncu_raw.csv" | sort -rn
+      "$B/ncu_raw.csv" | sort -rn
   done
 }
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/nsight-compute*/ncu 2>/dev/null | head -1)
