@@ -85,16 +85,20 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // kKCP (Note [warp tiles]): the product reads it the same way for op(A) = A and op(A) = Aᵀ.
 // op(A) = A: 16-byte copies along k (vec: D % 4 == 0, A 16-byte aligned), else 4-byte ones.
 // op(A) = Aᵀ: buf[i][kk] = A[k0 + kk][i], 4-byte copies, consecutive threads along i (reads of
-// A's rows coalesced; the transpose happens on the way into shared memory). Entries with
+// A's rows coalesced; the transpose happens on the way into shared memory), no index division
+// (it had cost more instructions than the copies: the one-rank sweeps got slower). Entries with
 // k ≥ D are zero-filled; rows i ≥ D stay unwritten: they only reach the sums of rows ≥ D,
 // which are never stored. Called by every thread of the block.
 __device__ __forceinline__ void stage_chunk(float* buf, const float* A, int D, int j, bool transpose, bool vec) {
   const int k0 = j * kKC, tid = threadIdx.x, nt = blockDim.x;
-  if (transpose) {
-    for (int idx = tid; idx < D * kKC; idx += nt) {
-      const int kk = idx / D, i = idx % D;
-      const bool ok = k0 + kk < D;
-      cp_async(buf + i * kKCP + kk, A + (ok ? (k0 + kk) * D + i : 0), ok, false);
+  if (transpose) {  // thread i (i + nt, …) copies column i of the chunk, one row of A after another
+    for (int i = tid; i < D; i += nt) {
+      const float* src = A + k0 * D + i;
+#pragma unroll 4
+      for (int kk = 0; kk < kKC; ++kk) {
+        const bool ok = k0 + kk < D;
+        cp_async(buf + i * kKCP + kk, ok ? src + kk * D : A, ok, false);
+      }
     }
   } else if (vec) {  // columns k0 … of every row of A, 4 pieces of 4 per row
     for (int idx = tid; idx < D * (kKC / 4); idx += nt) {
