@@ -7,8 +7,8 @@
 //                   the warps of a block share.
 //   fold_kernel     the same over the gathered composites of the ranks.
 //   scan_correct    X_t += C_t·v for every (b·h, t) at once: one cuBLAS
-//                   strided-batched f32 GEMM per correction (Note [corrections
-//                   through cuBLAS]).
+//                   strided-batched f32 GEMM per KV correction (Note [corrections
+//                   through cuBLAS]), correct_z_kernel per Z correction.
 //   outer_kernel    one block per (b·h, frame): Gr = L Rᵀ (Note [outer tiles]),
 //                   then dP (=, +=) −g·Gr and dg += ⟨Gr, I − P⟩ (fixed-order sum).
 // Gradient rule as the CPU twin: dg accumulates, dP when asked; the rest overwritten.
@@ -42,6 +42,7 @@
 #include "cp/cp_cuda.cuh"
 #include "cp/cp_kernels.h"
 #include "kernels/cublas_handle.h"
+#include "kernels/cuda_common.cuh"
 
 namespace gdncp {
 namespace cp {
@@ -49,6 +50,7 @@ namespace cuda {
 namespace {
 
 using namespace dev;
+namespace cc = ::gdncp::cuda::detail;  // device helpers shared with the layer kernels
 
 constexpr int kMaxRanks = 64;
 constexpr int kTileCols = 8;  // state columns per warp (Note [warp tiles])
@@ -498,6 +500,49 @@ __global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_const
   if (threadIdx.x == 0) a.dg[bt] += total;
 }
 
+// --- the Z corrections (E = 1) -----------------------------------------------------------------
+// x_t[i] += Σ_k C_t[i][k] v[k] for one (b·h, t) per block: warp w takes rows w, w + 8, …, lanes
+// along k (a float4 each when D % 4 == 0); every row's loads are issued before the first sum,
+// then a fixed-order warp sum per row. (cuBLAS's batched gemv took 11 µs for the 11 MB of C at
+// B·H = 20, F = 11, D = 112, bound by latency.)
+constexpr int kZcWarps = 8;
+constexpr int kZcRows = (kRowThreads + kZcWarps - 1) / kZcWarps;  // rows per warp at the largest D
+__global__ void __launch_bounds__(32 * kZcWarps)
+    correct_z_kernel(float* X, const float* C, const float* v, int D, int F, bool vec) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int64_t bt = blockIdx.x, bh = bt / F;
+  const float* Ct = C + bt * D * D;
+  const float* vb = v + bh * D;
+  float part[kZcRows];
+  if (vec) {  // D ≤ 128: one float4 of k per lane
+    const int k = 4 * lane;
+    const float4 x = k < D ? ld4(vb + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 c[kZcRows];
+#pragma unroll
+    for (int q = 0; q < kZcRows; ++q) {
+      const int i = w + kZcWarps * q;
+      c[q] = i < D && k < D ? ld4(Ct + static_cast<int64_t>(i) * D + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int q = 0; q < kZcRows; ++q) part[q] = fmaf(c[q].w, x.w, fmaf(c[q].z, x.z, fmaf(c[q].y, x.y, c[q].x * x.x)));
+  } else {
+#pragma unroll
+    for (int q = 0; q < kZcRows; ++q) {
+      const int i = w + kZcWarps * q;
+      float sum = 0.f;
+      if (i < D)
+        for (int k = lane; k < D; k += 32) sum = fmaf(Ct[static_cast<int64_t>(i) * D + k], vb[k], sum);
+      part[q] = sum;
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kZcRows; ++q) {
+    const int i = w + kZcWarps * q;
+    const float sum = cc::warp_sum(part[q]);
+    if (lane == 0 && i < D) X[bt * D + i] += sum;
+  }
+}
+
 __global__ void add_kernel(float* out, const float* x, const float* y, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) out[i] = x[i] + y[i];
@@ -692,10 +737,12 @@ void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, c
 
 // Note [corrections through cuBLAS]: X_t += C_t·v for all frames t of one b·h is
 // one GEMM — the frames' C_t stacked are an (F·D)×D row-major matrix, their X_t
-// an (F·D)×E one — so a correction is one strided-batched f32 GEMM over b·h
-// (CUBLAS_COMPUTE_32F: plain f32, no TF32; cuBLAS is bitwise reproducible run
+// an (F·D)×E one — so a KV correction (E = D) is one strided-batched f32 GEMM over
+// b·h (CUBLAS_COMPUTE_32F: plain f32, no TF32; cuBLAS is bitwise reproducible run
 // to run on one device and stream). Row-major through column-major as in
-// matmul.cu: Xᵀ (E, F·D) += vᵀ (E, D) · Cᵀ (D, F·D).
+// matmul.cu: Xᵀ (E, F·D) += vᵀ (E, D) · Cᵀ (D, F·D). A Z correction (E = 1) is a
+// matrix-vector product per frame: correct_z_kernel. (A 3×TF32 tensor-core kernel
+// for the KV corrections, tried on 2026-12-01, took 46 µs against cuBLAS's 30.)
 void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D) {
   GDNCP_CHECK(D >= 1 && D <= kRowThreads, "cp cuda correct: D = ", D, " must be in [1, ", kRowThreads, "]");
   GDNCP_CHECK(BH <= INT32_MAX && F * D <= INT32_MAX, "cp cuda correct: B·H = ", BH, ", F·D = ", F * D,
@@ -706,6 +753,13 @@ void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D)
     float* X = f32_out(c.X, "X");
     const float *C = f32_in(c.C, "C"), *v = f32_in(c.v, "v");
     GDNCP_CHECK(X && C && v, "scan_correct: X, C and v must be defined");
+    if (c.E == 1) {
+      const bool vec = D % 4 == 0 && aligned16(C) && aligned16(v);
+      correct_z_kernel<<<static_cast<unsigned>(BH * F), 32 * kZcWarps, 0, stream()>>>(X, C, v, static_cast<int>(D),
+                                                                                      static_cast<int>(F), vec);
+      check_launch("correct_z_kernel");
+      continue;
+    }
     const int E = static_cast<int>(c.E), FD = static_cast<int>(F * D), Di = static_cast<int>(D);
     const float one = 1.f;
     GDNCP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(gdncp::cuda::cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, E, FD, Di,
