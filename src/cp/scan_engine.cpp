@@ -19,6 +19,8 @@ DType compute_dtype(const std::vector<ScanJob>& jobs) { return jobs.front().P.dt
 // Logical position of a physical rank in a job's rank order.
 int logical(const ScanJob& j, int rank, int P) { return (j.anti || j.rank_reverse) ? P - 1 - rank : rank; }
 int physical(const ScanJob& j, int pos, int P) { return (j.anti || j.rank_reverse) ? P - 1 - pos : pos; }
+// Does an adjoint arrive at job j of this rank from the logically later ranks (backward)?
+bool seeded(const ScanJob& j, int rank, int P) { return j.terminal || logical(j, rank, P) < P - 1; }
 
 SweepSpec spec_of(const ScanContext& c, const ScanJob& j) {
   SweepSpec s;
@@ -90,6 +92,25 @@ void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
 }
 
 }  // namespace
+
+PendingBackward& PendingBackward::operator=(PendingBackward&& o) noexcept {
+  join();
+  rcum = std::move(o.rcum);
+  pack = std::move(o.pack);
+  gathered = std::move(o.gathered);
+  unjoined = o.unjoined;
+  o.unjoined = nullptr;
+  return *this;
+}
+
+void PendingBackward::join() noexcept {
+  if (!unjoined) return;
+  try {
+    unjoined->join();
+  } catch (...) {  // unwinding from an earlier error already: that one is reported
+  }
+  unjoined = nullptr;
+}
 
 int64_t active_frames(int64_t K, int rank, int64_t F) {
   if (K <= 0) return F;
@@ -197,7 +218,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   kern::scan_correct(cs, BH, F, D);
 }
 
-void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
+void scan_backward_begin(ScanContext& ctx, std::vector<ScanJob>& jobs, PendingBackward& pend) {
   Communicator& comm = *ctx.comm;
   const int P = comm.size(), r = comm.rank();
   const DType dt = compute_dtype(jobs);
@@ -223,8 +244,6 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       w.add_before = j.dY;
     return w;
   };
-  // Does the adjoint arriving from later ranks (a) exist for job j?
-  auto seeded = [&](const ScanJob& j) { return j.terminal || logical(j, r, P) < P - 1; };
 
   // 1. The adjoint sweep of every job from its own output gradients (λ, into
   //    dU; its final state is the adjoint of X0), and where an adjoint a will
@@ -232,7 +251,8 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   //    transposed transitions it passes through. One batch.
   //    With P > 1 the adjoints of X0 go straight into the all-gather's pack.
   std::vector<Sweep> sweeps;
-  std::vector<Tensor> rcum(jobs.size());
+  std::vector<Tensor>& rcum = pend.rcum;
+  rcum.assign(jobs.size(), Tensor());
   Tensor pack = P > 1 ? Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev) : Tensor();
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
@@ -244,7 +264,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     const bool has_dX0 = logical(j, r, P) > 0;  // the adjoint of X0, where X0 came from earlier ranks
     sweeps.push_back(adjoint(j, j.dU, has_dX0 ? pack : Tensor(), Tensor()));
     sweeps.back().final_offset = L.dX0[i];
-    if (seeded(j)) {
+    if (seeded(j, r, P)) {
       rcum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
       Sweep w = adjoint(j, rcum[i], Tensor(), Tensor());
       w.add_before = w.add_after = Tensor();
@@ -254,15 +274,36 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     }
   }
   kern::scan_sweeps(sweeps, ctx.decay);
+  if (P == 1) return;
+
+  // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients,
+  //    overlapped: the caller's work until scan_backward_end runs beside it.
+  GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
+  for (size_t i = 0; i < jobs.size(); ++i)
+    if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
+  pend.gathered = Tensor::empty({static_cast<int64_t>(P) * pack.numel()}, dt, dev);
+  comm.begin_overlap();
+  pend.unjoined = &comm;
+  comm.all_gather(pend.gathered, pack);
+  pend.pack = pack;  // alive until the join
+}
+
+void scan_backward_end(ScanContext& ctx, std::vector<ScanJob>& jobs, PendingBackward& pend, Tensor& dg) {
+  Communicator& comm = *ctx.comm;
+  const int P = comm.size(), r = comm.rank();
+  const DType dt = compute_dtype(jobs);
+  const Device dev = jobs.front().P.device();
+  const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
+  const Layout L = layout_of(ctx, jobs, P);
+  const std::vector<Tensor>& rcum = pend.rcum;
 
   if (P > 1) {
-    GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
-    // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients.
-    for (size_t i = 0; i < jobs.size(); ++i)
-      if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
-    Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * pack.numel()}, dt, dev);
-    comm.all_gather(gathered, pack);
-    const int64_t stride = pack.numel();
+    GDNCP_CHECK(pend.unjoined == &comm, "cp scan backward: the second half without the first");
+    pend.unjoined = nullptr;
+    comm.join();
+    pend.pack = Tensor();
+    const Tensor gathered = pend.gathered;
+    const int64_t stride = gathered.numel() / P;
     // 3. Σ over ranks of dT (rank order: the same bits everywhere), then the
     //    adjoint a arriving from the logically later ranks: a ← dX0_j + M_jᵀ a.
     std::vector<Fold> sums, backs;
@@ -341,6 +382,13 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   }
   kern::scan_grad_outers(groups, ctx.decay, BH, F, D);
   for (OuterGroup& g : groups) kern::add(dg, dg, g.dg);
+  pend = PendingBackward();
+}
+
+void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
+  PendingBackward pend;
+  scan_backward_begin(ctx, jobs, pend);
+  scan_backward_end(ctx, jobs, pend, dg);
 }
 
 }  // namespace detail

@@ -29,6 +29,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cp/cp_kernels.h"
@@ -72,6 +73,28 @@ int64_t active_frames(int64_t K, int rank, int64_t F);
 void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs);
 // dg (BH, F) compute dtype: the decay gradient, accumulated.
 void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg);
+
+// scan_backward in two halves around its all-gather: _begin runs the adjoint
+// sweeps and issues the gather overlapped (Communicator::begin_overlap), _end
+// joins it and finishes. Work the caller enqueues in between (it must not need
+// the scan's gradients) runs beside the collective. pend holds what the gather
+// reads and writes until the join.
+struct PendingBackward {
+  std::vector<Tensor> rcum;          // per job: cumulative transposed transitions (seeded jobs)
+  Tensor pack, gathered;             // the gather's input and output
+  Communicator* unjoined = nullptr;  // set while the gather awaits its join
+
+  PendingBackward() = default;
+  PendingBackward(PendingBackward&& o) noexcept { *this = std::move(o); }
+  PendingBackward& operator=(PendingBackward&& o) noexcept;
+  PendingBackward(const PendingBackward&) = delete;
+  PendingBackward& operator=(const PendingBackward&) = delete;
+  // An exception between the halves: the gather is joined before its tensors go.
+  ~PendingBackward() { join(); }
+  void join() noexcept;
+};
+void scan_backward_begin(ScanContext& ctx, std::vector<ScanJob>& jobs, PendingBackward& pend);
+void scan_backward_end(ScanContext& ctx, std::vector<ScanJob>& jobs, PendingBackward& pend, Tensor& dg);
 
 }  // namespace detail
 }  // namespace cp
