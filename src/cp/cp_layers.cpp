@@ -5,14 +5,8 @@
 // scan engine (Note [CP scan]):
 //   forward:  rms_stats → phase_a_fwd (Prep, once) → CP scans (one all-gather)
 //             → phase_c_fwd (Output, once; divide for the layer, raw otherwise)
-//   backward: phase_c_bwd → CP scan backward, first half (adjoint sweeps, the one
-//             all-gather issued) → rms_norm_bwd(q) beside the gather → second half
+//   backward: phase_c_bwd → rms_norm_bwd(q) → CP scan backward (one all-gather)
 //             → phase_a_bwd → rms_norm_bwd(k)
-// Note [overlapped gather]. q's RMSNorm backward needs only phase C's backward, and
-// the scan's gather nothing of it: with NCCL the gather runs on the communicator's
-// stream (Communicator::begin_overlap) beside that kernel, so the time a rank waits
-// for the others' adjoints is spent on work it has anyway. The forward's gather has
-// no such neighbour (phase C needs the merged states).
 // The bidirectional layer runs the forward scan and the anti-causal scan over
 // the same per-frame transitions: the anti-causal one is the rank-reversed scan
 // of the flipped frames, shifted by one frame. The shift needs no halo
@@ -102,9 +96,7 @@ class CpLayerNode : public autograd::Node {
     const DType ct = compute_dtype(qkv.dtype());
     const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
 
-    // Output (phase C) backward; the first half of the CP scan backward, whose one
-    // all-gather then runs beside q's RMSNorm backward (which needs none of the scan:
-    // Note [overlapped gather]); the second half. dq̂ is gone before dk̂ exists.
+    // Output (phase C) backward, then q's RMSNorm backward, so that dq̂ is gone before dk̂ exists.
     Tensor dq_hat = Tensor::empty({B, N, H, D}, grad_hat_dtype(mode_, qkv.dtype()), dev);
     Tensor dM = Tensor::empty({BH, F, D, D}, ct, dev), dz = Tensor::empty({BH, F, D}, ct, dev);
     const Tensor &M = saved(kM), &z = saved(kZ);  // not used after release()
@@ -112,14 +104,12 @@ class CpLayerNode : public autograd::Node {
       kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], Tensor(), qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, true, mode_);
     else
       kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], grads[1], qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, false, mode_);
-    ScanBackward scan = scan_backward_begin(grads, dM, dz);
-    PrepGrads g =
-        prep_backward_q(dq_hat, qkv, rstd, qw, kw, beta, d, needs_input_grad(kQNormW), needs_input_grad(kKNormW));
+    PrepGrads g = prep_backward_q(dq_hat, qkv, rstd, qw, kw, beta, d, needs_input_grad(kQNormW),
+                                  needs_input_grad(kKNormW));
     dq_hat = Tensor();
-    const detail::KvZGrads s = detail::kv_z_backward_end(scan.ctx, scan.jobs, bidi_, scan.kz);
 
-    // The saved state goes (Note [early release]), with every handle of the scan's.
-    scan = ScanBackward();
+    // CP scan backward (one all-gather); then the saved state goes (Note [early release]).
+    const detail::KvZGrads s = scan_backward(grads, dM, dz);
     dM = Tensor();
     dz = Tensor();
     release();
@@ -141,26 +131,20 @@ class CpLayerNode : public autograd::Node {
   // Slots of the saved list after the inputs (save_state's order).
   enum Saved : size_t { kRstd = kNumInputs, kP, kPz, kGathered, kM, kZ, kJobs };
 
-  // The CP scans' backward over the saved state, first half (kv_z_backward_begin):
-  // the adjoint sweeps, and the one all-gather issued overlapped.
-  struct ScanBackward {
-    ScanContext ctx;
-    std::vector<ScanJob> jobs;
-    detail::KvZBackward kz;
-  };
-  ScanBackward scan_backward_begin(const std::vector<Tensor>& grads, const Tensor& dM, const Tensor& dz) const {
+  // The CP scans' backward (one all-gather) over the saved state; its jobs,
+  // with their adjoints and handles, go on return.
+  detail::KvZGrads scan_backward(const std::vector<Tensor>& grads, const Tensor& dM, const Tensor& dz) const {
     const Dims& d = d_;
-    ScanBackward b;
-    b.ctx = ScanContext{&comm_, d.BH(), d.F, d.D, saved(kDecay), saved(kGathered)};
-    b.jobs = detail::kv_z_jobs(saved(kP), Tensor(), saved(kPz), Tensor(), d.D, d.F, bidi_, cpo_, comm_.rank());
-    for (size_t i = 0; i < b.jobs.size(); ++i) {
-      b.jobs[i].Y = saved(kJobs + 2 * i);
-      b.jobs[i].X0 = saved(kJobs + 2 * i + 1);
+    ScanContext ctx{&comm_, d.BH(), d.F, d.D, saved(kDecay), saved(kGathered)};
+    std::vector<ScanJob> jobs =
+        detail::kv_z_jobs(saved(kP), Tensor(), saved(kPz), Tensor(), d.D, d.F, bidi_, cpo_, comm_.rank());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      jobs[i].Y = saved(kJobs + 2 * i);
+      jobs[i].X0 = saved(kJobs + 2 * i + 1);
     }
     const bool terminal = !bidi_ && cpo_.truncate_to_active > 0;  // outputs 2, 3: the terminal M, z
-    detail::kv_z_backward_begin(b.ctx, b.jobs, bidi_, dM, dz, terminal ? grads[2] : Tensor(),
-                                terminal ? grads[3] : Tensor(), b.kz);
-    return b;
+    return detail::kv_z_backward(ctx, jobs, bidi_, dM, dz, terminal ? grads[2] : Tensor(),
+                                 terminal ? grads[3] : Tensor());
   }
 
   Communicator& comm_;

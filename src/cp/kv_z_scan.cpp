@@ -39,10 +39,10 @@ std::pair<Tensor, Tensor> kv_z_states(const std::vector<ScanJob>& jobs, bool bid
   return {M, z};
 }
 
-void kv_z_backward_begin(ScanContext& ctx, std::vector<ScanJob>& jobs, bool bidi, const Tensor& dM, const Tensor& dz,
-                         const Tensor& dT_M, const Tensor& dT_z, KvZBackward& b) {
+KvZGrads kv_z_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, bool bidi, const Tensor& dM, const Tensor& dz,
+                       const Tensor& dT_M, const Tensor& dT_z) {
   const Tensor& P = jobs[0].P;
-  KvZGrads& g = b.grads;
+  KvZGrads g;
   g.dP = Tensor::empty(P.shape(), P.dtype(), P.device());
   g.dPz = Tensor::empty(jobs[1].P.shape(), P.dtype(), P.device());
   g.dg = Tensor::zeros({ctx.BH, ctx.F}, P.dtype(), P.device());
@@ -52,20 +52,13 @@ void kv_z_backward_begin(ScanContext& ctx, std::vector<ScanJob>& jobs, bool bidi
   jobs[1].dP = g.dPz;
   jobs[0].dT = dT_M;
   jobs[1].dT = dT_z;
-  if (bidi) {  // both directions write the same dP: the anti-causal jobs accumulate
+  if (bidi) {  // both directions share the transitions: their gradients sum into one dP
     jobs[2].dY = dM;
     jobs[3].dY = dz;
     jobs[2].dP = g.dP;
     jobs[3].dP = g.dPz;
-    jobs[2].dP_accumulate = jobs[3].dP_accumulate = true;
   }
-  scan_backward_begin(ctx, jobs, b.scan);
-}
-
-KvZGrads kv_z_backward_end(ScanContext& ctx, std::vector<ScanJob>& jobs, bool bidi, KvZBackward& b) {
-  KvZGrads g = b.grads;
-  scan_backward_end(ctx, jobs, b.scan, g.dg);
-  b = KvZBackward();
+  scan_backward(ctx, jobs, g.dg);
   g.dA = jobs[0].dU;
   g.dbz = jobs[1].dU;
   if (bidi) {
@@ -73,13 +66,6 @@ KvZGrads kv_z_backward_end(ScanContext& ctx, std::vector<ScanJob>& jobs, bool bi
     kern::add(g.dbz, g.dbz, jobs[3].dU);
   }
   return g;
-}
-
-KvZGrads kv_z_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, bool bidi, const Tensor& dM, const Tensor& dz,
-                       const Tensor& dT_M, const Tensor& dT_z) {
-  KvZBackward b;
-  kv_z_backward_begin(ctx, jobs, bidi, dM, dz, dT_M, dT_z, b);
-  return kv_z_backward_end(ctx, jobs, bidi, b);
 }
 
 }  // namespace detail

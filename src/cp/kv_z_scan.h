@@ -39,16 +39,6 @@ struct KvZGrads {
 KvZGrads kv_z_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, bool bidi, const Tensor& dM, const Tensor& dz,
                        const Tensor& dT_M, const Tensor& dT_z);
 
-// The same in two halves around the scan's all-gather (scan_backward_begin/_end):
-// work enqueued between them runs beside the collective.
-struct KvZBackward {
-  KvZGrads grads;
-  PendingBackward scan;
-};
-void kv_z_backward_begin(ScanContext& ctx, std::vector<ScanJob>& jobs, bool bidi, const Tensor& dM, const Tensor& dz,
-                         const Tensor& dT_M, const Tensor& dT_z, KvZBackward& b);
-KvZGrads kv_z_backward_end(ScanContext& ctx, std::vector<ScanJob>& jobs, bool bidi, KvZBackward& b);
-
 }  // namespace detail
 }  // namespace cp
 }  // namespace gdncp

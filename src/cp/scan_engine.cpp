@@ -1,8 +1,9 @@
 // src/cp/scan_engine.cpp — Note [CP scan] (scan_engine.h): composites, the
 // one all-gather, the fold over ranks, the rescan, and their backward.
 //
-// Gradient rule: dU of each job is fresh (overwritten); dP accumulates when
-// the job says so (jobs sharing one transition); dg always accumulates.
+// Gradient rule: dU of each job is fresh (overwritten); dP is overwritten, and
+// summed over the jobs that share it (one transition, both directions); dg always
+// accumulates.
 #include "cp/scan_engine.h"
 
 #include <algorithm>
@@ -91,26 +92,72 @@ void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
   kern::folds(products, BH, D);
 }
 
-}  // namespace
-
-PendingBackward& PendingBackward::operator=(PendingBackward&& o) noexcept {
-  join();
-  rcum = std::move(o.rcum);
-  pack = std::move(o.pack);
-  gathered = std::move(o.gathered);
-  unjoined = o.unjoined;
-  o.unjoined = nullptr;
-  return *this;
-}
-
-void PendingBackward::join() noexcept {
-  if (!unjoined) return;
-  try {
-    unjoined->join();
-  } catch (...) {  // unwinding from an earlier error already: that one is reported
+// Joins an overlapped collective (Communicator::begin_overlap) once, at join() or
+// on scope exit: declared after the collective's tensors, it runs before they go
+// (an exception between the collective and its join).
+class OverlapJoin {
+ public:
+  explicit OverlapJoin(Communicator& c) : c_(&c) { c.begin_overlap(); }
+  OverlapJoin(const OverlapJoin&) = delete;
+  OverlapJoin& operator=(const OverlapJoin&) = delete;
+  void join() {
+    Communicator* c = c_;
+    c_ = nullptr;
+    if (c) c->join();
   }
-  unjoined = nullptr;
+  ~OverlapJoin() {
+    try {
+      join();
+    } catch (...) {  // unwinding from an earlier error already: that one is reported
+    }
+  }
+
+ private:
+  Communicator* c_;
+};
+
+// The transition gradients of the jobs `pick` selects, grouped by the dP they share (one
+// launch): a dP is overwritten by its first group and accumulated by later ones (written).
+template <typename Pick>
+void transition_grads(const ScanContext& ctx, const std::vector<ScanJob>& jobs, Pick pick, std::vector<Tensor>& written,
+                      Tensor& dg) {
+  const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
+  auto seen = [&](const Tensor& dP) {
+    return std::any_of(written.begin(), written.end(), [&](const Tensor& w) { return w.same_as(dP); });
+  };
+  std::vector<OuterGroup> groups;
+  for (const ScanJob& j : jobs) {
+    if (!pick(j)) continue;
+    OuterSource src;
+    src.L = j.dU;
+    src.R = j.Y;
+    src.R0 = j.anti ? Tensor() : j.X0;
+    src.shifted = j.anti;
+    src.active = j.active;
+    auto same = std::find_if(groups.begin(), groups.end(), [&](const OuterGroup& g) { return g.dP.same_as(j.dP); });
+    if (same != groups.end()) {
+      GDNCP_CHECK(same->sources.size() < 2 && same->E == j.E, "cp scan backward: bad transition sharing");
+      same->sources.push_back(src);
+      continue;
+    }
+    OuterGroup g;
+    g.dP = j.dP;
+    g.P = j.P;
+    g.E = j.E;
+    g.accumulate_dP = seen(j.dP);
+    g.dg = Tensor::zeros({BH, F}, j.P.dtype(), j.P.device());
+    g.sources.push_back(src);
+    groups.push_back(g);
+  }
+  if (groups.empty()) return;
+  kern::scan_grad_outers(groups, ctx.decay, BH, F, D);
+  for (OuterGroup& g : groups) {
+    kern::add(dg, dg, g.dg);
+    written.push_back(g.dP);
+  }
 }
+
+}  // namespace
 
 int64_t active_frames(int64_t K, int rank, int64_t F) {
   if (K <= 0) return F;
@@ -218,7 +265,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   kern::scan_correct(cs, BH, F, D);
 }
 
-void scan_backward_begin(ScanContext& ctx, std::vector<ScanJob>& jobs, PendingBackward& pend) {
+void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   Communicator& comm = *ctx.comm;
   const int P = comm.size(), r = comm.rank();
   const DType dt = compute_dtype(jobs);
@@ -251,8 +298,7 @@ void scan_backward_begin(ScanContext& ctx, std::vector<ScanJob>& jobs, PendingBa
   //    transposed transitions it passes through. One batch.
   //    With P > 1 the adjoints of X0 go straight into the all-gather's pack.
   std::vector<Sweep> sweeps;
-  std::vector<Tensor>& rcum = pend.rcum;
-  rcum.assign(jobs.size(), Tensor());
+  std::vector<Tensor> rcum(jobs.size());
   Tensor pack = P > 1 ? Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev) : Tensor();
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
@@ -274,36 +320,22 @@ void scan_backward_begin(ScanContext& ctx, std::vector<ScanJob>& jobs, PendingBa
     }
   }
   kern::scan_sweeps(sweeps, ctx.decay);
-  if (P == 1) return;
 
-  // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients,
-  //    overlapped: the caller's work until scan_backward_end runs beside it.
-  GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
-  for (size_t i = 0; i < jobs.size(); ++i)
-    if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
-  pend.gathered = Tensor::empty({static_cast<int64_t>(P) * pack.numel()}, dt, dev);
-  comm.begin_overlap();
-  pend.unjoined = &comm;
-  comm.all_gather(pend.gathered, pack);
-  pend.pack = pack;  // alive until the join
-}
-
-void scan_backward_end(ScanContext& ctx, std::vector<ScanJob>& jobs, PendingBackward& pend, Tensor& dg) {
-  Communicator& comm = *ctx.comm;
-  const int P = comm.size(), r = comm.rank();
-  const DType dt = compute_dtype(jobs);
-  const Device dev = jobs.front().P.device();
-  const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
-  const Layout L = layout_of(ctx, jobs, P);
-  const std::vector<Tensor>& rcum = pend.rcum;
-
+  std::vector<Tensor> written;  // the dP tensors written so far (step 5)
   if (P > 1) {
-    GDNCP_CHECK(pend.unjoined == &comm, "cp scan backward: the second half without the first");
-    pend.unjoined = nullptr;
-    comm.join();
-    pend.pack = Tensor();
-    const Tensor gathered = pend.gathered;
-    const int64_t stride = gathered.numel() / P;
+    GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
+    // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients,
+    //    overlapped with step 5 for the jobs whose adjoints are final already (no
+    //    adjoint arrives from later ranks): with NCCL the gather runs beside them.
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
+    Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * pack.numel()}, dt, dev);
+    OverlapJoin overlap(comm);
+    comm.all_gather(gathered, pack);
+    transition_grads(
+        ctx, jobs, [&](const ScanJob& j) { return !seeded(j, r, P); }, written, dg);
+    overlap.join();
+    const int64_t stride = pack.numel();
     // 3. Σ over ranks of dT (rank order: the same bits everywhere), then the
     //    adjoint a arriving from the logically later ranks: a ← dX0_j + M_jᵀ a.
     std::vector<Fold> sums, backs;
@@ -356,39 +388,9 @@ void scan_backward_end(ScanContext& ctx, std::vector<ScanJob>& jobs, PendingBack
     kern::scan_correct(cs, BH, F, D);
   }
 
-  // 5. The transition gradients, grouped by the P they belong to (one launch).
-  std::vector<OuterGroup> groups;
-  for (const ScanJob& j : jobs) {
-    OuterSource src;
-    src.L = j.dU;
-    src.R = j.Y;
-    src.R0 = j.anti ? Tensor() : j.X0;
-    src.shifted = j.anti;
-    src.active = j.active;
-    auto same = std::find_if(groups.begin(), groups.end(), [&](const OuterGroup& g) { return g.dP.same_as(j.dP); });
-    if (same != groups.end()) {
-      GDNCP_CHECK(same->sources.size() < 2 && same->E == j.E, "cp scan backward: bad transition sharing");
-      same->sources.push_back(src);
-      continue;
-    }
-    OuterGroup g;
-    g.dP = j.dP;
-    g.P = j.P;
-    g.E = j.E;
-    g.accumulate_dP = j.dP_accumulate;
-    g.dg = Tensor::zeros({BH, F}, dt, dev);
-    g.sources.push_back(src);
-    groups.push_back(g);
-  }
-  kern::scan_grad_outers(groups, ctx.decay, BH, F, D);
-  for (OuterGroup& g : groups) kern::add(dg, dg, g.dg);
-  pend = PendingBackward();
-}
-
-void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
-  PendingBackward pend;
-  scan_backward_begin(ctx, jobs, pend);
-  scan_backward_end(ctx, jobs, pend, dg);
+  // 5. The transition gradients of the jobs not done beside the gather (all of them with one rank).
+  transition_grads(
+      ctx, jobs, [&](const ScanJob& j) { return P == 1 || seeded(j, r, P); }, written, dg);
 }
 
 }  // namespace detail

@@ -17,7 +17,9 @@
 //      the same and needs no cumulative products kept per frame.)
 // Backward, per job, with λ the state adjoint:
 //   1. dX0 = the adjoint of the rescan's initial state (a transposed sweep);
-//   2. ONE all-gather of every job's dX0 (and dT of the terminal states);
+//   2. ONE all-gather of every job's dX0 (and dT of the terminal states),
+//      overlapped (Communicator::begin_overlap) with the transition gradients
+//      of the jobs no adjoint arrives at from later ranks: theirs are final;
 //   3. a = the adjoint arriving from the logically later ranks:
 //      a ← dX0_j + M_jᵀ a for j = P−1 … r+1, starting from Σ_ranks dT (or 0),
 //      with the M_j kept from the forward gather;
@@ -29,7 +31,6 @@
 #pragma once
 
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 #include "cp/cp_kernels.h"
@@ -55,8 +56,7 @@ struct ScanJob {
   Tensor T;   // (BH, D, E) terminal state (terminal jobs)
   // --- backward inputs (undefined = zero) and targets
   Tensor dY, dT;
-  Tensor dP;  // where dP goes: (BH, F, D, D), overwritten or accumulated
-  bool dP_accumulate = false;
+  Tensor dP;  // where dP goes: (BH, F, D, D), overwritten; jobs given the same dP tensor sum into it
   Tensor dU;  // result (BH, F, D, E), fresh
 };
 
@@ -73,28 +73,6 @@ int64_t active_frames(int64_t K, int rank, int64_t F);
 void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs);
 // dg (BH, F) compute dtype: the decay gradient, accumulated.
 void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg);
-
-// scan_backward in two halves around its all-gather: _begin runs the adjoint
-// sweeps and issues the gather overlapped (Communicator::begin_overlap), _end
-// joins it and finishes. Work the caller enqueues in between (it must not need
-// the scan's gradients) runs beside the collective. pend holds what the gather
-// reads and writes until the join.
-struct PendingBackward {
-  std::vector<Tensor> rcum;          // per job: cumulative transposed transitions (seeded jobs)
-  Tensor pack, gathered;             // the gather's input and output
-  Communicator* unjoined = nullptr;  // set while the gather awaits its join
-
-  PendingBackward() = default;
-  PendingBackward(PendingBackward&& o) noexcept { *this = std::move(o); }
-  PendingBackward& operator=(PendingBackward&& o) noexcept;
-  PendingBackward(const PendingBackward&) = delete;
-  PendingBackward& operator=(const PendingBackward&) = delete;
-  // An exception between the halves: the gather is joined before its tensors go.
-  ~PendingBackward() { join(); }
-  void join() noexcept;
-};
-void scan_backward_begin(ScanContext& ctx, std::vector<ScanJob>& jobs, PendingBackward& pend);
-void scan_backward_end(ScanContext& ctx, std::vector<ScanJob>& jobs, PendingBackward& pend, Tensor& dg);
 
 }  // namespace detail
 }  // namespace cp
