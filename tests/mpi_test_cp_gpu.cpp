@@ -410,43 +410,6 @@ TEST(NcclComm, DeferredCollectivesCompleteLater) {
   EXPECT_FALSE(c.aborted());
 }
 
-// Overlap: between begin_overlap() and join() a collective runs on the communicator's own
-// stream while kernels enqueued on the current stream run beside it; after join() the
-// current stream sees its result, plainly or deferred; then collectives are plain again.
-TEST(NcclComm, OverlappedCollectivesJoin) {
-  REQUIRE_GPUS();
-  cp::Communicator& c = *nccl_world();
-  const int P = c.size(), r = c.rank();
-  const int64_t n = int64_t(1) << 20;
-  auto contribution = [&](int rr, uint64_t seed) { return Tensor::randn({n}, DType::f32, Device::cpu, seed + rr); };
-  for (const bool deferred : {false, true}) {
-    const uint64_t seed = deferred ? 400 : 300;
-    const int64_t calls0 = c.stats().calls;
-    if (deferred) c.begin_deferred();
-    const Tensor in = gpu(contribution(r, seed));
-    Tensor out = Tensor::empty({P, n}, DType::f32, Device::cuda);
-    poison(out);
-    c.begin_overlap();
-    c.all_gather(out, in);
-    Tensor beside = Tensor::empty({n}, DType::f32, Device::cuda);
-    beside.fill_(2.0);  // the current stream's work while the gather runs
-    c.join();
-    const Tensor seen = out.clone();  // read on the current stream, after the join
-    if (deferred) c.complete();
-    EXPECT_EQ(c.stats().calls, calls0 + 1);
-    for (int k = 0; k < P; ++k)
-      EXPECT_TRUE(bitwise_equal(slice(seen, 0, k, k + 1).reshape({n}), contribution(k, seed))) << "rank " << k;
-    EXPECT_EQ(cpu(beside).to_vector()[static_cast<size_t>(n - 1)], 2.0);
-  }
-  const Tensor mine = gpu(contribution(r, 500));
-  Tensor all = Tensor::empty({P, n}, DType::f32, Device::cuda);
-  poison(all);
-  c.all_gather(all, mine);  // no overlap any more: the result is there at once
-  for (int k = 0; k < P; ++k)
-    EXPECT_TRUE(bitwise_equal(slice(all, 0, k, k + 1).reshape({n}), contribution(k, 500))) << "plain, rank " << k;
-  EXPECT_FALSE(c.aborted());
-}
-
 // --- layers on P GPUs vs one GPU and vs the f64 CPU oracle ---------------------------------
 
 std::vector<Tensor> leaves_on(const LayerInputs& in, Device dev) {

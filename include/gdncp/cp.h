@@ -76,16 +76,6 @@ class Communicator {
   virtual void complete() {}
   // "mpi" or "nccl".
   virtual const char* backend() const = 0;
-  // Overlap: between begin_overlap() and join(), a device collective runs on
-  // a stream of the communicator's own, after the current stream's work so
-  // far, and the current stream does not wait for it: the kernels enqueued
-  // before join() run beside it. join() makes the current stream wait for
-  // those collectives and ends the overlap. Their tensors must stay alive,
-  // and no other work may touch them, until join(). Host (MPI) collectives
-  // complete at once: for them both are no-ops. Combines with deferral.
-  // (Declared last: code built against the earlier header keeps its vtable.)
-  virtual void begin_overlap() {}
-  virtual void join() {}
 
   double timeout_seconds() const { return timeout_seconds_; }
   void set_timeout_seconds(double s) { timeout_seconds_ = s; }

@@ -11,10 +11,7 @@
 // one collective per forward and one per backward, in deferred mode
 // (Communicator::begin_deferred): the wait moves to complete(), after the
 // layer has enqueued the kernels that follow the collective, so the device
-// never idles on the round trip. The deadline applies unchanged. In overlap mode
-// (Communicator::begin_overlap) a collective runs on the communicator's own stream
-// (the caller's stream of a wrapped communicator, else one made on first use), and
-// the current stream waits for it only at join(). The small validation
+// never idles on the round trip. The deadline applies unchanged. The small validation
 // exchange (host memory) goes over MPI when the communicator was bootstrapped
 // from an MPI communicator, so it does not wait for the stream.
 #include <mpi.h>
@@ -105,7 +102,6 @@ class NcclCommunicator final : public Communicator {
     cudaEventDestroy(start_);
     cudaEventDestroy(stop_);
     cudaEventDestroy(order_);
-    if (side_) cudaStreamDestroy(side_);
     if (!owned_ || aborted_) return;
     // Best effort, never throws: finalize (nonblocking), then destroy.
     const ncclResult_t fin = ncclCommFinalize(comm_);
@@ -179,25 +175,11 @@ class NcclCommunicator final : public Communicator {
   }
 
   void barrier() override {
-    const bool overlap = overlap_;  // a local tensor: never left to a join()
-    overlap_ = false;
     Tensor one = Tensor::zeros({1}, DType::f32, Device::cuda);
     all_reduce_sum(one);
-    overlap_ = overlap;
   }
 
   void begin_deferred() override { deferred_ = true; }
-
-  void begin_overlap() override { overlap_ = true; }
-
-  void join() override {
-    overlap_ = false;
-    if (!joining_) return;
-    const cudaStream_t s = joining_;
-    joining_ = nullptr;
-    GDNCP_CUDA_CHECK(cudaEventRecord(order_, s));
-    GDNCP_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(current_stream()), order_, 0));
-  }
 
   void complete() override {
     deferred_ = false;
@@ -227,11 +209,10 @@ class NcclCommunicator final : public Communicator {
     const cudaStream_t cur = static_cast<cudaStream_t>(current_stream());
     GDNCP_CUDA_CHECK(
         cudaMemcpyAsync(send.data(), host.data(), static_cast<size_t>(n) * 8, cudaMemcpyHostToDevice, cur));
-    const bool deferred = deferred_, overlap = overlap_;
-    deferred_ = overlap_ = false;
-    all_gather(recv, send);  // waits, on the current stream: the copy back below cannot block on NCCL
+    const bool deferred = deferred_;
+    deferred_ = false;
+    all_gather(recv, send);  // waits: the copy back below cannot block on NCCL
     deferred_ = deferred;
-    overlap_ = overlap;
     std::vector<double> all(static_cast<size_t>(n * size_));
     GDNCP_CUDA_CHECK(cudaMemcpyAsync(all.data(), recv.data(), all.size() * 8, cudaMemcpyDeviceToHost, cur));
     GDNCP_CUDA_CHECK(cudaStreamSynchronize(cur));
@@ -262,17 +243,10 @@ class NcclCommunicator final : public Communicator {
 
   // Enqueues op on the collective stream and waits for it with the deadline,
   // or, deferred, leaves the wait to complete().
-  // The stream of overlapped collectives: the caller's stream of a wrapped communicator, else our own.
-  cudaStream_t side_stream() {
-    if (stream_) return stream_;
-    if (!side_) GDNCP_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
-    return side_;
-  }
-
   template <typename Op>
   void run(const char* call, size_t bytes, Op op) {
     const cudaStream_t cur = static_cast<cudaStream_t>(current_stream());
-    const cudaStream_t s = overlap_ ? side_stream() : stream_ ? stream_ : cur;
+    const cudaStream_t s = stream_ ? stream_ : cur;
     if (s != cur) {  // the collective reads what the current stream wrote
       GDNCP_CUDA_CHECK(cudaEventRecord(order_, cur));
       GDNCP_CUDA_CHECK(cudaStreamWaitEvent(s, order_, 0));
@@ -296,9 +270,7 @@ class NcclCommunicator final : public Communicator {
       const std::string failure = wait(call, start, stop, bytes, deadline);
       if (!failure.empty()) abort_and_throw(failure);
     }
-    if (s != cur && overlap_) {  // the current stream waits at join()
-      joining_ = s;
-    } else if (s != cur) {
+    if (s != cur) {
       GDNCP_CUDA_CHECK(cudaEventRecord(order_, s));
       GDNCP_CUDA_CHECK(cudaStreamWaitEvent(cur, order_, 0));
     }
@@ -347,9 +319,6 @@ class NcclCommunicator final : public Communicator {
   cudaEvent_t start_ = nullptr, stop_ = nullptr, order_ = nullptr;
   bool deferred_ = false;
   std::vector<Pending> pending_;  // deferred collectives, in enqueue order
-  bool overlap_ = false;
-  cudaStream_t side_ = nullptr;     // made on the first overlapped collective (no wrapped stream)
-  cudaStream_t joining_ = nullptr;  // the stream of the overlapped collectives join() waits for
 };
 
 }  // namespace

@@ -117,7 +117,7 @@ struct CamDims {
                                                                                                                          \
   /* Fold over ranks: X = init (undefined = 0); for j in order: X = op(M_j) X + H_j, op = transpose or identity.         \
      M_j = Mbuf[m_off + j·m_stride + ...] (BH, D, D), the identity when Mbuf is undefined; H_j likewise from Hbuf       \
-     (BH, D, E). Without init the first step is X = H_j: that M_j is never read. X, init (BH, D, E). Compute dtype. */   \
+     (BH, D, E). Without init the first step is X = H_j: that M_j is never read. X, init (BH, D, E). Compute dtype. */  \
   void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int64_t m_stride, bool transpose,          \
             const Tensor& Hbuf, int64_t h_off, int64_t h_stride, const std::vector<int>& order, int64_t BH, int64_t D,   \
             int64_t E);                                                                                                  \

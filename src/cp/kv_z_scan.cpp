@@ -52,11 +52,12 @@ KvZGrads kv_z_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, bool bidi, 
   jobs[1].dP = g.dPz;
   jobs[0].dT = dT_M;
   jobs[1].dT = dT_z;
-  if (bidi) {  // both directions share the transitions: their gradients sum into one dP
+  if (bidi) {  // both directions write the same dP: the anti-causal jobs accumulate
     jobs[2].dY = dM;
     jobs[3].dY = dz;
     jobs[2].dP = g.dP;
     jobs[3].dP = g.dPz;
+    jobs[2].dP_accumulate = jobs[3].dP_accumulate = true;
   }
   scan_backward(ctx, jobs, g.dg);
   g.dA = jobs[0].dU;

@@ -1,9 +1,8 @@
 // src/cp/scan_engine.cpp — Note [CP scan] (scan_engine.h): composites, the
 // one all-gather, the fold over ranks, the rescan, and their backward.
 //
-// Gradient rule: dU of each job is fresh (overwritten); dP is overwritten, and
-// summed over the jobs that share it (one transition, both directions); dg always
-// accumulates.
+// Gradient rule: dU of each job is fresh (overwritten); dP accumulates when
+// the job says so (jobs sharing one transition); dg always accumulates.
 #include "cp/scan_engine.h"
 
 #include <algorithm>
@@ -20,8 +19,6 @@ DType compute_dtype(const std::vector<ScanJob>& jobs) { return jobs.front().P.dt
 // Logical position of a physical rank in a job's rank order.
 int logical(const ScanJob& j, int rank, int P) { return (j.anti || j.rank_reverse) ? P - 1 - rank : rank; }
 int physical(const ScanJob& j, int pos, int P) { return (j.anti || j.rank_reverse) ? P - 1 - pos : pos; }
-// Does an adjoint arrive at job j of this rank from the logically later ranks (backward)?
-bool seeded(const ScanJob& j, int rank, int P) { return j.terminal || logical(j, rank, P) < P - 1; }
 
 SweepSpec spec_of(const ScanContext& c, const ScanJob& j) {
   SweepSpec s;
@@ -90,71 +87,6 @@ void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
       kern::copy_region(f.X, 0, f.Hbuf, f.h_off + f.order[0] * f.h_stride, f.X.numel());
   }
   kern::folds(products, BH, D);
-}
-
-// Joins an overlapped collective (Communicator::begin_overlap) once, at join() or
-// on scope exit: declared after the collective's tensors, it runs before they go
-// (an exception between the collective and its join).
-class OverlapJoin {
- public:
-  explicit OverlapJoin(Communicator& c) : c_(&c) { c.begin_overlap(); }
-  OverlapJoin(const OverlapJoin&) = delete;
-  OverlapJoin& operator=(const OverlapJoin&) = delete;
-  void join() {
-    Communicator* c = c_;
-    c_ = nullptr;
-    if (c) c->join();
-  }
-  ~OverlapJoin() {
-    try {
-      join();
-    } catch (...) {  // unwinding from an earlier error already: that one is reported
-    }
-  }
-
- private:
-  Communicator* c_;
-};
-
-// The transition gradients of the jobs `pick` selects, grouped by the dP they share (one
-// launch): a dP is overwritten by its first group and accumulated by later ones (written).
-template <typename Pick>
-void transition_grads(const ScanContext& ctx, const std::vector<ScanJob>& jobs, Pick pick, std::vector<Tensor>& written,
-                      Tensor& dg) {
-  const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
-  auto seen = [&](const Tensor& dP) {
-    return std::any_of(written.begin(), written.end(), [&](const Tensor& w) { return w.same_as(dP); });
-  };
-  std::vector<OuterGroup> groups;
-  for (const ScanJob& j : jobs) {
-    if (!pick(j)) continue;
-    OuterSource src;
-    src.L = j.dU;
-    src.R = j.Y;
-    src.R0 = j.anti ? Tensor() : j.X0;
-    src.shifted = j.anti;
-    src.active = j.active;
-    auto same = std::find_if(groups.begin(), groups.end(), [&](const OuterGroup& g) { return g.dP.same_as(j.dP); });
-    if (same != groups.end()) {
-      GDNCP_CHECK(same->sources.size() < 2 && same->E == j.E, "cp scan backward: bad transition sharing");
-      same->sources.push_back(src);
-      continue;
-    }
-    OuterGroup g;
-    g.dP = j.dP;
-    g.P = j.P;
-    g.E = j.E;
-    g.accumulate_dP = seen(j.dP);
-    g.dg = Tensor::zeros({BH, F}, j.P.dtype(), j.P.device());
-    g.sources.push_back(src);
-    groups.push_back(g);
-  }
-  if (groups.empty()) return;
-  kern::scan_grad_outers(groups, ctx.decay, BH, F, D);
-  for (OuterGroup& g : groups) {
-    kern::add(dg, dg, g.dg);
-    written.push_back(g.dP);
-  }
 }
 
 }  // namespace
@@ -291,6 +223,8 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       w.add_before = j.dY;
     return w;
   };
+  // Does the adjoint arriving from later ranks (a) exist for job j?
+  auto seeded = [&](const ScanJob& j) { return j.terminal || logical(j, r, P) < P - 1; };
 
   // 1. The adjoint sweep of every job from its own output gradients (λ, into
   //    dU; its final state is the adjoint of X0), and where an adjoint a will
@@ -310,7 +244,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     const bool has_dX0 = logical(j, r, P) > 0;  // the adjoint of X0, where X0 came from earlier ranks
     sweeps.push_back(adjoint(j, j.dU, has_dX0 ? pack : Tensor(), Tensor()));
     sweeps.back().final_offset = L.dX0[i];
-    if (seeded(j, r, P)) {
+    if (seeded(j)) {
       rcum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
       Sweep w = adjoint(j, rcum[i], Tensor(), Tensor());
       w.add_before = w.add_after = Tensor();
@@ -321,20 +255,13 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   }
   kern::scan_sweeps(sweeps, ctx.decay);
 
-  std::vector<Tensor> written;  // the dP tensors written so far (step 5)
   if (P > 1) {
     GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
-    // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients,
-    //    overlapped with step 5 for the jobs whose adjoints are final already (no
-    //    adjoint arrives from later ranks): with NCCL the gather runs beside them.
+    // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients.
     for (size_t i = 0; i < jobs.size(); ++i)
       if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
     Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * pack.numel()}, dt, dev);
-    OverlapJoin overlap(comm);
     comm.all_gather(gathered, pack);
-    transition_grads(
-        ctx, jobs, [&](const ScanJob& j) { return !seeded(j, r, P); }, written, dg);
-    overlap.join();
     const int64_t stride = pack.numel();
     // 3. Σ over ranks of dT (rank order: the same bits everywhere), then the
     //    adjoint a arriving from the logically later ranks: a ← dX0_j + M_jᵀ a.
@@ -388,9 +315,32 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     kern::scan_correct(cs, BH, F, D);
   }
 
-  // 5. The transition gradients of the jobs not done beside the gather (all of them with one rank).
-  transition_grads(
-      ctx, jobs, [&](const ScanJob& j) { return P == 1 || seeded(j, r, P); }, written, dg);
+  // 5. The transition gradients, grouped by the P they belong to (one launch).
+  std::vector<OuterGroup> groups;
+  for (const ScanJob& j : jobs) {
+    OuterSource src;
+    src.L = j.dU;
+    src.R = j.Y;
+    src.R0 = j.anti ? Tensor() : j.X0;
+    src.shifted = j.anti;
+    src.active = j.active;
+    auto same = std::find_if(groups.begin(), groups.end(), [&](const OuterGroup& g) { return g.dP.same_as(j.dP); });
+    if (same != groups.end()) {
+      GDNCP_CHECK(same->sources.size() < 2 && same->E == j.E, "cp scan backward: bad transition sharing");
+      same->sources.push_back(src);
+      continue;
+    }
+    OuterGroup g;
+    g.dP = j.dP;
+    g.P = j.P;
+    g.E = j.E;
+    g.accumulate_dP = j.dP_accumulate;
+    g.dg = Tensor::zeros({BH, F}, dt, dev);
+    g.sources.push_back(src);
+    groups.push_back(g);
+  }
+  kern::scan_grad_outers(groups, ctx.decay, BH, F, D);
+  for (OuterGroup& g : groups) kern::add(dg, dg, g.dg);
 }
 
 }  // namespace detail

@@ -17,9 +17,7 @@
 //      the same and needs no cumulative products kept per frame.)
 // Backward, per job, with λ the state adjoint:
 //   1. dX0 = the adjoint of the rescan's initial state (a transposed sweep);
-//   2. ONE all-gather of every job's dX0 (and dT of the terminal states),
-//      overlapped (Communicator::begin_overlap) with the transition gradients
-//      of the jobs no adjoint arrives at from later ranks: theirs are final;
+//   2. ONE all-gather of every job's dX0 (and dT of the terminal states);
 //   3. a = the adjoint arriving from the logically later ranks:
 //      a ← dX0_j + M_jᵀ a for j = P−1 … r+1, starting from Σ_ranks dT (or 0),
 //      with the M_j kept from the forward gather;
@@ -56,7 +54,8 @@ struct ScanJob {
   Tensor T;   // (BH, D, E) terminal state (terminal jobs)
   // --- backward inputs (undefined = zero) and targets
   Tensor dY, dT;
-  Tensor dP;  // where dP goes: (BH, F, D, D), overwritten; jobs given the same dP tensor sum into it
+  Tensor dP;  // where dP goes: (BH, F, D, D), overwritten or accumulated
+  bool dP_accumulate = false;
   Tensor dU;  // result (BH, F, D, E), fresh
 };
 
