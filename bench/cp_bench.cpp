@@ -100,6 +100,13 @@ void zero_grads(Layer& l) {
   for (Tensor* t : {&l.qkv, &l.beta, &l.decay, &l.qw, &l.kw}) t->zero_grad();
 }
 
+// One timed step: forward and backward from fresh gradients.
+void fwd_bwd(cp::Communicator* comm, Layer& l, const BigdnOptions& o) {
+  zero_grads(l);
+  Tensor out = forward(comm, l, o);
+  backward(out, l.gout);
+}
+
 struct Row {
   std::string name;
   int P = 1;
@@ -117,11 +124,7 @@ double max_over_ranks(double v) {
 
 Row measure(const std::string& name, cp::Communicator* comm, Layer& l, Checkpoint ck, const CpBenchConfig& c) {
   const BigdnOptions o = options(c, ck);
-  auto step = [&] {
-    zero_grads(l);
-    Tensor out = forward(comm, l, o);
-    backward(out, l.gout);
-  };
+  auto step = [&] { fwd_bwd(comm, l, o); };
   Row row;
   row.name = name;
   row.P = comm ? comm->size() : 1;
@@ -232,15 +235,10 @@ int run_emulated(const CpBenchConfig& c) {
     const Spec& s = specs[static_cast<size_t>(c.profile_row)];
     Layer l = make_layer(c, Fg, s.frames, s.block, DType::bf16, 5);
     const BigdnOptions o = options(c, s.ck);
-    auto step = [&] {
-      zero_grads(l);
-      Tensor out = forward(s.comm, l, o);
-      backward(out, l.gout);
-    };
-    for (int i = 0; i < c.warmup; ++i) step();
+    for (int i = 0; i < c.warmup; ++i) fwd_bwd(s.comm, l, o);
     synchronize();
     GDNCP_CUDA_CHECK(cudaProfilerStart());
-    for (int i = 0; i < c.iters; ++i) step();
+    for (int i = 0; i < c.iters; ++i) fwd_bwd(s.comm, l, o);
     synchronize();
     GDNCP_CUDA_CHECK(cudaProfilerStop());
     std::printf("cp_bench: profiled row %d (%s), %d steps\n", c.profile_row, s.name.c_str(), c.iters);
