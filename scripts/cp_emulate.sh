@@ -34,9 +34,11 @@ for base in ${BASE_SRC:-}; do  # each: overlay, rebuild the library, keep it as 
   name=$(basename "$base")
   rm -rf "$B/libs/saved"
   mkdir -p "$B/libs/saved"
+  : >"$B/libs/added"
   (cd "$base" && find . -type f) | while read -r f; do
     mkdir -p "$B/libs/saved/$(dirname "$f")"
-    cp "$f" "$B/libs/saved/$f" 2>/dev/null || true
+    if [ -e "$f" ]; then cp "$f" "$B/libs/saved/$f"; else echo "$f" >>"$B/libs/added"; fi
+    mkdir -p "$(dirname "$f")"
     cp "$base/$f" "$f"
   done
   if cmake --build "$B" -j "$(nproc)" --target gdncp >>"$OUT/build.log" 2>&1; then
@@ -48,6 +50,7 @@ for base in ${BASE_SRC:-}; do  # each: overlay, rebuild the library, keep it as 
     tail -20 "$OUT/build.log"
   fi
   (cd "$B/libs/saved" && find . -type f) | while read -r f; do cp "$B/libs/saved/$f" "$f"; done
+  xargs -r rm -f <"$B/libs/added"  # files only the base had
 done
 [ -n "$bases" ] && who_list="ours$bases ours$bases"
 status=0
