@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   float acc[Tl::TM][Tl::TN][4] = {};
   stage(0);
   for (int s0 = 0; s0 < S; s0 += KS) {
-    cp_async_wait_all();
+    cp_async_wait<0>();
     if (tid < KS) rks[tid] = pr, bts[tid] = pb;
     __syncthreads();  // chunk s0 staged; the tiles of the previous chunk consumed
 #pragma unroll
@@ -424,8 +424,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float v = dbeta_part[half];
-      v += __shfl_xor_sync(0xffffffffu, v, 1);
-      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      v = quad_sum(v);
       if (t == 0) part[(m0 + g + 8 * half) * Tl::WN + wn] = v;
     }
     __syncthreads();
@@ -567,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int tile = tile_begin; tile < tile_end; ++tile) {
     const int s0 = tile * KS, buf = (tile - tile_begin) & 1;
     const KRaw st = k_raw(smem_raw + lay.stage0 + buf * lay.stage_bytes, KS, D);
-    cp_async_wait_all();
+    cp_async_wait<0>();
     if (tid < KS) st.r[tid] = pr, st.bt[tid] = pb;
     __syncthreads();  // tile staged; the previous tile's operands consumed
 #pragma unroll
@@ -656,8 +655,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float v = dbeta_part[i][half];
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
-        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        v = quad_sum(v);
         if (t == 0) part[(m0 + 16 * i + g + 8 * half) * Tl::WN + wn] = v;
       }
     __syncthreads();
@@ -694,13 +692,13 @@ void phase_a_fwd(Tensor& P, Tensor& A, Tensor& Pz, Tensor& bz, const Tensor& qkv
         phase_a_fwd_h_kernel<DP><<<grid, kThreads, smem, stream()>>>(
             p, a, pz, b, static_cast<const __nv_bfloat16*>(qkv.data()), r, kw, cs, sn, bt, z.H, z.D, z.F, z.S,
             static_cast<float>(k_scale));
-        GDNCP_CUDA_CHECK(cudaGetLastError());
+        GDNCP_CUDA_CHECK_LAUNCH("phase_a_fwd_h_kernel");
         return;
       }
     }
     phase_a_fwd_kernel<DP, MODE><<<grid, kThreads, 0, stream()>>>(p, a, pz, b, x, r, kw, cs, sn, bt, z.H, z.D, z.F, z.S,
                                                                    static_cast<float>(k_scale));
-    GDNCP_CUDA_CHECK(cudaGetLastError());
+    GDNCP_CUDA_CHECK_LAUNCH("phase_a_fwd_kernel");
   });
 }
 
@@ -737,7 +735,7 @@ void phase_a_bwd(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor& dP, 
         phase_a_bwd_h_kernel<DP><<<grid, kThreads, lay.total, stream()>>>(
             dk, dx, dbt, gp, ga, gpz, gb, static_cast<const __nv_bfloat16*>(qkv.data()), r, kw, cs, sn, bt, z.H, z.D,
             z.F, z.S, per_block, static_cast<float>(k_scale), lay);
-        GDNCP_CUDA_CHECK(cudaGetLastError());
+        GDNCP_CUDA_CHECK_LAUNCH("phase_a_bwd_h_kernel");
         return;
       }
     }
@@ -746,7 +744,7 @@ void phase_a_bwd(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor& dP, 
     phase_a_bwd_kernel<DP, MODE><<<grid, kThreads, smem, stream()>>>(dk, dx, dbt, gp, ga, gpz, gb, x, r, kw, cs, sn, bt,
                                                                       z.H, z.D, z.F, z.S, per_block,
                                                                       static_cast<float>(k_scale));
-    GDNCP_CUDA_CHECK(cudaGetLastError());
+    GDNCP_CUDA_CHECK_LAUNCH("phase_a_bwd_kernel");
   });
 }
 

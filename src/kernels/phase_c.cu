@@ -287,8 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const float2 q = ld2(Qr + r * LDR + n1 + 8 * j + 2 * t);
             v += q.x * acc1[i][j][2 * half] + q.y * acc1[i][j][2 * half + 1];
           }
-          v += __shfl_xor_sync(0xffffffffu, v, 1);
-          v += __shfl_xor_sync(0xffffffffu, v, 2);
+          v = quad_sum(v);
           if (t == 0) part[r * Tl::WN + wn] = v;
         }
       __syncthreads();
@@ -333,19 +332,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 // row and 8 consecutive channels per lane (c0 = 8·(tid % LPR)), so NT threads cover
 // RPB = NT/LPR rows at once. Rows move between global memory and registers in 16-byte
 // pieces when D % 8 == 0 and the tensors are 16-byte aligned (`vec`), in channel pairs
-// otherwise; a row's dot products are sums over its LPR lanes (shuffles). Channels at or
+// otherwise; a row's dot products are sums over its LPR lanes (warp_sum<LPR>). Channels at or
 // beyond D are zero in registers and in the shared tiles (the padded K of the products).
 template <int DP, int NT>
 struct RowMap {
   static constexpr int LPR = DP / 8, RPB = NT / LPR;
 };
-
-template <int LPR>
-__device__ __forceinline__ float row_sum(float v) {
-#pragma unroll
-  for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 __device__ __forceinline__ void unpack8(float (&x)[8], uint4 u) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
@@ -572,7 +564,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           float dp = 0.f;
 #pragma unroll
           for (int k = 0; k < 8; ++k) dp += qp[k] * z8[k];
-          const float dn = row_sum<RM::LPR>(dp);
+          const float dn = warp_sum<RM::LPR>(dp);
           if (tid % RM::LPR == 0) {
             db[r] = divide ? 1.f / (dn + eps) : 1.f;
             if (s < S) den[bh * N + static_cast<int64_t>(f) * S + s] = dn;
@@ -698,7 +690,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
     float dp = 0.f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) dp += qp[k] * z8[k];
-    const float dn = row_sum<RM::LPR>(dp) + eps;
+    const float dn = warp_sum<RM::LPR>(dp) + eps;
     const float inv = divide ? 1.f / dn : 1.f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) go[k] *= inv;
@@ -726,7 +718,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
       float dot = 0.f;
 #pragma unroll
       for (int k = 0; k < 8; ++k) dot += qr[k] * gr[k];
-      dot = row_sum<RM::LPR>(dot);
+      dot = warp_sum<RM::LPR>(dot);
       const float dd = divide ? -dot / dn : ddin;
 #pragma unroll
       for (int k = 0; k < 8; k += 2) {  // dq⁺ = dden·z + unrope(dqʳ), masked by q̂ > 0
@@ -783,7 +775,7 @@ int blocks_per_sm(Kernel kernel, int threads, size_t smem) {
 void sum_parts(float* dst, const float* parts, int64_t n, int P) {
   const int64_t blocks = std::min<int64_t>((n / 2 + kThreads - 1) / kThreads, 8 * static_cast<int64_t>(sm_count()));
   sum_parts_kernel<<<static_cast<unsigned>(std::max<int64_t>(blocks, 1)), kThreads, 0, stream()>>>(dst, parts, n, P);
-  GDNCP_CUDA_CHECK(cudaGetLastError());
+  GDNCP_CUDA_CHECK_LAUNCH("sum_parts_kernel");
 }
 
 // Token parts per frame for `frames` frames of the bf16 backward (those of the last, partial
@@ -850,7 +842,7 @@ void phase_c_fwd(Tensor& out, Tensor& den, const Tensor& qkv, const Tensor& rstd
                                                                         sz.F, sz.S, per_block,
                                                                         static_cast<float>(eps), divide);
     }
-    GDNCP_CUDA_CHECK(cudaGetLastError());
+    GDNCP_CUDA_CHECK_LAUNCH(MODE == MathMode::bf16 ? "phase_c_fwd_ld_kernel" : "phase_c_fwd_kernel");
   });
 }
 
@@ -891,7 +883,7 @@ void phase_c_bwd(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, con
       phase_c_bwd_ld_kernel<DP><<<static_cast<unsigned>(whole + nsplit * parts), kBwdThreads, smem, stream()>>>(
           dq, dm, dzz, go, gd, x, r, qw, cs, sn, m, zz, wm, wz, sz.H, sz.D, sz.F, sz.S, sz.BHF, whole, parts, per_part,
           static_cast<float>(eps), divide, vec, vec4);
-      GDNCP_CUDA_CHECK(cudaGetLastError());
+      GDNCP_CUDA_CHECK_LAUNCH("phase_c_bwd_ld_kernel");
       if (nsplit > 0) {
         sum_parts(dm + whole * DD, wm, nsplit * DD, parts);
         sum_parts(dzz + whole * sz.D, wz, nsplit * sz.D, parts);
@@ -901,7 +893,7 @@ void phase_c_bwd(Tensor& dq_hat, Tensor& dM, Tensor& dz, const Tensor& dout, con
       allow_smem(phase_c_bwd_kernel<DP, MODE>, smem);
       phase_c_bwd_kernel<DP, MODE><<<static_cast<unsigned>(sz.BHF), kThreads, smem, stream()>>>(
           dq, dm, dzz, go, gd, x, r, qw, cs, sn, m, zz, sz.H, sz.D, sz.F, sz.S, static_cast<float>(eps), divide);
-      GDNCP_CUDA_CHECK(cudaGetLastError());
+      GDNCP_CUDA_CHECK_LAUNCH("phase_c_bwd_kernel");
     }
   });
 }
