@@ -48,10 +48,11 @@ void mse_fwd(Tensor& loss, const Tensor& pred, const Tensor& target, double scal
   Tensor partials = Tensor::empty({kPartials}, DType::f64, Device::cuda);
   GDNCP_CUDA_FLOAT_SWITCH(pred.dtype(), "mse_loss", [&] {
     mse_partials_kernel<<<kPartials, kGridThreads, 0, stream()>>>(static_cast<double*>(partials.data()),
-                                                              ptr<scalar_t>(pred), ptr<scalar_t>(target), n);
+                                                                  ptr<scalar_t>(pred), ptr<scalar_t>(target), n);
   });
   GDNCP_CUDA_CHECK_LAUNCH("mse_partials_kernel");
-  mse_finish_kernel<<<1, kGridThreads, 0, stream()>>>(ptr<float>(loss), static_cast<const double*>(partials.data()), scale);
+  mse_finish_kernel<<<1, kGridThreads, 0, stream()>>>(ptr<float>(loss), static_cast<const double*>(partials.data()),
+                                                      scale);
   GDNCP_CUDA_CHECK_LAUNCH("mse_finish_kernel");
 }
 
@@ -59,8 +60,8 @@ void mse_bwd(Tensor& dpred, const Tensor& dloss, const Tensor& pred, const Tenso
   const int64_t n = pred.numel();
   GDNCP_CUDA_FLOAT_SWITCH(pred.dtype(), "mse_loss", [&] {
     mse_bwd_kernel<<<blocks_for(n), kGridThreads, 0, stream()>>>(ptr<scalar_t>(dpred), ptr<float>(dloss),
-                                                             ptr<scalar_t>(pred), ptr<scalar_t>(target),
-                                                             static_cast<float>(2.0 * scale), n);
+                                                                 ptr<scalar_t>(pred), ptr<scalar_t>(target),
+                                                                 static_cast<float>(2.0 * scale), n);
   });
   GDNCP_CUDA_CHECK_LAUNCH("mse_bwd_kernel");
 }

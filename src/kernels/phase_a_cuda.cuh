@@ -43,7 +43,7 @@ inline bool bf16_coding(MathMode mode, int64_t D, DType qkv) {
 
 void fwd_f32(const FwdArgs& a, MathMode mode);  // phase_a_f32.cu
 void bwd_f32(const BwdArgs& a, MathMode mode);
-void fwd_bf16(const FwdArgs& a);                // phase_a_bf16.cu
+void fwd_bf16(const FwdArgs& a);  // phase_a_bf16.cu
 void bwd_bf16(const BwdArgs& a);
 
 }  // namespace phase_a

@@ -35,7 +35,7 @@ struct BwdArgs {
 
 void fwd_f32(const FwdArgs& a, MathMode mode);  // phase_c_f32.cu: tf32, ieee
 void bwd_f32(const BwdArgs& a, MathMode mode);
-void fwd_bf16(const FwdArgs& a);                // phase_c_bf16.cu: bf16
+void fwd_bf16(const FwdArgs& a);  // phase_c_bf16.cu: bf16
 void bwd_bf16(const BwdArgs& a);
 
 }  // namespace phase_c

@@ -35,8 +35,8 @@ void sigmoid_fwd(Tensor& y, const Tensor& x) {
 void sigmoid_bwd(Tensor& dx, const Tensor& dy, const Tensor& y) {
   const int64_t n = y.numel();
   GDNCP_CUDA_FLOAT_SWITCH(y.dtype(), "sigmoid", [&] {
-    sigmoid_bwd_kernel<<<blocks_for(n), kGridThreads, 0, stream()>>>(ptr<scalar_t>(dx), ptr<scalar_t>(dy), ptr<scalar_t>(y),
-                                                                 n);
+    sigmoid_bwd_kernel<<<blocks_for(n), kGridThreads, 0, stream()>>>(ptr<scalar_t>(dx), ptr<scalar_t>(dy),
+                                                                     ptr<scalar_t>(y), n);
   });
   GDNCP_CUDA_CHECK_LAUNCH("sigmoid_bwd_kernel");
 }
