@@ -32,6 +32,7 @@
 #include "cp_bench.h"
 #include "timing.h"
 #include "gdncp/gdncp.h"
+#include "kernels/cuda_common.cuh"
 #include "kernels/kernels.h"
 
 namespace {
@@ -92,7 +93,7 @@ bool parse_args(int argc, char** argv, Args& a) {
 }
 
 // --- timing -------------------------------------------------------------------
-cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream()); }
+using gdncp::cuda::detail::stream;
 
 // Fast device-side random fill for timing inputs (Tensor::randn draws on the host, which takes
 // seconds for the largest configurations): about N(0, 1) from a hash of (seed, i) — random
@@ -119,7 +120,7 @@ __global__ void fill_random_kernel(void* p, bool bf, int64_t n, uint64_t seed) {
 Tensor device_random(const Shape& shape, DType dtype, uint64_t seed) {
   Tensor t = Tensor::empty(shape, dtype, Device::cuda);
   fill_random_kernel<<<1024, 256, 0, stream()>>>(t.data(), dtype == DType::bf16, t.numel(), seed);
-  GDNCP_CUDA_CHECK(cudaGetLastError());
+  GDNCP_CUDA_CHECK_LAUNCH("fill_random_kernel");
   return t;
 }
 

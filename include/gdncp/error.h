@@ -59,8 +59,16 @@ template <typename... Args>
                             cudaGetErrorName(gdncp_err_), " (", cudaGetErrorString(gdncp_err_), ")"); \
   } while (0)
 
-// After a kernel launch: reports launch-configuration errors naming the kernel.
-#define GDNCP_CUDA_CHECK_LAUNCH(kernel_name) GDNCP_CUDA_CHECK((static_cast<void>(kernel_name), cudaGetLastError()))
+// After a kernel launch: reports a launch error (configuration, shared memory, no image for
+// the device) naming the kernel and the launch site. kernel_name is any streamable value, so
+// a name chosen at run time is reported too.
+#define GDNCP_CUDA_CHECK_LAUNCH(kernel_name)                                                      \
+  do {                                                                                            \
+    const cudaError_t gdncp_err_ = cudaGetLastError();                                            \
+    if (gdncp_err_ != cudaSuccess)                                                                \
+      ::gdncp::detail::fail(__FILE__, __LINE__, "CUDA kernel ", kernel_name, " failed to launch: ", \
+                            cudaGetErrorName(gdncp_err_), " (", cudaGetErrorString(gdncp_err_), ")"); \
+  } while (0)
 
 #define GDNCP_CUBLAS_CHECK(expr)                                                         \
   do {                                                                                   \

@@ -9,6 +9,7 @@
 // Gradient rule: every output overwritten. No atomics.
 #include "cp/cp_cuda.cuh"
 #include "cp/cp_kernels.h"
+#include "kernels/cuda_common.cuh"
 
 namespace gdncp {
 namespace cp {
@@ -25,18 +26,19 @@ struct Geo {
   bool beta_per_frame = false;
 };
 
-__device__ __forceinline__ float beta_at(const In& beta, const Geo& g, int64_t bh, int f, int s) {
+__device__ __forceinline__ float beta_at(const InPlain& beta, const Geo& g, int64_t bh, int f, int s) {
   return g.beta_per_frame ? beta[bh * g.F + f] : beta[(bh * g.F + f) * g.S + s];
 }
 
 // Pc (which = 0) or Ac (which = 1) of frame (bh, f).
-__global__ void __launch_bounds__(kOuterThreads) pa_fwd_kernel(float* out, In k, In v, In beta, Geo g, int which) {
+__global__ void __launch_bounds__(kOuterThreads)
+    pa_fwd_kernel(float* out, InPlain k, InPlain v, InPlain beta, Geo g, int which) {
   __shared__ float Ls[kChunk * kOuterPitch];
   __shared__ float Rs[kChunk * kOuterPitch];
   const int64_t bt = blockIdx.x, bh = bt / g.F;
   const int f = static_cast<int>(bt % g.F);
   const int64_t xb = bh * g.D * g.N + static_cast<int64_t>(f) * g.S;
-  const In r = which ? v : k;
+  const InPlain r = which ? v : k;
   float acc[8][8];
   outer_tile(
       acc, [&](int i, int s) { return beta_at(beta, g, bh, f, s) * k[xb + static_cast<int64_t>(i) * g.N + s]; },
@@ -53,7 +55,7 @@ __global__ void __launch_bounds__(kOuterThreads) pa_fwd_kernel(float* out, In k,
 }
 
 // dM = Σ_s q_s dout_sᵀ of frame (bh, f).
-__global__ void __launch_bounds__(kOuterThreads) dm_kernel(float* dM, In q, In dout, Geo g) {
+__global__ void __launch_bounds__(kOuterThreads) dm_kernel(float* dM, InPlain q, InPlain dout, Geo g) {
   __shared__ float Ls[kChunk * kOuterPitch];
   __shared__ float Rs[kChunk * kOuterPitch];
   const int64_t bt = blockIdx.x, bh = bt / g.F;
@@ -80,9 +82,9 @@ struct TokArgs {
   Geo g;
   const float* M = nullptr;   // out / dq: the state (BH, F, D, D); pa_bwd: dPc
   const float* M2 = nullptr;  // pa_bwd: dAc
-  In x;                       // out: q; dq: dout; pa_bwd: k
-  In x2;                      // pa_bwd: v
-  In beta;
+  InPlain x;                       // out: q; dq: dout; pa_bwd: k
+  InPlain x2;                      // pa_bwd: v
+  InPlain beta;
   Out o;                      // out: out; dq: dq; pa_bwd: dk
   Out o2;                     // pa_bwd: dv
   Out ob;                     // pa_bwd, per-token β: dbeta
@@ -90,7 +92,7 @@ struct TokArgs {
 };
 
 // Loads the token block [s0, s0 + kTok) of frame f of x (B·H, D, N) into Ys[D][kTok].
-__device__ __forceinline__ void load_tokens(float* Ys, const In& x, const Geo& g, int64_t bh, int f, int s0) {
+__device__ __forceinline__ void load_tokens(float* Ys, const InPlain& x, const Geo& g, int64_t bh, int f, int s0) {
   for (int idx = threadIdx.x; idx < g.D * kTok; idx += blockDim.x) {
     const int j = idx / kTok, c = idx % kTok;
     const int s = s0 + c;
@@ -176,25 +178,25 @@ dim3 tok_grid(const CamDims& d) {
 
 void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta, const CamDims& d) {
   const Geo g = geo_of(d);
-  float* pc = f32_out(Pc, "Pc");
-  float* ac = f32_out(Ac, "Ac");
-  const In ki = in_of(k, "k"), vi = in_of(v, "v"), bi = in_of(beta, "beta");
+  float* pc = f32_out_or_null(Pc, "Pc");
+  float* ac = f32_out_or_null(Ac, "Ac");
+  const InPlain ki = in_of<InPlain>(k, "k"), vi = in_of<InPlain>(v, "v"), bi = in_of<InPlain>(beta, "beta");
   const unsigned blocks = static_cast<unsigned>(d.BH() * d.F);
   pa_fwd_kernel<<<blocks, kOuterThreads, 0, stream()>>>(pc, ki, vi, bi, g, 0);
-  check_launch("pa_fwd_kernel(Pc)");
+  GDNCP_CUDA_CHECK_LAUNCH("pa_fwd_kernel(Pc)");
   pa_fwd_kernel<<<blocks, kOuterThreads, 0, stream()>>>(ac, ki, vi, bi, g, 1);
-  check_launch("pa_fwd_kernel(Ac)");
+  GDNCP_CUDA_CHECK_LAUNCH("pa_fwd_kernel(Ac)");
 }
 
 void cam_phase_a_bwd(Tensor& dk, Tensor& dv, Tensor& dbeta, const Tensor& dPc, const Tensor& dAc, const Tensor& k,
                      const Tensor& v, const Tensor& beta, const CamDims& d) {
   TokArgs a;
   a.g = geo_of(d);
-  a.M = f32_in(dPc, "dPc");
-  a.M2 = f32_in(dAc, "dAc");
-  a.x = in_of(k, "k");
-  a.x2 = in_of(v, "v");
-  a.beta = in_of(beta, "beta");
+  a.M = f32_or_null(dPc, "dPc");
+  a.M2 = f32_or_null(dAc, "dAc");
+  a.x = in_of<InPlain>(k, "k");
+  a.x2 = in_of<InPlain>(v, "v");
+  a.beta = in_of<InPlain>(beta, "beta");
   a.o = out_of(dk, "dk");
   a.o2 = out_of(dv, "dv");
   a.ob = out_of(dbeta, "dbeta");
@@ -204,35 +206,35 @@ void cam_phase_a_bwd(Tensor& dk, Tensor& dv, Tensor& dbeta, const Tensor& dPc, c
     a.beta_tok = static_cast<float*>(tok.data());
   }
   tok_kernel<TokMode::pa_bwd><<<tok_grid(d), kRowThreads, 0, stream()>>>(a);
-  check_launch("tok_kernel(pa_bwd)");
+  GDNCP_CUDA_CHECK_LAUNCH("tok_kernel(pa_bwd)");
   if (d.beta_per_frame) {
     const int64_t n = d.BH() * d.F;
     beta_frame_kernel<<<static_cast<unsigned>((n + 127) / 128), 128, 0, stream()>>>(a.ob, a.beta_tok, a.g, n);
-    check_launch("beta_frame_kernel");
+    GDNCP_CUDA_CHECK_LAUNCH("beta_frame_kernel");
   }
 }
 
 void cam_out_fwd(Tensor& out, const Tensor& q, const Tensor& M, const CamDims& d) {
   TokArgs a;
   a.g = geo_of(d);
-  a.M = f32_in(M, "M");
-  a.x = in_of(q, "q");
+  a.M = f32_or_null(M, "M");
+  a.x = in_of<InPlain>(q, "q");
   a.o = out_of(out, "out");
   tok_kernel<TokMode::out><<<tok_grid(d), kRowThreads, 0, stream()>>>(a);
-  check_launch("tok_kernel(out)");
+  GDNCP_CUDA_CHECK_LAUNCH("tok_kernel(out)");
 }
 
 void cam_out_bwd(Tensor& dq, Tensor& dM, const Tensor& dout, const Tensor& q, const Tensor& M, const CamDims& d) {
   TokArgs a;
   a.g = geo_of(d);
-  a.M = f32_in(M, "M");
-  a.x = in_of(dout, "dout");
+  a.M = f32_or_null(M, "M");
+  a.x = in_of<InPlain>(dout, "dout");
   a.o = out_of(dq, "dq");
   tok_kernel<TokMode::dq><<<tok_grid(d), kRowThreads, 0, stream()>>>(a);
-  check_launch("tok_kernel(dq)");
-  dm_kernel<<<static_cast<unsigned>(d.BH() * d.F), kOuterThreads, 0, stream()>>>(f32_out(dM, "dM"), in_of(q, "q"),
-                                                                                 in_of(dout, "dout"), a.g);
-  check_launch("dm_kernel");
+  GDNCP_CUDA_CHECK_LAUNCH("tok_kernel(dq)");
+  dm_kernel<<<static_cast<unsigned>(d.BH() * d.F), kOuterThreads, 0, stream()>>>(f32_out_or_null(dM, "dM"), in_of<InPlain>(q, "q"),
+                                                                                 in_of<InPlain>(dout, "dout"), a.g);
+  GDNCP_CUDA_CHECK_LAUNCH("dm_kernel");
 }
 
 }  // namespace cuda

@@ -1,6 +1,7 @@
-// src/cp/cp_cuda.cuh — device helpers shared by the CUDA twins of the CP
-// kernels (scan.cu, cam.cu). All arithmetic is f32 (SPEC §8: the scan state,
-// its products and the merge run in f32); inputs may be bf16 or f32.
+// src/cp/cp_cuda.cuh — the tile building blocks of the CUDA twins of the CP
+// kernels (scan.cu, cam.cu); the device helpers (stream, tensor views, cp.async,
+// reductions) are those of kernels/cuda_common.cuh. All arithmetic is f32 (SPEC §8:
+// the scan state, its products and the merge run in f32); inputs may be bf16 or f32.
 //
 // Note [row threads]. The state-like products here are A (D×D) times a block
 // of NC columns (state columns or tokens): one thread per row i (128 threads,
@@ -11,69 +12,20 @@
 // index order, like the CPU twin.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
 #include <cstdint>
 
-#include "gdncp/error.h"
-#include "gdncp/tensor.h"
+#include "kernels/cuda_common.cuh"
 
 namespace gdncp {
 namespace cp {
 namespace cuda {
 namespace dev {
 
+using namespace ::gdncp::cuda::detail;  // the device helpers, seen by `using namespace dev`
+
 constexpr int kRowThreads = 128;  // Note [row threads]; D ≤ 128
 constexpr int kChunk = 32;        // columns of A per shared-memory chunk
 constexpr int kPitch = kChunk + 1;
-
-inline cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream()); }
-
-// Storage that is bf16 or f32 (chosen at run time; the branch is uniform).
-struct In {
-  const void* p = nullptr;
-  bool bf = false;
-  __device__ __forceinline__ float operator[](int64_t i) const {
-    return bf ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]) : static_cast<const float*>(p)[i];
-  }
-};
-struct Out {
-  void* p = nullptr;
-  bool bf = false;
-  __device__ __forceinline__ void set(int64_t i, float v) const {
-    if (bf)
-      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
-    else
-      static_cast<float*>(p)[i] = v;
-  }
-};
-
-inline void require_cuda_float(const Tensor& t, const char* what) {
-  GDNCP_CHECK(t.is_cuda(), "cp cuda kernel: ", what, " must be a CUDA tensor, got ", t.str());
-  GDNCP_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::bf16, "cp cuda kernel: ", what,
-              " must be f32 or bf16 on CUDA, got ", t.str());
-}
-inline In in_of(const Tensor& t, const char* what) {
-  require_cuda_float(t, what);
-  return In{t.data(), t.dtype() == DType::bf16};
-}
-inline Out out_of(Tensor& t, const char* what) {
-  require_cuda_float(t, what);
-  return Out{t.data(), t.dtype() == DType::bf16};
-}
-inline const float* f32_in(const Tensor& t, const char* what) {
-  if (!t.defined()) return nullptr;
-  GDNCP_CHECK(t.is_cuda() && t.dtype() == DType::f32, "cp cuda kernel: ", what, " must be an f32 CUDA tensor, got ",
-              t.str());
-  return static_cast<const float*>(t.data());
-}
-inline float* f32_out(Tensor& t, const char* what) {
-  if (!t.defined()) return nullptr;
-  GDNCP_CHECK(t.is_cuda() && t.dtype() == DType::f32, "cp cuda kernel: ", what, " must be an f32 CUDA tensor, got ",
-              t.str());
-  return static_cast<float*>(t.data());
-}
 
 // acc[c] = Σ_k op(A)[i][k] · Ys[k][c] for this thread's row i (Note [row threads]).
 // A: D×D row-major in global memory; op(A)[i][k] = A[i][k], or A[k][i] when
@@ -164,21 +116,6 @@ __device__ __forceinline__ void outer_tile(float (&acc)[8][8], LoadL ldl, LoadR 
   }
   __syncthreads();
 }
-
-// Deterministic block sum (fixed tree) of one value per thread; the result in thread 0.
-template <int THREADS>
-__device__ __forceinline__ float block_sum(float v, float* red) {
-  red[threadIdx.x] = v;
-  __syncthreads();
-#pragma unroll
-  for (int s = THREADS / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
-    __syncthreads();
-  }
-  return red[0];
-}
-
-inline void check_launch(const char* kernel) { GDNCP_CUDA_CHECK_LAUNCH(kernel); }
 
 }  // namespace dev
 }  // namespace cuda

@@ -68,21 +68,6 @@ constexpr int smem_bytes(int ra, int warps) {
 }
 static_assert(kKC <= kKCP, "a staged row of a chunk holds its kKC values of k");
 
-// --- cp.async ------------------------------------------------------------------------------
-// ok = false: the destination is zero-filled and nothing is read.
-__device__ __forceinline__ void cp_async(float* dst, const float* src, bool ok, bool vec) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  if (vec)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_ring() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
 // Stages chunk j of op(A), A a row-major D×D matrix, into buf as [i][k0 … k0+kKC) with pitch
 // kKCP (Note [warp tiles]): the product reads it the same way for op(A) = A and op(A) = Aᵀ.
 // op(A) = A: 16-byte copies along k (vec: D % 4 == 0, A 16-byte aligned), else 4-byte ones.
@@ -99,20 +84,20 @@ __device__ __forceinline__ void stage_chunk(float* buf, const float* A, int D, i
 #pragma unroll 4
       for (int kk = 0; kk < kKC; ++kk) {
         const bool ok = k0 + kk < D;
-        cp_async(buf + i * kKCP + kk, ok ? src + kk * D : A, ok, false);
+        cp_async4(buf + i * kKCP + kk, ok ? src + kk * D : A, ok);
       }
     }
   } else if (vec) {  // columns k0 … of every row of A, 4 pieces of 4 per row
     for (int idx = tid; idx < D * (kKC / 4); idx += nt) {
       const int i = idx / (kKC / 4), kk = 4 * (idx % (kKC / 4));
       const bool ok = k0 + kk < D;
-      cp_async(buf + i * kKCP + kk, A + (ok ? i * D + k0 + kk : 0), ok, true);
+      cp_async16(buf + i * kKCP + kk, A + (ok ? i * D + k0 + kk : 0), ok);
     }
   } else {
     for (int idx = tid; idx < D * kKC; idx += nt) {
       const int i = idx / kKC, kk = idx % kKC;
       const bool ok = k0 + kk < D;
-      cp_async(buf + i * kKCP + kk, A + (ok ? i * D + k0 + kk : 0), ok, false);
+      cp_async4(buf + i * kKCP + kk, A + (ok ? i * D + k0 + kk : 0), ok);
     }
   }
 }
@@ -237,7 +222,7 @@ struct Ring {
   __device__ void product(float (&acc)[RA][4], const float* ys, bool compute) {
     zero<RA>(acc);
     for (int j = 0; j < nch; ++j, ++q) {
-      cp_async_wait_ring();  // chunk q has landed (this thread's copies)
+      cp_async_wait<kStages - 2>();  // chunk q has landed (this thread's copies)
       __syncthreads();       // everyone's copies visible; everyone done with chunk q − 1
       issue(q + kStages - 1);
       if (compute) mma_chunk<RA>(acc, buf + (q % kStages) * stage_floats(RA), ys, j * kKC);
@@ -280,7 +265,7 @@ struct SweepArgs {
 constexpr int kMaxSweeps = 8;
 struct SweepBatch {
   SweepArgs s[kMaxSweeps];
-  In decay;
+  InPlain decay;
   int n = 0, warps = 1;
 };
 
@@ -437,7 +422,7 @@ struct OuterArgs {
 constexpr int kMaxGroups = 4;
 struct OuterBatch {
   OuterArgs g[kMaxGroups];
-  In decay;
+  InPlain decay;
   int D = 0, F = 0;
 };
 
@@ -549,7 +534,7 @@ __global__ void add_kernel(float* out, const float* x, const float* y, int64_t n
 }
 
 // --- launchers ----------------------------------------------------------------------------------
-In decay_of(const Tensor& decay) { return in_of(decay, "decay"); }
+InPlain decay_of(const Tensor& decay) { return in_of<InPlain>(decay, "decay"); }
 
 void check_dims(const SweepSpec& s) {
   GDNCP_CHECK(s.D >= 1 && s.D <= kRowThreads, "cp cuda scan: D = ", s.D, " must be in [1, ", kRowThreads, "]");
@@ -623,13 +608,13 @@ void launch_tiles(void (*k7)(Batch), void (*k8)(Batch), Batch& batch, Job* jobs,
   void (*fn)(Batch) = ra == 7 ? k7 : k8;
   allow_smem(reinterpret_cast<const void*>(fn), smem_bytes(ra, kMaxWarps));
   fn<<<static_cast<unsigned>(blocks), 32 * batch.warps, smem_bytes(ra, batch.warps), stream()>>>(batch);
-  check_launch(name);
+  GDNCP_CUDA_CHECK_LAUNCH(name);
 }
 
 }  // namespace
 
 void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
-  const In dc = decay_of(decay);
+  const InPlain dc = decay_of(decay);
   for (size_t first = 0; first < sweeps.size(); first += kMaxSweeps) {
     const size_t n = std::min<size_t>(kMaxSweeps, sweeps.size() - first);
     SweepBatch batch;
@@ -646,18 +631,18 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
       BH = s.BH;
       D = s.D;
       SweepArgs& a = batch.s[k];
-      a.ob = f32_out(w.out_before, "out_before");
-      a.oa = f32_out(w.out_after, "out_after");
-      a.fin = f32_out(w.final_state, "final_state");
+      a.ob = f32_out_or_null(w.out_before, "out_before");
+      a.oa = f32_out_or_null(w.out_after, "out_after");
+      a.fin = f32_out_or_null(w.final_state, "final_state");
       GDNCP_CHECK(!a.fin || (w.final_offset >= 0 && w.final_offset + s.BH * s.D * s.E <= w.final_state.numel()),
                   "scan_sweeps: final_offset ", w.final_offset, " leaves no room for the final states in ",
                   w.final_state.str());
       if (a.fin) a.fin += w.final_offset;
-      a.P = f32_in(w.P, "P");
+      a.P = f32_or_null(w.P, "P");
       GDNCP_CHECK(a.P, "scan_sweep: P is undefined");
-      a.vb = f32_in(w.add_before, "add_before");
-      a.ua = f32_in(w.add_after, "add_after");
-      a.init = s.init == Init::given ? f32_in(w.init, "init") : nullptr;
+      a.vb = f32_or_null(w.add_before, "add_before");
+      a.ua = f32_or_null(w.add_after, "add_after");
+      a.init = s.init == Init::given ? f32_or_null(w.init, "init") : nullptr;
       GDNCP_CHECK(s.init != Init::given || a.init, "scan_sweep: init is undefined");
       a.D = static_cast<int>(s.D);
       a.F = static_cast<int>(s.F);
@@ -695,24 +680,24 @@ void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int6
       OuterGroup& g = groups[first + k];
       GDNCP_CHECK(g.sources.size() >= 1 && g.sources.size() <= 2, "scan_grad_outers: 1 or 2 sources per group");
       OuterArgs& a = batch.g[k];
-      a.dP = f32_out(g.dP, "dP");
-      a.dg = f32_out(g.dg, "dg");
-      a.P = f32_in(g.P, "P");
+      a.dP = f32_out_or_null(g.dP, "dP");
+      a.dg = f32_out_or_null(g.dg, "dg");
+      a.P = f32_or_null(g.P, "P");
       a.E = static_cast<int>(g.E);
       a.accumulate = g.accumulate_dP;
       a.nsrc = static_cast<int>(g.sources.size());
       for (size_t q = 0; q < g.sources.size(); ++q) {
         const OuterSource& src = g.sources[q];
-        a.src[q].L = f32_in(src.L, "L");
-        a.src[q].R = f32_in(src.R, "R");
-        a.src[q].R0 = f32_in(src.R0, "R0");
+        a.src[q].L = f32_or_null(src.L, "L");
+        a.src[q].R = f32_or_null(src.R, "R");
+        a.src[q].R0 = f32_or_null(src.R0, "R0");
         a.src[q].shifted = src.shifted;
         a.src[q].active = static_cast<int>(std::min(src.active, F));
       }
     }
     if (BH * F == 0) continue;
     outer_kernel<<<dim3(static_cast<unsigned>(BH * F), static_cast<unsigned>(n)), kOuterThreads, 0, stream()>>>(batch);
-    check_launch("outer_kernel");
+    GDNCP_CUDA_CHECK_LAUNCH("outer_kernel");
   }
 }
 
@@ -750,14 +735,14 @@ void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D)
   if (BH * F == 0) return;
   for (Correction& c : cs) {
     GDNCP_CHECK(c.E == 1 || c.E == D, "cp cuda correct: E = ", c.E, " must be 1 or D");
-    float* X = f32_out(c.X, "X");
-    const float *C = f32_in(c.C, "C"), *v = f32_in(c.v, "v");
+    float* X = f32_out_or_null(c.X, "X");
+    const float *C = f32_or_null(c.C, "C"), *v = f32_or_null(c.v, "v");
     GDNCP_CHECK(X && C && v, "scan_correct: X, C and v must be defined");
     if (c.E == 1) {
       const bool vec = D % 4 == 0 && aligned16(C) && aligned16(v);
       correct_z_kernel<<<static_cast<unsigned>(BH * F), 32 * kZcWarps, 0, stream()>>>(X, C, v, static_cast<int>(D),
                                                                                       static_cast<int>(F), vec);
-      check_launch("correct_z_kernel");
+      GDNCP_CUDA_CHECK_LAUNCH("correct_z_kernel");
       continue;
     }
     const int E = static_cast<int>(c.E), FD = static_cast<int>(F * D), Di = static_cast<int>(D);
@@ -781,10 +766,10 @@ void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
       GDNCP_CHECK(f.order.size() <= static_cast<size_t>(kMaxRanks), "cp cuda fold: more than ", kMaxRanks, " ranks");
       GDNCP_CHECK(f.E == 1 || f.E == D, "cp cuda fold: E = ", f.E, " must be 1 or D");
       FoldArgs& a = batch.f[k];
-      a.X = f32_out(f.X, "X");
-      a.init = f32_in(f.init, "init");
-      a.M = f32_in(f.Mbuf, "Mbuf");
-      a.H = f32_in(f.Hbuf, "Hbuf");
+      a.X = f32_out_or_null(f.X, "X");
+      a.init = f32_or_null(f.init, "init");
+      a.M = f32_or_null(f.Mbuf, "Mbuf");
+      a.H = f32_or_null(f.Hbuf, "Hbuf");
       GDNCP_CHECK(a.X && a.H, "fold: X and Hbuf must be defined");
       a.m_off = f.m_off;
       a.m_stride = f.m_stride;
@@ -836,13 +821,13 @@ void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_of
 
 void add(Tensor& out, const Tensor& a, const Tensor& b) {
   GDNCP_CHECK(a.numel() == out.numel() && b.numel() == out.numel(), "add: size mismatch");
-  float* o = f32_out(out, "out");
-  const float* x = f32_in(a, "a");
-  const float* y = f32_in(b, "b");
+  float* o = f32_out_or_null(out, "out");
+  const float* x = f32_or_null(a, "a");
+  const float* y = f32_or_null(b, "b");
   const int64_t n = out.numel();
   if (n == 0) return;
   add_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream()>>>(o, x, y, n);
-  check_launch("add_kernel");
+  GDNCP_CUDA_CHECK_LAUNCH("add_kernel");
 }
 
 }  // namespace cuda

@@ -1,10 +1,13 @@
 // src/kernels/adamw.cu — CUDA twin of one AdamW update (f32, in place on p, m, v).
 // Gradient rule: the parameter and both moments are updated in place; g is read.
-#include "kernels/nn_cuda.cuh"
+#include "kernels/cuda_common.cuh"
+#include "kernels/nn_kernels.h"
 
 namespace gdncp {
 namespace cuda {
 namespace {
+
+using namespace detail;
 
 __global__ void adamw_kernel(float* p, float* m, float* v, const float* g, float lr, float decay, float b1, float b2,
                              float eps, float bc1, float bc2, float gs, int64_t n) {
@@ -26,7 +29,7 @@ void adamw_step(Tensor& p, Tensor& m, Tensor& v, const Tensor& g, const AdamWSte
   GDNCP_CHECK(p.dtype() == DType::f32, "AdamW: CUDA parameters must be f32, got ", p.str());
   const int64_t n = p.numel();
   if (n == 0) return;
-  adamw_kernel<<<blocks_for(n), kThreads, 0, stream()>>>(
+  adamw_kernel<<<blocks_for(n), kGridThreads, 0, stream()>>>(
       ptr<float>(p), ptr<float>(m), ptr<float>(v), ptr<float>(g), static_cast<float>(s.lr),
       static_cast<float>(s.lr * s.weight_decay), static_cast<float>(s.beta1), static_cast<float>(s.beta2),
       static_cast<float>(s.eps), static_cast<float>(s.bias_corr1), static_cast<float>(s.bias_corr2),

@@ -1,4 +1,8 @@
-// src/kernels/cuda_common.cuh — device helpers shared by the CUDA kernel twins.
+// src/kernels/cuda_common.cuh — the one set of device helpers that every .cu of gdncp
+// includes: the current stream and launch sizes, tensor views, async copies (cp.async),
+// warp and block reductions, tensor-core fragments (mma.sync, ldmatrix), and the pieces the
+// frame kernels share (token prep, staged loads). A kernel launch is checked with
+// GDNCP_CUDA_CHECK_LAUNCH("kernel_name") (gdncp/error.h), which names the kernel.
 //
 // Note [warp tiles]: every matrix product of the layer (S×D by D×D, D×S by S×D)
 // runs on a per-warp tile of TM×TN accumulator fragments of 16×8 in the
@@ -33,7 +37,19 @@ namespace gdncp {
 namespace cuda {
 namespace detail {
 
+// --- streams and launch sizes --------------------------------------------------------
+// Every kernel runs on gdncp's current stream (gdncp::current_stream()).
 inline cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream()); }
+
+// Grid-stride kernels: kGridThreads threads a block, blocks_for(n) blocks (capped; the loop
+// covers the rest).
+constexpr int kGridThreads = 256;
+inline unsigned blocks_for(int64_t n) {
+  return static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>((n + kGridThreads - 1) / kGridThreads, 65535)));
+}
+#define GDNCP_GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
 
 inline int sm_count() {
   int dev = 0, n = 0;
@@ -103,21 +119,38 @@ inline FrameSizes frame_sizes(const Dims& d, const char* op) {
 }
 
 // --- tensors seen from a kernel ------------------------------------------------
-// Storage that is bf16 or f32 (chosen at run time; the branch is uniform). Inputs are
-// read through the read-only global path (__ldg): explicit global loads also let the
-// compiler batch them ahead of shared-memory stores.
-struct In {
+// Note [tensor views]: a view is storage that is bf16 or f32, chosen at run time (the branch
+// is uniform), read or written as f32. One helper, two read paths:
+//   In       reads through the read-only global path (__ldg): explicit global loads also let
+//            the compiler batch them ahead of shared-memory stores. The layer kernels use it.
+//   InPlain  reads with plain loads. The CP kernels (cam.cu, scan.cu) use it: they were
+//            measured with plain loads, and moving them to __ldg is a change of their code,
+//            not of a helper's name.
+// Both are valid only for data that no thread writes while the kernel runs.
+template <bool kReadOnly>
+struct InView {
   const void* p = nullptr;
   bool bf = false;
   __device__ __forceinline__ float operator[](int64_t i) const {
-    return bf ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(p) + i)) : __ldg(static_cast<const float*>(p) + i);
+    if constexpr (kReadOnly)
+      return bf ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(p) + i)) : __ldg(static_cast<const float*>(p) + i);
+    else
+      return bf ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]) : static_cast<const float*>(p)[i];
   }
   // Elements i, i+1 (i even).
   __device__ __forceinline__ float2 pair(int64_t i) const {
-    if (bf) return __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(p) + i)));
-    return __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(p) + i));
+    if constexpr (kReadOnly) {
+      if (bf) return __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(p) + i)));
+      return __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(p) + i));
+    } else {
+      if (bf) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(p) + i));
+      return *reinterpret_cast<const float2*>(static_cast<const float*>(p) + i);
+    }
   }
 };
+using In = InView<true>;
+using InPlain = InView<false>;
+
 struct Out {
   void* p = nullptr;
   bool bf = false;
@@ -135,6 +168,9 @@ struct Out {
   }
 };
 
+// Views and raw pointers of tensors, checked on the host; `what` names the argument in the
+// message. Undefined inputs give a null view (null pointer): the kernels test for absent
+// optional inputs; f32_out requires its tensor, f32_out_or_null does not.
 inline void require_float_storage(const Tensor& t, const char* what) {
   GDNCP_CHECK(t.is_cuda(), "cuda kernel: ", what, " must be a CUDA tensor, got ", t.str());
   GDNCP_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::bf16, "cuda kernel: ", what,
@@ -144,10 +180,11 @@ inline void require_f32(const Tensor& t, const char* what) {
   GDNCP_CHECK(t.is_cuda() && t.dtype() == DType::f32, "cuda kernel: ", what, " must be an f32 CUDA tensor, got ",
               t.str());
 }
-inline In in_of(const Tensor& t, const char* what) {
-  if (!t.defined()) return In{};
+template <typename View = In>
+View in_of(const Tensor& t, const char* what) {
+  if (!t.defined()) return View{};
   require_float_storage(t, what);
-  return In{t.data(), t.dtype() == DType::bf16};
+  return View{t.data(), t.dtype() == DType::bf16};
 }
 inline Out out_of(Tensor& t, const char* what) {
   require_float_storage(t, what);
@@ -162,6 +199,37 @@ inline float* f32_out(Tensor& t, const char* what) {
   require_f32(t, what);
   return static_cast<float*>(t.data());
 }
+inline float* f32_out_or_null(Tensor& t, const char* what) { return t.defined() ? f32_out(t, what) : nullptr; }
+
+// Typed pointers and element conversions for the kernels templated on the storage type
+// (GDNCP_CUDA_FLOAT_SWITCH); Tensor::data_ptr knows only the host bf16 type.
+template <typename T>
+T* ptr(Tensor& t) {
+  return static_cast<T*>(t.data());
+}
+template <typename T>
+const T* ptr(const Tensor& t) {
+  return static_cast<const T*>(t.data());
+}
+__device__ __forceinline__ float load_f(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_f(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void store_f(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_f(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+// Calls body with scalar_t = float or __nv_bfloat16 for dtype (f64 is rejected before any
+// twin runs).
+#define GDNCP_CUDA_FLOAT_SWITCH(dtype, op, ...)                                         \
+  do {                                                                                  \
+    if ((dtype) == ::gdncp::DType::f32) {                                               \
+      using scalar_t = float;                                                           \
+      __VA_ARGS__();                                                                    \
+    } else if ((dtype) == ::gdncp::DType::bf16) {                                       \
+      using scalar_t = __nv_bfloat16;                                                   \
+      __VA_ARGS__();                                                                    \
+    } else {                                                                            \
+      GDNCP_FAIL(op, ": CUDA supports f32 and bf16, got ", ::gdncp::dtype_name(dtype)); \
+    }                                                                                   \
+  } while (0)
 
 // --- the qkv layout (B, N, 3, H, D) and the token prep (SPEC §2) ---------------
 __host__ __device__ __forceinline__ int64_t qkv_index(int64_t b, int64_t n, int c, int h, int d, int64_t N, int H,
@@ -192,11 +260,60 @@ __device__ __forceinline__ uint32_t pack_bf16_pair(float lo, float hi) {
 }
 __device__ __forceinline__ float2 weight_pair(const float* w, int i) { return w ? ldg2(w + i) : make_float2(1.f, 1.f); }
 
+// --- reductions -------------------------------------------------------------------
+// Sum over each group of kLanes consecutive lanes (a power of two ≤ 32), every lane of the
+// group gets it: halves, quarters, ... of the group are added (xor 16, 8, ... for a warp).
+template <int kLanes = 32>
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+// Sum over the 4 lanes of a fragment row (thread t = lane % 4 of Note [warp tiles]), added
+// as (t ^ 1) first, then (t ^ 2): the order the fragment epilogues were written in.
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  return v;
+}
+// Deterministic block sum (fixed tree) of one value per thread over THREADS threads; the
+// result in thread 0. red holds THREADS values in shared memory.
+template <int THREADS, typename T>
+__device__ __forceinline__ T block_sum(T v, T* red) {
+  red[threadIdx.x] = v;
+  __syncthreads();
+#pragma unroll
+  for (int s = THREADS / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+    __syncthreads();
+  }
+  return red[0];
+}
+
+// --- async copies -----------------------------------------------------------------
+// Note [cp.async]: the copies, their commit and their waits all carry a "memory" clobber, so
+// the compiler keeps ordinary shared-memory accesses on their side of each: a buffer is not
+// read before the wait that lands it, nor read after a copy that overwrites it is issued.
+// ok = false: the destination is zero-filled and nothing is read.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(ok ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(ok ? 4 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N committed groups of this thread are in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Waits for every copy of this thread, committed or not.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // --- staged loads (Note [staged loads]) -------------------------------------------
 // The bf16-mode frame kernels copy the raw rows of their next token chunk (k/q and v in
@@ -206,12 +323,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 // in separate phases of every block: the kernels were latency-bound on global loads.)
 // The staged path needs bf16 qkv and D % 8 == 0 (16-byte aligned rows); the kernels fall
 // back to their per-pair loaders otherwise.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(ok ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 // Copies rows [0, rows) of a chunk, D channels each, from src_row(r) to dst + r·D, with the
 // block's threads; rows at or beyond valid_rows are zero-filled. T is bf16 or float.
 template <int kThreadsT, typename T, typename Src>

@@ -1,11 +1,14 @@
 // src/kernels/frame_mean.cu — CUDA twin of frame_mean (forward and backward).
 // One thread per row sums its S tokens in order (bitwise reproducible; the
 // rows are few — B·H·F — so the serial sum is not the bottleneck).
-#include "kernels/nn_cuda.cuh"
+#include "kernels/cuda_common.cuh"
+#include "kernels/nn_kernels.h"
 
 namespace gdncp {
 namespace cuda {
 namespace {
+
+using namespace detail;
 
 template <typename T>
 __global__ void frame_mean_fwd_kernel(T* y, const T* x, int64_t R, int64_t S) {
@@ -25,14 +28,14 @@ __global__ void frame_mean_bwd_kernel(T* dx, const T* dy, int64_t R, int64_t S) 
 
 void frame_mean_fwd(Tensor& y, const Tensor& x, int64_t R, int64_t S) {
   GDNCP_CUDA_FLOAT_SWITCH(x.dtype(), "frame_mean", [&] {
-    frame_mean_fwd_kernel<<<blocks_for(R), kThreads, 0, stream()>>>(ptr<scalar_t>(y), ptr<scalar_t>(x), R, S);
+    frame_mean_fwd_kernel<<<blocks_for(R), kGridThreads, 0, stream()>>>(ptr<scalar_t>(y), ptr<scalar_t>(x), R, S);
   });
   GDNCP_CUDA_CHECK_LAUNCH("frame_mean_fwd_kernel");
 }
 
 void frame_mean_bwd(Tensor& dx, const Tensor& dy, int64_t R, int64_t S) {
   GDNCP_CUDA_FLOAT_SWITCH(dx.dtype(), "frame_mean", [&] {
-    frame_mean_bwd_kernel<<<blocks_for(R * S), kThreads, 0, stream()>>>(ptr<scalar_t>(dx), ptr<scalar_t>(dy), R, S);
+    frame_mean_bwd_kernel<<<blocks_for(R * S), kGridThreads, 0, stream()>>>(ptr<scalar_t>(dx), ptr<scalar_t>(dy), R, S);
   });
   GDNCP_CUDA_CHECK_LAUNCH("frame_mean_bwd_kernel");
 }

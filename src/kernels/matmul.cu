@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "kernels/cublas_handle.h"
+#include "kernels/cuda_common.cuh"
 #include "kernels/nn_kernels.h"
 
 namespace gdncp {
@@ -35,7 +36,7 @@ cublasHandle_t cublas_handle() {
     GDNCP_CUBLAS_CHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
     handles.emplace(dev, h);
   }
-  GDNCP_CUBLAS_CHECK(cublasSetStream(h, static_cast<cudaStream_t>(current_stream())));
+  GDNCP_CUBLAS_CHECK(cublasSetStream(h, detail::stream()));
   return h;
 }
 

@@ -133,7 +133,7 @@ void rms_stats(Tensor& rstd, const Tensor& qkv, const Tensor& q_norm_w, const Te
   rms_stats_kernel<<<blocks, kStatThreads, 0, stream()>>>(f32_out(rstd, "rstd"), in_of(qkv, "qkv"), tokens,
                                                           static_cast<int>(d.C()), q_norm_w.defined(),
                                                           k_norm_w.defined(), static_cast<float>(norm_eps));
-  GDNCP_CUDA_CHECK(cudaGetLastError());
+  GDNCP_CUDA_CHECK_LAUNCH("rms_stats_kernel");
 }
 
 void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tensor& dq_hat, const Tensor& dk_hat,
@@ -159,14 +159,14 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
       out_of(dqkv, "dqkv"), need_dw ? static_cast<float*>(part.data()) : nullptr, in_of(dq_hat, "dq_hat"),
       in_of(dk_hat, "dk_hat"), in_of(qkv, "qkv"), f32_or_null(rstd, "rstd"), f32_or_null(q_norm_w, "q_norm_w"),
       f32_or_null(k_norm_w, "k_norm_w"), tokens, C, per_block);
-  GDNCP_CUDA_CHECK(cudaGetLastError());
+  GDNCP_CUDA_CHECK_LAUNCH("rms_bwd_kernel");
   const bool q = dq_hat.defined(), k = dk_hat.defined();
   float* dqw = (q && q_norm_w.defined() && dq_norm_w.defined()) ? f32_out(dq_norm_w, "dq_norm_w") : nullptr;
   float* dkw = (k && k_norm_w.defined() && dk_norm_w.defined()) ? f32_out(dk_norm_w, "dk_norm_w") : nullptr;
   if (dqw || dkw) {
     rms_dw_sum_kernel<<<dim3(static_cast<unsigned>((C + 255) / 256), 2), 256, 0, stream()>>>(
         dqw, dkw, static_cast<const float*>(part.data()), static_cast<int>(used), C);
-    GDNCP_CUDA_CHECK(cudaGetLastError());
+    GDNCP_CUDA_CHECK_LAUNCH("rms_dw_sum_kernel");
   }
 }
 

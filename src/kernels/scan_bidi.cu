@@ -40,12 +40,6 @@ size_t scan_smem_bytes(int D) {
   return (p + 2 * static_cast<size_t>(D) * kCols) * sizeof(float);
 }
 
-__device__ __forceinline__ void cp_async4(float* dst, const float* src) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src));
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
 // One direction of one column block (Note [column blocks]).
 //   FWD:  X ← g_p (X − P_p X) + U_u          (P_p read as [i][k])
 //   !FWD: X ← g_p (X − P_pᵀ X) + U_u         (the adjoint recurrences)
@@ -339,7 +333,7 @@ void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr,
                                       f32_out(zr, "zr"), f32_out(Msum, "Msum"), f32_out(zsum, "zsum"),
                                       f32_or_null(P, "P"), f32_or_null(A, "A"), f32_or_null(Pz, "Pz"),
                                       f32_or_null(bz, "bz"), in_of(decay, "decay"), D, F, ncb));
-  GDNCP_CUDA_CHECK(cudaGetLastError());
+  GDNCP_CUDA_CHECK_LAUNCH("scan_kernel<true>");
 }
 
 void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& ddecay, const Tensor& dMsum,
@@ -361,13 +355,13 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
       f32_out(G, "G"), f32_out(Gt, "Gt"), f32_out(gz, "gz"), f32_out(gzt, "gzt"), nullptr, nullptr,
       f32_or_null(P, "P"), f32_or_null(dMsum, "dMsum"), f32_or_null(Pz, "Pz"), f32_or_null(dzsum, "dzsum"), dec, D,
       F, ncb);
-  GDNCP_CUDA_CHECK(cudaGetLastError());
+  GDNCP_CUDA_CHECK_LAUNCH("scan_kernel<false>");
   scan_grads_kernel<<<static_cast<unsigned>(BH * F), kGradThreads, 0, stream()>>>(
       f32_out(dP, "dP"), f32_out(dA, "dA"), f32_out(dPz, "dPz"), f32_out(dbz, "dbz"), out_of(ddecay, "ddecay"),
       static_cast<const float*>(G.data()), static_cast<const float*>(Gt.data()), static_cast<const float*>(gz.data()),
       static_cast<const float*>(gzt.data()), f32_or_null(P, "P"), f32_or_null(Pz, "Pz"), dec, f32_or_null(Mf, "Mf"),
       f32_or_null(Mr, "Mr"), f32_or_null(zf, "zf"), f32_or_null(zr, "zr"), D, F);
-  GDNCP_CUDA_CHECK(cudaGetLastError());
+  GDNCP_CUDA_CHECK_LAUNCH("scan_grads_kernel");
 }
 
 }  // namespace cuda

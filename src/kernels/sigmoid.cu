@@ -1,10 +1,13 @@
 // src/kernels/sigmoid.cu — CUDA twin of sigmoid (forward and backward), f32 math
 // for f32 and bf16 storage. Kernels first, launchers after.
-#include "kernels/nn_cuda.cuh"
+#include "kernels/cuda_common.cuh"
+#include "kernels/nn_kernels.h"
 
 namespace gdncp {
 namespace cuda {
 namespace {
+
+using namespace detail;
 
 template <typename T>
 __global__ void sigmoid_fwd_kernel(T* y, const T* x, int64_t n) {
@@ -24,7 +27,7 @@ __global__ void sigmoid_bwd_kernel(T* dx, const T* dy, const T* y, int64_t n) {
 void sigmoid_fwd(Tensor& y, const Tensor& x) {
   const int64_t n = x.numel();
   GDNCP_CUDA_FLOAT_SWITCH(x.dtype(), "sigmoid", [&] {
-    sigmoid_fwd_kernel<<<blocks_for(n), kThreads, 0, stream()>>>(ptr<scalar_t>(y), ptr<scalar_t>(x), n);
+    sigmoid_fwd_kernel<<<blocks_for(n), kGridThreads, 0, stream()>>>(ptr<scalar_t>(y), ptr<scalar_t>(x), n);
   });
   GDNCP_CUDA_CHECK_LAUNCH("sigmoid_fwd_kernel");
 }
@@ -32,8 +35,8 @@ void sigmoid_fwd(Tensor& y, const Tensor& x) {
 void sigmoid_bwd(Tensor& dx, const Tensor& dy, const Tensor& y) {
   const int64_t n = y.numel();
   GDNCP_CUDA_FLOAT_SWITCH(y.dtype(), "sigmoid", [&] {
-    sigmoid_bwd_kernel<<<blocks_for(n), kThreads, 0, stream()>>>(ptr<scalar_t>(dx), ptr<scalar_t>(dy), ptr<scalar_t>(y),
-                                                                 n);
+    sigmoid_bwd_kernel<<<blocks_for(n), kGridThreads, 0, stream()>>>(ptr<scalar_t>(dx), ptr<scalar_t>(dy),
+                                                                     ptr<scalar_t>(y), n);
   });
   GDNCP_CUDA_CHECK_LAUNCH("sigmoid_bwd_kernel");
 }

@@ -1,11 +1,14 @@
 // src/kernels/transpose.cu — CUDA twin of transpose_last2: one thread per
 // output element (y is written coalesced; the model's tensors are small,
 // (B, N, H) gates, so no shared-memory tiling).
-#include "kernels/nn_cuda.cuh"
+#include "kernels/cuda_common.cuh"
+#include "kernels/nn_kernels.h"
 
 namespace gdncp {
 namespace cuda {
 namespace {
+
+using namespace detail;
 
 template <typename T>
 __global__ void transpose_last2_kernel(T* y, const T* x, int64_t A, int64_t M, int64_t N) {
@@ -20,8 +23,8 @@ __global__ void transpose_last2_kernel(T* y, const T* x, int64_t A, int64_t M, i
 
 void transpose_last2(Tensor& y, const Tensor& x, int64_t A, int64_t M, int64_t N) {
   GDNCP_CUDA_FLOAT_SWITCH(x.dtype(), "transpose_last2", [&] {
-    transpose_last2_kernel<<<blocks_for(A * M * N), kThreads, 0, stream()>>>(ptr<scalar_t>(y), ptr<scalar_t>(x), A, M,
-                                                                             N);
+    transpose_last2_kernel<<<blocks_for(A * M * N), kGridThreads, 0, stream()>>>(ptr<scalar_t>(y), ptr<scalar_t>(x), A,
+                                                                                 M, N);
   });
   GDNCP_CUDA_CHECK_LAUNCH("transpose_last2_kernel");
 }

@@ -1,0 +1,51 @@
+// src/kernels/phase_a_cuda.cuh — what the two CUDA codings of phase A share: the
+// block size, the forward's product map, the launch arguments and the typed launchers of
+// phase_a_f32.cu (f32 tiles, per-pair loads, every matrix-unit mode) and phase_a_bf16.cu
+// (bf16 tiles read with ldmatrix, staged loads; bf16 mode only). phase_a.cu picks.
+#pragma once
+
+#include "kernels/cuda_common.cuh"
+
+namespace gdncp {
+namespace cuda {
+namespace phase_a {
+
+constexpr int kThreads = 256;
+
+// The product a forward block owns: 0 → P, 1 → A, 2 → Pz.
+__device__ __forceinline__ float* P_or(int prod, float* P, float* A, float* Pz) {
+  return prod == 0 ? P : prod == 1 ? A : Pz;
+}
+
+// The arguments of phase_a_fwd (kernels.h) as the kernels see them.
+struct FwdArgs {
+  detail::FrameSizes z;
+  float *P, *A, *Pz, *bz;
+  detail::In qkv, beta;
+  const float *rstd, *kw, *cos, *sin;
+  float k_scale;
+};
+// The arguments of phase_a_bwd (kernels.h) as the kernels see them.
+struct BwdArgs {
+  detail::FrameSizes z;
+  detail::Out dk_hat, dqkv, dbeta;
+  const float *dP, *dA, *dPz, *dbz;
+  detail::In qkv, beta;
+  const float *rstd, *kw, *cos, *sin;
+  float k_scale;
+};
+
+// The bf16 coding runs bf16 mode at a padded head dim of 64 or 128 with bf16 qkv and
+// D % 8 == 0 (Note [staged loads]); the f32 coding runs everything else.
+inline bool bf16_coding(MathMode mode, int64_t D, DType qkv) {
+  return mode == MathMode::bf16 && detail::padded_dim(D) >= 64 && qkv == DType::bf16 && D % 8 == 0;
+}
+
+void fwd_f32(const FwdArgs& a, MathMode mode);  // phase_a_f32.cu
+void bwd_f32(const BwdArgs& a, MathMode mode);
+void fwd_bf16(const FwdArgs& a);  // phase_a_bf16.cu
+void bwd_bf16(const BwdArgs& a);
+
+}  // namespace phase_a
+}  // namespace cuda
+}  // namespace gdncp
