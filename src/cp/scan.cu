@@ -679,7 +679,7 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
                   w.final_state.str());
       if (a.fin) a.fin += w.final_offset;
       a.P = f32_in(w.P, "P");
-      GDNCP_CHECK(a.P, "scan_sweep: P is undefined");
+      GDNCP_CHECK(w.P.defined(), "scan_sweep: P is undefined");  // (null data: a rank with no frame)
       a.vb = f32_in(w.add_before, "add_before");
       a.ua = f32_in(w.add_after, "add_after");
       a.init = s.init == Init::given ? f32_in(w.init, "init") : nullptr;

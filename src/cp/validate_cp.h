@@ -41,7 +41,9 @@ struct FrameLayout {
 // throws on every rank if any rank failed, the records differ in a field that
 // must agree, or every rank holds 0 frames. Also checks the communicator:
 // usable, and its device the tensors' device. Returns this rank's place in
-// the global sequence.
+// the global sequence, which needs every rank's F: an exchange policy that
+// skips the exchange for an unchanged record must return the layout of the
+// last exchange.
 FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
                                 const std::function<void(CallRecord&)>& local);
 
