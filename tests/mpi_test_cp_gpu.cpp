@@ -5,7 +5,9 @@
 //   - cp_scan, cp_gdn_raw, bigdn_cp and the camera branch on P GPUs against one
 //     GPU over the gathered sequence (a one-rank NCCL communicator built from
 //     the ncclComm_t of a one-rank group, the third bootstrap), in f32 and bf16, and
-//     against the f64 CPU oracle; checkpoint on vs off bitwise.
+//     against the f64 CPU oracle; checkpoint on vs off bitwise;
+//   - uneven splits (empty ranks included) and clip masks: the CUDA twins with
+//     cuts and with no frame, and the layers and camera branch on P GPUs vs one.
 // gdncp-mpi-np: 1 2
 #include <cmath>
 #include <string>
@@ -345,6 +347,111 @@ TEST(CudaTwins, CameraKernelsMatchCpu) {
     }
 }
 
+// Clip cuts (Note [clip cuts]): every sweep kind with a mask cutting before and
+// after the step, rows with different masks (B = 2, H = 2), and the sweep of a
+// rank with no frame (F = 0: the final state is the initial one).
+TEST(CudaTwins, ScanSweepClipCutsMatchCpu) {
+  REQUIRE_GPUS();
+  const int64_t B = 2, H = 2, BH = B * H;
+  for (const int64_t D : {int64_t(5), int64_t(16), int64_t(112)})
+    for (const int64_t E : {D, int64_t(1)})
+      for (const int64_t F : {int64_t(0), int64_t(5)}) {
+        const int64_t Fa = std::max<int64_t>(F, 1);  // inputs of F = 0 stay allocatable
+        const Tensor P = rnd({BH, Fa, D, D}, 30, 0.5 / D), V = rnd({BH, Fa, D, E}, 31), U = rnd({BH, Fa, D, E}, 32);
+        const Tensor X0 = rnd({BH, D, E}, 33);
+        const Tensor decay = Tensor::uniform({B, H, F}, DType::f32, Device::cpu, 34, 0.5, 0.99);
+        std::vector<double> c(static_cast<size_t>(B * F), 0.0);
+        for (int64_t f = 0; f < F; ++f) {
+          c[static_cast<size_t>(f)] = f == 2 ? 1.0 : 0.0;                    // row 0: one start inside
+          c[static_cast<size_t>(F + f)] = f == 0 || f == 3 || f == 4 ? 1.0 : 0.0;  // row 1: first frame, 1-frame clip
+        }
+        const Tensor cuts = Tensor::from_vector(c, {B, F}, DType::f32);
+        for (int mode = 0; mode < 4; ++mode)
+          for (const cp::Cut cut : {cp::Cut::before, cp::Cut::after}) {
+            cp::SweepSpec s;
+            s.BH = BH;
+            s.F = F;
+            s.D = D;
+            s.E = E;
+            s.H = H;
+            s.cut = cut;
+            s.active = mode == 0 ? std::max<int64_t>(F - 1, 0) : F;  // a frozen frame ignores its cut
+            s.descending = mode == 1 || mode == 2;
+            s.transpose = mode == 2;
+            s.init = mode == 3 ? (E == D ? cp::Init::identity : cp::Init::zero) : cp::Init::given;
+            const bool use_vb = mode == 2, use_ua = mode != 2 && mode != 3, use_ob = mode == 1 || mode == 2,
+                       use_oa = mode == 0 || mode == 3;
+            Tensor res[2][3];
+            for (int g = 0; g < 2; ++g) {
+              const Device dev = g ? Device::cuda : Device::cpu;
+              auto mv = [&](const Tensor& t) { return g ? gpu(t) : t; };
+              auto part = [&](const Tensor& t) { return F == 0 ? Tensor::empty({BH, 0, D, t.size(3)}, DType::f32) : t; };
+              Tensor ob = use_ob ? poisoned({BH, F, D, E}, dev) : Tensor();
+              Tensor oa = use_oa ? poisoned({BH, F, D, E}, dev) : Tensor();
+              Tensor fin = poisoned({BH, D, E}, dev);
+              const Tensor p = mv(part(P)), dc = mv(decay), vb = use_vb ? mv(part(V)) : Tensor(),
+                           ua = use_ua ? mv(part(U)) : Tensor(), x0 = mv(X0), cm = mv(cuts);
+              if (g)
+                cp::cuda::scan_sweep(ob, oa, fin, p, dc, vb, ua, x0, s, cm);
+              else
+                cp::cpu::scan_sweep(ob, oa, fin, p, dc, vb, ua, x0, s, cm);
+              res[g][0] = cpu(ob);
+              res[g][1] = cpu(oa);
+              res[g][2] = cpu(fin);
+            }
+            const std::string what = "D=" + std::to_string(D) + " E=" + std::to_string(E) + " F=" +
+                                     std::to_string(F) + " mode " + std::to_string(mode) +
+                                     (cut == cp::Cut::before ? " before" : " after");
+            for (int k = 0; k < 3; ++k) {
+              if (!res[0][k].defined() || res[0][k].numel() == 0) continue;
+              EXPECT_FALSE(has_nonfinite(res[1][k])) << what << " output " << k << " not fully written";
+              EXPECT_TRUE(close_rel(res[1][k], res[0][k], 1e-5, what));
+            }
+          }
+      }
+}
+
+// Frames cut by the mask get no transition gradient (dP = 0 or unchanged, dg unchanged).
+TEST(CudaTwins, GradOuterClipCutsMatchCpu) {
+  REQUIRE_GPUS();
+  const int64_t B = 2, H = 2, BH = B * H, F = 4;
+  const std::vector<double> c = {0, 1, 0, 1, 1, 0, 0, 1};
+  const Tensor cuts = Tensor::from_vector(c, {B, F}, DType::f32);
+  for (const int64_t D : {int64_t(7), int64_t(112)})
+    for (const int64_t E : {int64_t(1), D}) {
+      const Tensor L = rnd({BH, F, D, E}, 40), R = rnd({BH, F, D, E}, 41), R0 = rnd({BH, D, E}, 42),
+                   P = rnd({BH, F, D, D}, 43, 0.3);
+      const Tensor decay = Tensor::uniform({B, H, F}, DType::f32, Device::cpu, 44, 0.5, 0.99);
+      const Tensor dP0 = rnd({BH, F, D, D}, 45), dg0 = rnd({BH, F}, 46);
+      for (int variant = 0; variant < 2; ++variant) {
+        cp::SweepSpec s;
+        s.BH = BH;
+        s.F = F;
+        s.D = D;
+        s.E = E;
+        s.H = H;
+        s.active = F;
+        const bool shifted = variant == 1, acc = variant == 1;
+        Tensor out[2][2];
+        for (int g = 0; g < 2; ++g) {
+          Tensor dP = g ? gpu(dP0) : dP0.clone(), dg = g ? gpu(dg0) : dg0.clone();
+          if (!acc) poison(dP);
+          if (g)
+            cp::cuda::scan_grad_outer(dP, dg, gpu(L), gpu(R), shifted ? Tensor() : gpu(R0), gpu(P), gpu(decay), s,
+                                      shifted, acc, gpu(cuts));
+          else
+            cp::cpu::scan_grad_outer(dP, dg, L, R, shifted ? Tensor() : R0, P, decay, s, shifted, acc, cuts);
+          out[g][0] = cpu(dP);
+          out[g][1] = cpu(dg);
+        }
+        const std::string what = "cut outer D=" + std::to_string(D) + " E=" + std::to_string(E);
+        EXPECT_FALSE(has_nonfinite(out[1][0])) << what;
+        EXPECT_TRUE(close_rel(out[1][0], out[0][0], 1e-5, what + " dP"));
+        EXPECT_TRUE(close_rel(out[1][1], out[0][1], 1e-5, what + " dg"));
+      }
+    }
+}
+
 #endif
 
 // --- the NCCL communicator -------------------------------------------------------------------
@@ -581,6 +688,161 @@ void check_cam_gpu(DType dt, uint64_t seed) {
 
 TEST(CpCamGpu, MatchesOneGpuF32) { check_cam_gpu(DType::f32, 500); }
 TEST(CpCamGpu, MatchesOneGpuBf16) { check_cam_gpu(DType::bf16, 510); }
+
+// --- uneven splits and packed clips on P GPUs vs one GPU ------------------------------------
+
+// Splits of each group size (logical block frames), empty ranks included.
+std::vector<std::vector<int64_t>> gpu_splits(int P) {
+  if (P == 1) return {{5}};
+  if (P == 2) return {{4, 1}, {0, 3}};
+  std::vector<std::vector<int64_t>> s(1);
+  for (int r = 0; r < P; ++r) s[0].push_back(cp::balanced_split(2 * P + 1, P, r).frames);
+  return s;
+}
+
+// A clip mask (B, F_total): row 0 a 1-frame clip and a start inside, row 1 a start every 2 frames.
+Tensor gpu_clip_mask(int64_t B, int64_t Ft) {
+  std::vector<double> c(static_cast<size_t>(B * Ft), 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t f = 0; f < Ft; ++f)
+      c[static_cast<size_t>(b * Ft + f)] = (b == 0 ? (f == 1 || f == 2) : f % 2 == 1) ? 1.0 : 0.0;
+  return Tensor::from_vector(c, {B, Ft}, DType::f32);
+}
+
+// bigdn_cp and cp_gdn_raw (truncated inside the last non-empty block) over an
+// uneven split with a clip mask, P GPUs vs one GPU running the same code.
+void check_layers_uneven_gpu(bool bidi, uint64_t seed) {
+  REQUIRE_GPUS();
+  const int P = nranks(), r = rank();
+  const int64_t S = 9, D = 32, H = 2, B = 2;
+  for (const auto& split : gpu_splits(P)) {
+    int64_t Ft = 0, off = 0;
+    for (size_t k = 0; k < split.size(); ++k) {
+      if (static_cast<int>(k) < r) off += split[k];
+      Ft += split[k];
+    }
+    const int64_t F = split[static_cast<size_t>(r)];
+    LayerInputs g = make_layer_inputs(dims(B, H, D, Ft, S), DType::f32, seed);
+    g.opt.precision = Precision::ieee;
+    const Tensor mask = gpu_clip_mask(B, Ft);
+    cp::CpOptions o;
+    if (!bidi) o.truncate_to_active = Ft - 1;
+    auto call = [&](cp::Communicator& comm, const LayerInputs& in, int64_t Fl, const Tensor& m, int64_t woff,
+                    double tscale) {
+      const std::vector<Tensor> x = leaves_on(in, Device::cuda);
+      std::vector<Tensor> outs, ws;
+      if (bidi) {
+        outs = {cp::bigdn_cp(comm, x[0], x[1], x[2], x[3], x[4], x[5], x[6], Fl, S, in.opt, gpu(m))};
+      } else {
+        const cp::RawResult rr = cp::cp_gdn_raw(comm, x[0], x[1], x[2], x[3], x[4], x[5], x[6], Fl, S, in.opt, o, gpu(m));
+        outs = {rr.num, rr.den, rr.terminal_M, rr.terminal_z};
+      }
+      for (size_t k = 0; k < outs.size(); ++k) {
+        Tensor w = Tensor::randn(k == 0 ? Shape{B, Ft * S, H, D} : k == 1 ? Shape{B, H, Ft * S} : outs[k].shape(),
+                                 DType::f32, Device::cpu, seed + 20 + k);
+        if (k == 0) w = slice(w, 1, woff * S, (woff + Fl) * S);
+        if (k == 1) w = slice(w, 2, woff * S, (woff + Fl) * S);
+        if (k >= 2) {
+          std::vector<double> v = w.to_vector();
+          for (double& e : v) e *= tscale;
+          w = Tensor::from_vector(v, w.shape(), DType::f32);
+        }
+        ws.push_back(gpu(w));
+      }
+      backward_weighted(outs, ws);
+      if (&comm == nccl_world().get()) cp::all_reduce_grads(comm, {x[3], x[4]});
+      std::vector<Tensor> res;
+      for (const Tensor& t : outs) res.push_back(cpu(t));
+      for (size_t k = 0; k < 5; ++k) res.push_back(cpu(x[k].grad()));
+      return res;
+    };
+    LayerInputs l = g;
+    l.d.F = F;
+    l.qkv = slice(g.qkv, 1, off * S, (off + F) * S);
+    l.beta = slice(g.beta, 2, off, off + F);
+    l.decay = slice(g.decay, 2, off, off + F);
+    l.rope_cos = slice(g.rope_cos, 0, off * S, (off + F) * S);
+    l.rope_sin = slice(g.rope_sin, 0, off * S, (off + F) * S);
+    const std::vector<Tensor> mine = call(*nccl_world(), l, F, slice(mask, 1, off, off + F), off, 1.0);
+    const std::vector<Tensor> ref = call(*nccl_self(), g, Ft, mask, 0, P);
+    const size_t nout = bidi ? 1 : 4;
+    auto local = [&](const Tensor& t, int axis, int64_t per) { return slice(t, axis, off * per, (off + F) * per); };
+    const std::string tag = std::string(bidi ? "bigdn_cp" : "cp_gdn_raw") + " split rank " + std::to_string(r) +
+                            " F=" + std::to_string(F);
+    if (F > 0) {
+      EXPECT_TRUE(close_rel(mine[0], local(ref[0], 1, S), tol_fwd(DType::f32), tag + " out/num"));
+      if (!bidi) {
+        EXPECT_TRUE(close_rel(mine[1], local(ref[1], 2, S), tol_fwd(DType::f32), tag + " den"));
+      }
+      EXPECT_TRUE(close_rel(mine[nout], local(ref[nout], 1, S), tol_grad(DType::f32), tag + " dqkv"));
+      EXPECT_TRUE(close_rel(mine[nout + 1], local(ref[nout + 1], 2, 1), tol_grad(DType::f32), tag + " dbeta"));
+      EXPECT_TRUE(close_rel(mine[nout + 2], local(ref[nout + 2], 2, 1), tol_grad(DType::f32), tag + " ddecay"));
+    } else {
+      EXPECT_EQ(mine[0].numel(), 0) << tag;
+      EXPECT_EQ(mine[nout].numel(), 0) << tag;
+    }
+    if (!bidi) {
+      EXPECT_TRUE(close_rel(mine[2], ref[2], tol_fwd(DType::f32), tag + " terminal_M"));
+      EXPECT_TRUE(close_rel(mine[3], ref[3], tol_fwd(DType::f32), tag + " terminal_z"));
+    }
+    EXPECT_TRUE(close_rel(mine[nout + 3], ref[nout + 3], tol_grad(DType::f32), tag + " dq_norm_w"));
+    EXPECT_TRUE(close_rel(mine[nout + 4], ref[nout + 4], tol_grad(DType::f32), tag + " dk_norm_w"));
+    seed += 31;
+  }
+}
+
+TEST(CpUnevenGpu, BigdnCpClipsMatchOneGpu) { check_layers_uneven_gpu(true, 600); }
+TEST(CpUnevenGpu, RawTruncatedClipsMatchOneGpu) { check_layers_uneven_gpu(false, 700); }
+
+// The camera branch over an uneven split (empty ranks included), P GPUs vs one GPU.
+TEST(CpUnevenGpu, CamMatchesOneGpu) {
+  REQUIRE_GPUS();
+  const int P = nranks(), r = rank();
+  const int64_t S = 7, D = 24, H = 2;
+  for (const auto& split : gpu_splits(P)) {
+    int64_t Ft = 0, off = 0;
+    for (size_t k = 0; k < split.size(); ++k) {
+      if (static_cast<int>(k) < r) off += split[k];
+      Ft += split[k];
+    }
+    const int64_t F = split[static_cast<size_t>(r)], N = Ft * S;
+    const std::vector<Tensor> in = {Tensor::randn({1, H, D, N}, DType::f32, Device::cpu, 801),
+                                    Tensor::randn({1, H, D, N}, DType::f32, Device::cpu, 802, 1.0 / std::sqrt(S * D)),
+                                    Tensor::randn({1, H, D, N}, DType::f32, Device::cpu, 803),
+                                    Tensor::uniform({1, H, Ft, S}, DType::f32, Device::cpu, 804, 0.1, 0.9),
+                                    Tensor::uniform({1, H, Ft}, DType::f32, Device::cpu, 805, 0.5, 0.99)};
+    const Tensor w = Tensor::randn({1, H, D, N}, DType::f32, Device::cpu, 806);
+    auto run = [&](cp::Communicator& comm, const std::vector<Tensor>& x_in, const Tensor& wt, int64_t Fl) {
+      std::vector<Tensor> x;
+      for (const Tensor& t : x_in) {
+        Tensor y = t.to(Device::cuda);
+        y.requires_grad_(true);
+        x.push_back(y);
+      }
+      const cp::CamResult cr = cp::cp_cam_gdn_num(comm, x[0], x[1], x[2], x[3], x[4], Fl, S);
+      backward_weighted({cr.out}, {wt.to(Device::cuda)});
+      std::vector<Tensor> res = {cpu(cr.out)};
+      for (const Tensor& t : x) res.push_back(cpu(t.grad()));
+      return res;
+    };
+    const std::vector<Tensor> mine = run(
+        *nccl_world(),
+        {slice(in[0], 3, off * S, (off + F) * S), slice(in[1], 3, off * S, (off + F) * S),
+         slice(in[2], 3, off * S, (off + F) * S), slice(in[3], 2, off, off + F), slice(in[4], 2, off, off + F)},
+        slice(w, 3, off * S, (off + F) * S), F);
+    const std::vector<Tensor> ref = run(*nccl_self(), in, w, Ft);
+    if (F == 0) {
+      for (const Tensor& t : mine) EXPECT_EQ(t.numel(), 0);
+      continue;
+    }
+    const char* names[] = {"out", "dq", "dk", "dv", "dbeta", "ddecay"};
+    for (size_t i = 0; i < 6; ++i) {
+      const Tensor e = i <= 3 ? slice(ref[i], 3, off * S, (off + F) * S) : slice(ref[i], 2, off, off + F);
+      EXPECT_TRUE(close_rel(mine[i], e, i == 0 ? tol_fwd(DType::f32) : tol_grad(DType::f32), names[i]))
+          << "rank " << r;
+    }
+  }
+}
 
 }  // namespace
 }  // namespace test

@@ -177,6 +177,7 @@ dim3 tok_grid(const CamDims& d) {
 }  // namespace
 
 void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta, const CamDims& d) {
+  if (d.BH() * d.F == 0) return;  // a rank with no frame: nothing to launch
   const Geo g = geo_of(d);
   float* pc = f32_out_or_null(Pc, "Pc");
   float* ac = f32_out_or_null(Ac, "Ac");
@@ -190,6 +191,7 @@ void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, c
 
 void cam_phase_a_bwd(Tensor& dk, Tensor& dv, Tensor& dbeta, const Tensor& dPc, const Tensor& dAc, const Tensor& k,
                      const Tensor& v, const Tensor& beta, const CamDims& d) {
+  if (d.BH() * d.F == 0) return;  // a rank with no frame: nothing to launch
   TokArgs a;
   a.g = geo_of(d);
   a.M = f32_or_null(dPc, "dPc");
@@ -215,6 +217,7 @@ void cam_phase_a_bwd(Tensor& dk, Tensor& dv, Tensor& dbeta, const Tensor& dPc, c
 }
 
 void cam_out_fwd(Tensor& out, const Tensor& q, const Tensor& M, const CamDims& d) {
+  if (d.BH() * d.F == 0) return;  // a rank with no frame: nothing to launch
   TokArgs a;
   a.g = geo_of(d);
   a.M = f32_or_null(M, "M");
@@ -225,6 +228,7 @@ void cam_out_fwd(Tensor& out, const Tensor& q, const Tensor& M, const CamDims& d
 }
 
 void cam_out_bwd(Tensor& dq, Tensor& dM, const Tensor& dout, const Tensor& q, const Tensor& M, const CamDims& d) {
+  if (d.BH() * d.F == 0) return;  // a rank with no frame: nothing to launch
   TokArgs a;
   a.g = geo_of(d);
   a.M = f32_or_null(M, "M");
