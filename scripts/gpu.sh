@@ -91,8 +91,9 @@ build . "$BUILD_DIR" "${targets[@]}" >"$OUT/build.log" 2>&1 ||
   { say "build FAILED"; tail -40 "$OUT/build.log"; exit 1; }
 say "build: ok in $(($(date +%s) - t0)) s"
 
+case $BASE_DIR in /*) ;; *) BASE_DIR=$ROOT/$BASE_DIR ;; esac
 BASE_TREE=$BASE_DIR/tree
-BASE_BUILD=$ROOT/$BASE_DIR/build
+BASE_BUILD=$BASE_DIR/build
 who_list="ours"
 if [ -n "${BASE:-}" ] && { has bench || has cp; }; then
   t0=$(date +%s)

@@ -1,5 +1,5 @@
 // src/cp/cp_cuda.cuh — device helpers shared by the CUDA twins of the CP
-// kernels (scan.cu, cam.cu). All arithmetic is f32 (SPEC §8: the scan state,
+// kernels (scan.cu, cam.cu). All arithmetic is f32 (docs/design.md §8: the scan state,
 // its products and the merge run in f32); inputs may be bf16 or f32.
 //
 // Note [row threads]. The state-like products here are A (D×D) times a block

@@ -8,7 +8,7 @@
 // Argument order: outputs, inputs, sizes/flags. CUDA twins run on
 // gdncp::current_stream().
 //
-// Note [scan step]. The frame scans of SPEC §4/§6 are all sweeps of one step
+// Note [scan step]. The frame scans of docs/design.md §4/§6 are all sweeps of one step
 // over frames, on a state Y of D×E (E = D for KV, 1 for Z), with the per-frame
 // transition G_t = g_t (I − P_t) applied on the left:
 //     1. Y += Vb_t                       (add_before, optional)
@@ -109,7 +109,7 @@ struct CamDims {
   /* Independent groups of scan_grad_outer (each group its own dP and dg tensors): one launch on CUDA.                   \
      Per (bh, t): Gr = Σ over the group's sources; dP (=, +=) −g Gr, dg += ⟨Gr, I − P⟩. */                      \
   void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D);         \
-  /* Corrections X_t += C_t · v for all (bh, t) at once (SPEC §6 step 5): X (BH, F, D, E), C (BH, F, D, D) (cumulative \
+  /* Corrections X_t += C_t · v for all (bh, t) at once (docs/design.md §6 step 5): X (BH, F, D, E), C (BH, F, D, D) (cumulative \
      transition products), v (BH, D, E). Independent corrections: one launch on CUDA. */                                 \
   void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D);                                      \
   /* Independent folds: one launch on CUDA. */                                                                           \
