@@ -1,5 +1,5 @@
 // bench/cp_bench.h — the context-parallel benchmark of the bidirectional CP
-// layer (issue 4 item 6), callable from gdncp_bench --cp.
+// layer, callable from gdncp_bench --cp.
 //
 // Run under mpirun, one rank per GPU (-np 1 or 2 on a 2-GPU machine). Every
 // rank times, in the same run: the single-GPU layer bigdn() over the global

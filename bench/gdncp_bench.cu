@@ -12,7 +12,7 @@
 //
 // Floor: max(bytes / copy bandwidth, flops / GEMM rate), where bytes count every
 // input read once and every output written once (intermediates free) and flops
-// count the matrix products of SPEC §3-5 and their backward.
+// count the matrix products of docs/design.md §3-5 and their backward.
 // Exit code: 0 ok, 1 no GPU / bad flag, 2 validation failed.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -246,22 +246,12 @@ double worst(const Result& a, const Result& b, std::string& report) {
   return w;
 }
 
-Dims dims_of(int64_t B, int64_t H, int64_t D, int64_t F, int64_t S) {
-  Dims d;
-  d.B = B;
-  d.H = H;
-  d.D = D;
-  d.F = F;
-  d.S = S;
-  return d;
-}
-
 // Validation before timing: (a) a small shape against the f64 CPU layer (bf16 and IEEE modes),
 // (b) the production shape, GPU IEEE f32 against GPU bf16.
 bool validate(const Args& a, std::ostringstream& js) {
   bool ok = true;
   std::string rep;
-  const Dims ds = dims_of(1, 2, 112, 3, 70);
+  const Dims ds = Dims{1, 2, 112, 3, 70};
   const Inputs base = make_inputs(ds, DType::f32, Device::cpu, 11);
   const Result ref = fwd_bwd(convert(base, DType::f64, Device::cpu));
   Inputs ieee = convert(base, DType::f32, Device::cuda);
@@ -276,7 +266,7 @@ bool validate(const Args& a, std::ostringstream& js) {
   std::printf("validate small bf16 vs CPU f64: worst rel L2 %.3g (bar 1e-2):%s\n", e_bf, rep.c_str());
   ok = ok && e_bf <= 1e-2;
 
-  const Dims db = dims_of(1, a.heads, 112, a.frames, a.tokens);
+  const Dims db = Dims{1, a.heads, 112, a.frames, a.tokens};
   const Inputs big = make_inputs(db, DType::bf16, Device::cuda, 12);
   Inputs big32 = convert(big, DType::f32, Device::cuda);
   big32.opt.precision = Precision::ieee;
@@ -335,9 +325,9 @@ double floor_ms(const Work& w, const Ceilings& c) {
 
 // --- one configuration ------------------------------------------------------------
 void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::ostringstream& js, bool first) {
-  const Dims d = dims_of(B, a.heads, D, a.frames, a.tokens);
+  const Dims d = Dims{B, a.heads, D, a.frames, a.tokens};
   const uint64_t seed = 100 + static_cast<uint64_t>(B * 1000 + D);
-  Inputs in = make_inputs(dims_of(1, a.heads, D, 1, 1), DType::bf16, Device::cuda, seed);  // tables, weights
+  Inputs in = make_inputs(Dims{1, a.heads, D, 1, 1}, DType::bf16, Device::cuda, seed);  // tables, weights
   in.d = d;
   in.qkv = device_random({d.B, d.N(), 3, d.H, d.D}, DType::bf16, seed + 1);
   in.dout = device_random({d.B, d.N(), d.H, d.D}, DType::bf16, seed + 6);
@@ -438,7 +428,6 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
   js << "]}";
 }
 
-// Extension point for the context-parallel helper (issue 4): `--cp` runs the CP layer benchmark.
 // --cp: the bidirectional CP layer under mpirun (bench/cp_bench.cpp): weak
 // scaling at --frames per rank, strong scaling over 2x that many frames.
 int run_cp(const Args& a) {
@@ -464,7 +453,7 @@ int run(const Args& a) {
   }
   if (a.cp) return run_cp(a);
   if (a.profile) {
-    const Inputs in = make_inputs(dims_of(a.batches.at(0), a.heads, a.head_dims.at(0), a.frames, a.tokens), DType::bf16,
+    const Inputs in = make_inputs(Dims{a.batches.at(0), a.heads, a.head_dims.at(0), a.frames, a.tokens}, DType::bf16,
                                   Device::cuda, 5);
     fwd_bwd(in);
     synchronize();

@@ -9,7 +9,7 @@
 //
 //   scan_bench [--bh 20] [--dim 112] [--frames 22] [--warmup 3] [--iters 20]
 //
-// Built standalone (scripts/cp_gpu_check.sh): it links libgdncp, so the same
+// Built by bench/CMakeLists.txt (scripts/gpu.sh bench runs it): it links libgdncp, so the same
 // binary times whichever scan kernels the library it loads was built with.
 #include <cuda_runtime.h>
 
@@ -23,6 +23,7 @@
 #include "cp/cp_kernels.h"
 #include "gdncp/error.h"
 #include "gdncp/tensor.h"
+#include "timing.h"
 
 namespace gdncp {
 namespace bench {
@@ -41,32 +42,11 @@ struct Cfg {
   int warmup = 3, iters = 20;
 };
 
-cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream()); }
-
 Tensor rnd(const Shape& s, uint64_t seed, double sd) { return Tensor::randn(s, DType::f32, Device::cuda, seed, sd); }
 Tensor out(const Shape& s) { return Tensor::empty(s, DType::f32, Device::cuda); }
 
 // Median microseconds of f() over cfg.iters timed calls after cfg.warmup untimed ones.
-double median_us(const Cfg& c, const std::function<void()>& f) {
-  for (int i = 0; i < c.warmup; ++i) f();
-  cudaEvent_t a, b;
-  GDNCP_CUDA_CHECK(cudaEventCreate(&a));
-  GDNCP_CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < c.iters; ++i) {
-    GDNCP_CUDA_CHECK(cudaEventRecord(a, stream()));
-    f();
-    GDNCP_CUDA_CHECK(cudaEventRecord(b, stream()));
-    GDNCP_CUDA_CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    GDNCP_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  GDNCP_CUDA_CHECK(cudaEventDestroy(a));
-  GDNCP_CUDA_CHECK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return 1e3 * ms[ms.size() / 2];
-}
+double median_us(const Cfg& c, const std::function<void()>& f) { return 1e3 * time_ms(f, c.warmup, c.iters); }
 
 // One scan of the layer (cp_layers.cpp layer_jobs) on F frames of one rank.
 struct Job {
@@ -75,58 +55,49 @@ struct Job {
   Tensor P, U, Y, dY, dU, h, M, cum, rcum, X0, dX0;
 };
 
-SweepSpec spec(const Cfg& c, int64_t F, int64_t E) {
-  SweepSpec s;
-  s.BH = c.BH;
-  s.F = F;
-  s.D = c.D;
-  s.E = E;
-  s.active = F;
-  return s;
+// A sweep of job j's transitions over F frames of D×E states (none frozen):
+// transposed for the backward sweeps, which run against the job's direction,
+// and from the identity for the transition products.
+Sweep sweep_of(const Cfg& c, int64_t F, const Job& j, int64_t E, bool backward, bool from_identity) {
+  Sweep w;
+  w.P = j.P;
+  w.spec.BH = c.BH;
+  w.spec.F = F;
+  w.spec.D = c.D;
+  w.spec.E = E;
+  w.spec.active = F;
+  w.spec.transpose = backward;
+  w.spec.descending = backward ? !j.anti : j.anti;
+  if (from_identity) w.spec.init = Init::identity;
+  return w;
 }
 
 // The local sweep of a job (scan_engine.cpp, forward step 1); with_h: its final state too.
 Sweep local_sweep(const Cfg& c, int64_t F, Job& j, bool with_h) {
-  Sweep w;
-  w.P = j.P;
+  Sweep w = sweep_of(c, F, j, j.E, false, false);
   w.add_after = j.U;
-  w.spec = spec(c, F, j.E);
-  w.spec.descending = j.anti;
   (j.anti ? w.out_before : w.out_after) = j.Y;
   if (with_h) w.final_state = j.h;
   return w;
 }
 // The composite sweep from I (with the cumulative products when `cum`).
 Sweep composite_sweep(const Cfg& c, int64_t F, Job& j, bool cum) {
-  Sweep w;
-  w.P = j.P;
+  Sweep w = sweep_of(c, F, j, c.D, false, true);
   w.final_state = j.M;
-  w.spec = spec(c, F, c.D);
-  w.spec.descending = j.anti;
-  w.spec.init = Init::identity;
   if (cum) (j.anti ? w.out_before : w.out_after) = j.cum;
   return w;
 }
 // The adjoint sweep (backward step 1); with_dx0: its final state (the adjoint of X0).
 Sweep adjoint_sweep(const Cfg& c, int64_t F, Job& j, bool with_dx0) {
-  Sweep w;
-  w.P = j.P;
+  Sweep w = sweep_of(c, F, j, j.E, true, false);
   w.out_before = j.dU;
   if (with_dx0) w.final_state = j.dX0;
-  w.spec = spec(c, F, j.E);
-  w.spec.transpose = true;
-  w.spec.descending = !j.anti;
   (j.anti ? w.add_after : w.add_before) = j.dY;
   return w;
 }
 Sweep rcum_sweep(const Cfg& c, int64_t F, Job& j) {
-  Sweep w;
-  w.P = j.P;
+  Sweep w = sweep_of(c, F, j, c.D, true, true);
   w.out_before = j.rcum;
-  w.spec = spec(c, F, c.D);
-  w.spec.transpose = true;
-  w.spec.descending = !j.anti;
-  w.spec.init = Init::identity;
   return w;
 }
 

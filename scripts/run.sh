@@ -23,7 +23,7 @@ export NCCL_NVLS_ENABLE=0
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
 
-if [ "$gpus" -gt 0 ]; then  # shares build/ (CUDA on) with scripts/test.sh and gpu_check.sh
+if [ "$gpus" -gt 0 ]; then  # shares build/ (CUDA on) with scripts/test.sh
   BUILD_DIR=${BUILD_DIR:-build}
   config=(-DGDNCP_CUDA=AUTO)
 else
@@ -38,7 +38,7 @@ echo "run.sh: built in $(( $(date +%s) - start )) s"
 
 if [ "$gpus" -gt 0 ]; then
   NP=${NP:-$gpus}
-  # The CPU run's model, on the GPUs (seen on 2 H200, 2026-11-30: the same losses as on CPU ranks).
+  # The CPU run's model, on the GPUs (on 2 H200 it gives the same losses as on CPU ranks).
   args=(--device cuda --cp "$NP" --frames $((2 * NP)) --steps 120 --print-every 10)
   echo "run.sh: $gpus GPU(s): $NP ranks, one per GPU, CP=$NP"
 else

@@ -31,15 +31,7 @@ struct LayerInputs {
   Tensor run(bool fused = true) const { return run(list(), fused); }
 };
 
-inline Dims dims(int64_t B, int64_t H, int64_t D, int64_t F, int64_t S) {
-  Dims d;
-  d.B = B;
-  d.H = H;
-  d.D = D;
-  d.F = F;
-  d.S = S;
-  return d;
-}
+inline Dims dims(int64_t B, int64_t H, int64_t D, int64_t F, int64_t S) { return Dims{B, H, D, F, S}; }
 
 inline std::string dims_str(const Dims& d) {
   return "B=" + std::to_string(d.B) + " H=" + std::to_string(d.H) + " D=" + std::to_string(d.D) +

@@ -69,13 +69,13 @@ void check_bigdn_cp(DType dt, bool norms, uint64_t seed, double tol_out, double 
   }
 }
 
-TEST(BigdnCp, MatchesBigdnF64) { check_bigdn_cp(DType::f64, true, 100, 1e-12, 1e-12); }
-TEST(BigdnCp, MatchesBigdnF64Batch2HeadDim12) { check_bigdn_cp(DType::f64, true, 140, 1e-12, 1e-12, 2, 12); }
-TEST(BigdnCp, MatchesBigdnF64NoNormWeights) { check_bigdn_cp(DType::f64, false, 110, 1e-12, 1e-12); }
-TEST(BigdnCp, MatchesBigdnF32) { check_bigdn_cp(DType::f32, true, 120, 1e-6, 1e-5); }
+TEST(BigdnCp, MatchesBigdnF64) { check_bigdn_cp(DType::f64, true, 100, tol::f64, tol::f64); }
+TEST(BigdnCp, MatchesBigdnF64Batch2HeadDim12) { check_bigdn_cp(DType::f64, true, 140, tol::f64, tol::f64, 2, 12); }
+TEST(BigdnCp, MatchesBigdnF64NoNormWeights) { check_bigdn_cp(DType::f64, false, 110, tol::f64, tol::f64); }
+TEST(BigdnCp, MatchesBigdnF32) { check_bigdn_cp(DType::f32, true, 120, tol::f32_short, tol::f32); }
 // bf16 storage, f32 compute on both sides: the only difference is the order
 // of f32 roundings plus the bf16 rounding of out and of the gradients.
-TEST(BigdnCp, MatchesBigdnBf16) { check_bigdn_cp(DType::bf16, true, 130, 2e-2, 2e-2); }
+TEST(BigdnCp, MatchesBigdnBf16) { check_bigdn_cp(DType::bf16, true, 130, tol::bf16, tol::bf16); }
 
 // --- raw single direction -------------------------------------------------------------
 
@@ -129,11 +129,7 @@ void check_raw(DType dt, const cp::CpOptions& o, uint64_t seed) {
 
 TEST(CpRaw, MatchesOneRankF64) { check_raw(DType::f64, {}, 200); }
 TEST(CpRaw, MatchesOneRankF32) { check_raw(DType::f32, {}, 210); }
-TEST(CpRaw, ReversedF64) {
-  cp::CpOptions o;
-  o.reverse_rank_order = true;
-  check_raw(DType::f64, o, 220);
-}
+TEST(CpRaw, ReversedF64) { check_raw(DType::f64, reversed_ranks(), 220); }
 TEST(CpRaw, TruncatedF64) {
   cp::CpOptions o;
   o.truncate_to_active = 1;  // inside rank 0's frames
@@ -164,8 +160,8 @@ TEST(CpRaw, OneRankMatchesFineOpsComposition) {
   const std::vector<Tensor> c = ops::phase_c(prep[2], prep[0], s.M, s.z, 3, 2);
   const LayerRun composed = finish(xb, {c[0], c[1], s.terminal_M, s.terminal_z}, w, nullptr);
   const char* names[] = {"num", "den", "terminal_M", "terminal_z"};
-  for (size_t k = 0; k < 4; ++k) EXPECT_TRUE(close_rel(fused.outs[k], composed.outs[k], 1e-12, names[k]));
-  for (size_t k = 0; k < 5; ++k) EXPECT_TRUE(close_rel(fused.grads[k], composed.grads[k], 1e-12, kGradNames[k]));
+  for (size_t k = 0; k < 4; ++k) EXPECT_TRUE(close_rel(fused.outs[k], composed.outs[k], tol::f64, names[k]));
+  for (size_t k = 0; k < 5; ++k) EXPECT_TRUE(close_rel(fused.grads[k], composed.grads[k], tol::f64, kGradNames[k]));
 }
 
 // --- checkpointing -----------------------------------------------------------------------
@@ -360,7 +356,7 @@ TEST(CpLayer, AllReduceGradsSumsInRankOrder) {
 }
 
 // After the errors the communicator still works.
-TEST(CpLayerErrors, CommunicatorUsableAfterErrors) { check_bigdn_cp(DType::f64, true, 800, 1e-12, 1e-12); }
+TEST(CpLayerErrors, CommunicatorUsableAfterErrors) { check_bigdn_cp(DType::f64, true, 800, tol::f64, tol::f64); }
 
 }  // namespace
 }  // namespace test

@@ -1,4 +1,4 @@
-// tests/mpi_test_cp_scan.cpp — the distributed frame scan (SPEC §6) and the
+// tests/mpi_test_cp_scan.cpp — the distributed frame scan (docs/design.md §6) and the
 // camera branch on CPU ranks: P ranks against one rank over the concatenated
 // sequence, forward and every gradient; the one-rank path itself against a
 // naive loop and fp64 finite differences; checkpointing; bad arguments.
@@ -137,16 +137,8 @@ void check_scan_against_one_rank(DType dt, const cp::CpOptions& o, uint64_t seed
 TEST(CpScan, MatchesOneRankF64) { check_scan_against_one_rank(DType::f64, {}, 100); }
 TEST(CpScan, MatchesOneRankF32) { check_scan_against_one_rank(DType::f32, {}, 200); }
 
-TEST(CpScan, ReversedRankOrderF64) {
-  cp::CpOptions o;
-  o.reverse_rank_order = true;
-  check_scan_against_one_rank(DType::f64, o, 300);
-}
-TEST(CpScan, ReversedRankOrderF32) {
-  cp::CpOptions o;
-  o.reverse_rank_order = true;
-  check_scan_against_one_rank(DType::f32, o, 310);
-}
+TEST(CpScan, ReversedRankOrderF64) { check_scan_against_one_rank(DType::f64, reversed_ranks(), 300); }
+TEST(CpScan, ReversedRankOrderF32) { check_scan_against_one_rank(DType::f32, reversed_ranks(), 310); }
 
 TEST(CpScan, TruncatedInsideFirstRankF64) {
   for (int64_t K : {1, 2}) {  // F = 3: K inside rank 0's frames
@@ -169,7 +161,7 @@ TEST(CpScan, TruncatedF32) {
 
 // --- the one-rank path itself -------------------------------------------------------
 
-// Naive per-frame loop of SPEC §4/§6 in double: M_t = g (I − P) M_{t−1} + A, with
+// Naive per-frame loop of docs/design.md §4/§6 in double: M_t = g (I − P) M_{t−1} + A, with
 // frames ≥ K frozen.
 std::vector<std::vector<double>> naive_scan(const ScanInputs& in, int64_t K) {
   const int64_t BH = in.B * in.H, F = in.F, D = in.D;
@@ -211,8 +203,8 @@ TEST(CpScan, OneRankMatchesNaiveLoop) {
     o.truncate_to_active = K;
     const cp::ScanResult r = cp::cp_scan(*self(), in.P, in.A, in.Pz, in.bz, in.decay, o);
     const std::vector<std::vector<double>> ref = naive_scan(in, K);
-    EXPECT_TRUE(close_rel(r.M, Tensor::from_vector(ref[0], r.M.shape(), DType::f64), 1e-13, "M")) << "K=" << K;
-    EXPECT_TRUE(close_rel(r.z, Tensor::from_vector(ref[1], r.z.shape(), DType::f64), 1e-13, "z")) << "K=" << K;
+    EXPECT_TRUE(close_rel(r.M, Tensor::from_vector(ref[0], r.M.shape(), DType::f64), tol::f64_scan, "M")) << "K=" << K;
+    EXPECT_TRUE(close_rel(r.z, Tensor::from_vector(ref[1], r.z.shape(), DType::f64), tol::f64_scan, "z")) << "K=" << K;
     if (K > 0) {  // terminal = state at frame K−1
       EXPECT_TRUE(close_rel(r.terminal_M, slice(r.M, 1, K - 1, K).reshape(r.terminal_M.shape()), 0.0, "TM"));
       EXPECT_TRUE(close_rel(r.terminal_z, slice(r.z, 1, K - 1, K).reshape(r.terminal_z.shape()), 0.0, "Tz"));
@@ -238,7 +230,7 @@ TEST(CpScan, OneRankGradcheck) {
           return out;
         },
         x);
-    EXPECT_LE(res.max_rel_error, 1e-6) << "K=" << K << "\n" << res.report;
+    EXPECT_LE(res.max_rel_error, tol::gradcheck_scan) << "K=" << K << "\n" << res.report;
   }
 }
 
@@ -345,11 +337,7 @@ void check_cam(DType dt, bool per_frame, const cp::CpOptions& o, uint64_t seed) 
 
 TEST(CpCam, MatchesOneRankF64) { check_cam(DType::f64, false, {}, 900); }
 TEST(CpCam, MatchesOneRankPerFrameBetaF32) { check_cam(DType::f32, true, {}, 910); }
-TEST(CpCam, ReversedF64) {
-  cp::CpOptions o;
-  o.reverse_rank_order = true;
-  check_cam(DType::f64, false, o, 920);
-}
+TEST(CpCam, ReversedF64) { check_cam(DType::f64, false, reversed_ranks(), 920); }
 TEST(CpCam, TruncatedF64) {
   cp::CpOptions o;
   o.truncate_to_active = 1;
@@ -402,7 +390,7 @@ TEST(CpCam, OneRankMatchesNaiveAndGradcheck) {
     }
   }
   const cp::CamResult r = cp::cp_cam_gdn_num(*self(), c.q, c.k, c.v, c.beta, c.decay, F, S);
-  EXPECT_TRUE(close_rel(r.out, Tensor::from_vector(out, c.q.shape(), DType::f64), 1e-13, "cam out vs naive"));
+  EXPECT_TRUE(close_rel(r.out, Tensor::from_vector(out, c.q.shape(), DType::f64), tol::f64_scan, "cam out vs naive"));
 
   std::vector<Tensor> x = c.list();
   for (Tensor& t : x) t.requires_grad_(true);
@@ -414,7 +402,7 @@ TEST(CpCam, OneRankMatchesNaiveAndGradcheck) {
         return std::vector<Tensor>{rr.out, rr.terminal_M};
       },
       x);
-  EXPECT_LE(res.max_rel_error, 1e-6) << res.report;
+  EXPECT_LE(res.max_rel_error, tol::gradcheck_scan) << res.report;
 }
 
 // Checkpointing: bitwise the same, and the recompute issues no collective.

@@ -1,5 +1,5 @@
 // tests/mpi_test_cp_uneven.cpp — uneven frame ownership and packed clips in
-// every CP entry (SPEC §1, §4a, §6) on CPU ranks:
+// every CP entry (docs/design.md §1, §4a, §6) on CPU ranks:
 //   - P ranks holding any split of F_total frames (empty ranks included) ==
 //     one rank over the whole sequence, forward and every gradient (norm
 //     weights after all_reduce_grads), with and without a clip mask, in

@@ -1,7 +1,7 @@
 // tests/mpi_test_train.cpp — gdncp_train's loop (examples/train/trainer.h)
 // driven in-process on sub-groups of 4 CPU ranks:
 //   - 2-rank training (DP=2 on ranks {0,1}, CP=2 on {2,3}) lowers the loss ≥ 50% in 30 steps;
-//   - CP=2 equals CP=1 on the same videos (first 5 losses, 1e-5 relative, f32);
+//   - CP=2 equals CP=1 on the same videos (first 5 losses, tol::f32 relative);
 //   - DP=2 × CP=2 on 4 ranks equals one rank with the whole global batch, and keeps
 //     the parameters bitwise identical on every rank;
 //   - save at step 10 + resume to 20 equals 20 uninterrupted steps bitwise;
@@ -18,6 +18,9 @@
 #include <fstream>
 #include <string>
 #include <vector>
+
+#include "util/mpi_main.h"
+#include "util/tolerance.h"
 
 #if __has_include("trainer.h")  // examples/ built (GDNCP_BUILD_EXAMPLES): it links the trainer in
 #include <gdncp/error.h>
@@ -147,9 +150,9 @@ TEST_F(TrainTest, CpTwoMatchesCpOneForTheFirstFiveSteps) {
   ASSERT_EQ(cp2.size(), 5u);
   ASSERT_EQ(cp1.size(), 5u);
   // f32 throughout; the two runs differ only in summation order (the CP scan's
-  // prefix merge, the split loss and gradient sums): 1e-5 relative.
+  // prefix merge, the split loss and gradient sums): tol::f32 relative.
   for (size_t i = 0; i < 5; ++i)
-    EXPECT_LE(rel(cp2[i], cp1[i]), 1e-5) << "step " << i + 1 << ": " << cp2[i] << " vs " << cp1[i];
+    EXPECT_LE(rel(cp2[i], cp1[i]), gdncp::test::tol::f32) << "step " << i + 1 << ": " << cp2[i] << " vs " << cp1[i];
 }
 
 TEST_F(TrainTest, DataTimesContextParallelMatchesOneRankAndKeepsParametersIdentical) {
@@ -178,7 +181,8 @@ TEST_F(TrainTest, DataTimesContextParallelMatchesOneRankAndKeepsParametersIdenti
   ASSERT_EQ(r.losses.size(), 5u);
   ASSERT_EQ(single.size(), 5u);
   for (size_t i = 0; i < 5; ++i)
-    EXPECT_LE(rel(r.losses[i], single[i]), 1e-5) << "step " << i + 1 << ": " << r.losses[i] << " vs " << single[i];
+    EXPECT_LE(rel(r.losses[i], single[i]), gdncp::test::tol::f32)
+        << "step " << i + 1 << ": " << r.losses[i] << " vs " << single[i];
 }
 
 TEST_F(TrainTest, ResumeFromStep10EqualsTwentyUninterruptedStepsBitwise) {
@@ -380,20 +384,11 @@ TEST(TrainTest, SkippedWithoutExamples) { GTEST_SKIP() << "built with GDNCP_BUIL
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  if (world_rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  const int rc = RUN_ALL_TESTS();
+  return gdncp::test::mpi_main(argc, argv, {}, [] {
 #if GDNCP_HAVE_TRAINER
-  const std::string scratch = std::filesystem::path(scratch_dir("x")).parent_path().string();
-  MPI_Barrier(MPI_COMM_WORLD);
-  if (world_rank() == 0) std::filesystem::remove_all(scratch);
+    const std::string scratch = std::filesystem::path(scratch_dir("x")).parent_path().string();
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (world_rank() == 0) std::filesystem::remove_all(scratch);
 #endif
-  int any = 0;
-  MPI_Allreduce(&rc, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return any;
+  });
 }

@@ -438,10 +438,10 @@ TEST(AutogradGradcheck, TestOpsAgainstCentralDifferences) {
   Tensor x = rnd({6}, 17).requires_grad_();
   Tensor w = rnd({6}, 18).requires_grad_();
   auto r = test::gradcheck(fn, {x, w});
-  EXPECT_LE(r.max_rel_error, 1e-8) << r.report;
+  EXPECT_LE(r.max_rel_error, test::tol::gradcheck) << r.report;
   auto fn_ck = [](const std::vector<Tensor>& in) { return autograd::checkpoint(block, in, Checkpoint::on); };
   auto r2 = test::gradcheck(fn_ck, {x, w});
-  EXPECT_LE(r2.max_rel_error, 1e-8) << r2.report;
+  EXPECT_LE(r2.max_rel_error, test::tol::gradcheck) << r2.report;
 }
 
 }  // namespace

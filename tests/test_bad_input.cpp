@@ -1,4 +1,4 @@
-// Bad input to the single-rank layer (SPEC §9): every case must throw
+// Bad input to the single-rank layer (docs/design.md §9): every case must throw
 // gdncp::Error whose message names the wrong argument ("bigdn: <arg>: why"),
 // before any work is done (nothing recorded, nothing saved).
 #include <gtest/gtest.h>
@@ -52,6 +52,21 @@ void expect_bad(const LayerInputs& in, const std::string& arg, const std::string
 }
 
 Tensor f32(const Shape& s) { return Tensor::uniform(s, DType::f32, Device::cpu, 9, 0.5, 1.5); }
+
+// An Error names the file relative to the source root ("src/...:line: ..."),
+// never the build machine's checkout.
+TEST(BadInput, ErrorPathIsRelativeToSourceRoot) {
+  LayerInputs in = good();
+  try {
+    bigdn(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, 0, in.d.S, in.opt);
+    ADD_FAILURE() << "no error for F = 0";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.find(GDNCP_TEST_SOURCE_DIR), std::string::npos) << msg;
+    EXPECT_EQ(msg.rfind("src/", 0), 0u) << "message does not start with a path under src/: " << msg;
+  }
+  autograd::clear_tape();
+}
 
 TEST(BadInput, GoodInputRuns) {
   const LayerInputs in = good();

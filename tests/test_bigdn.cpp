@@ -1,5 +1,5 @@
 // Tests of the single-rank layer bigdn() (fused CPU twins) beyond the gradchecks:
-// hand-checked tiny cases, three independent codings of SPEC §2-5 (bigdn,
+// hand-checked tiny cases, three independent codings of docs/design.md §2-5 (bigdn,
 // bigdn_unfused and a naive loop written here), precision (f32, bf16 against
 // f64 on the same values), checkpointing, poisoned twin outputs, determinism.
 #include <gtest/gtest.h>
@@ -53,7 +53,7 @@ TEST(BigdnHand, TwoFramesWithRopeAndReverseState) {
     ASSERT_EQ(out.shape(), Shape({1, 2, 1, 2}));
     const std::vector<double> got = out.to_vector();
     for (size_t i = 0; i < expected.size(); ++i)
-      EXPECT_NEAR(got[i], expected[i], 1e-14) << "fused " << fused << " i " << i;
+      EXPECT_NEAR(got[i], expected[i], tol::f64_sum) << "fused " << fused << " i " << i;
   }
 }
 
@@ -81,11 +81,11 @@ TEST(BigdnHand, OneFrameWithNormAndKScale) {
                              : bigdn_unfused(qkv, beta, decay, qw, kw, cs, sn, 1, 2, opt);
     const std::vector<double> got = out.to_vector();
     for (size_t i = 0; i < expected.size(); ++i)
-      EXPECT_NEAR(got[i], expected[i], 1e-14) << "fused " << fused << " i " << i;
+      EXPECT_NEAR(got[i], expected[i], tol::f64_sum) << "fused " << fused << " i " << i;
   }
 }
 
-// --- a third, naive coding of SPEC §2-5 ------------------------------------------------------
+// --- a third, naive coding of docs/design.md §2-5 ------------------------------------------------------
 
 using Mat = std::vector<double>;  // D×D row-major
 
@@ -226,13 +226,13 @@ TEST(BigdnAgreement, FusedUnfusedNaiveF64) {
       const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, DType::f64, kCpu, ++seed);
       const LayerRun fused = run_layer(in, w, true), unfused = run_layer(in, w, false);
       const Tensor naive = f64_tensor(naive_bigdn(in), fused.out.shape());
-      EXPECT_TRUE(close_rel(fused.out, naive, 1e-12, "out fused vs naive " + what));
-      EXPECT_TRUE(close_rel(unfused.out, naive, 1e-12, "out unfused vs naive " + what));
+      EXPECT_TRUE(close_rel(fused.out, naive, tol::f64, "out fused vs naive " + what));
+      EXPECT_TRUE(close_rel(unfused.out, naive, tol::f64, "out unfused vs naive " + what));
       worst_out = std::max({worst_out, rel_l2(fused.out, naive), rel_l2(unfused.out, naive)});
       for (size_t i = 0; i < fused.grads.size(); ++i) {
         ASSERT_EQ(fused.grads[i].defined(), unfused.grads[i].defined()) << kGradNames[i];
         if (!fused.grads[i].defined()) continue;
-        EXPECT_TRUE(close_rel(fused.grads[i], unfused.grads[i], 1e-12, std::string(kGradNames[i]) + " " + what));
+        EXPECT_TRUE(close_rel(fused.grads[i], unfused.grads[i], tol::f64, std::string(kGradNames[i]) + " " + what));
         worst_grad = std::max(worst_grad, rel_l2(fused.grads[i], unfused.grads[i]));
       }
       // Gradients against the naive coding: the directional derivative along a random δ,
@@ -257,7 +257,7 @@ TEST(BigdnAgreement, FusedUnfusedNaiveF64) {
       }
       const std::vector<double> wv = w.to_vector();
       const double numeric = (weighted(naive_bigdn(plus), wv) - weighted(naive_bigdn(minus), wv)) / (2 * h);
-      EXPECT_NEAR(analytic, numeric, 1e-7 * std::fabs(numeric)) << what;
+      EXPECT_NEAR(analytic, numeric, tol::gradcheck_element * std::fabs(numeric)) << what;
       worst_dir = std::max(worst_dir, std::fabs(analytic - numeric) / std::fabs(numeric));
     }
   std::printf("[agreement] worst rel L2: out %.2e, fused vs unfused grads %.2e; directional derivative vs naive %.2e\n",
@@ -290,15 +290,17 @@ void compare_to_f64(DType dtype, double tol, uint64_t seed, Precision precision 
   }
 }
 
-// f32 arithmetic over sums of ≤ a few hundred terms: ~1e-6 relative; the bar is 1e-5.
-TEST(BigdnPrecision, F32MatchesF64) { compare_to_f64(DType::f32, 1e-5, 500); }
+// f32 arithmetic over sums of ≤ a few hundred terms: ~1e-6 relative; the bar is tol::f32.
+TEST(BigdnPrecision, F32MatchesF64) { compare_to_f64(DType::f32, tol::f32, 500); }
 
 // bf16 storage rounds out and the gradients to 8 bits (~4e-3 relative per element).
-TEST(BigdnPrecision, Bf16WithinOnePercentOfF64) { compare_to_f64(DType::bf16, 1e-2, 600); }
+TEST(BigdnPrecision, Bf16WithinOnePercentOfF64) { compare_to_f64(DType::bf16, tol::bf16_vs_f64, 600); }
 
 // bf16 mode on f32 data: the CPU computes in f32, but dq̂ and dk̂ are stored in bf16 as in the layer's
 // bf16 mode (kernels.h, hat-grad dtype), which moves the q, k and weight gradients by ~1e-3.
-TEST(BigdnPrecision, Bf16ModeOnF32DataWithinOnePercentOfF64) { compare_to_f64(DType::f32, 1e-2, 650, Precision::bf16); }
+TEST(BigdnPrecision, Bf16ModeOnF32DataWithinOnePercentOfF64) {
+  compare_to_f64(DType::f32, tol::bf16_vs_f64, 650, Precision::bf16);
+}
 
 TEST(BigdnPrecision, MixedBf16QkvWithF32Gates) {
   const Dims d = dims(1, 2, 16, 2, 3);
@@ -312,8 +314,9 @@ TEST(BigdnPrecision, MixedBf16QkvWithF32Gates) {
   EXPECT_EQ(a.grads[1].dtype(), DType::f32);
   EXPECT_EQ(a.grads[2].dtype(), DType::f32);
   const LayerRun b = run_layer(convert(in, DType::f64), w.to(DType::f64));
-  EXPECT_TRUE(close_rel(a.out, b.out, 1e-2, "out"));
-  for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_TRUE(close_rel(a.grads[i], b.grads[i], 1e-2, kGradNames[i]));
+  EXPECT_TRUE(close_rel(a.out, b.out, tol::bf16_vs_f64, "out"));
+  for (size_t i = 0; i < a.grads.size(); ++i)
+    EXPECT_TRUE(close_rel(a.grads[i], b.grads[i], tol::bf16_vs_f64, kGradNames[i]));
 }
 
 TEST(BigdnPrecision, PrecisionModesAreExactOnCpu) {
@@ -489,8 +492,7 @@ TEST(BigdnTwins, OverwriteEveryPoisonedOutput) {
 
 // --- dq_hat / dk_hat in bf16 (kernels.h, hat-grad dtype) -----------------------------------------
 
-// The relative half-ulp of bf16 (8 significant bits): |bf16(x) − x| ≤ 2^-8·|x|.
-constexpr double kBf16HalfUlp = 0x1p-8;
+constexpr double kBf16HalfUlp = tol::bf16_half_ulp;
 
 // `rounded` (bf16) is `exact` rounded to nearest even, element by element: bitwise what Tensor::to
 // gives, and each element within the bf16 half-ulp of the exact one.
@@ -676,9 +678,9 @@ TEST(RopeTables, PairLayoutWithSignedSin) {
     for (int64_t i = 0; i < D / 2; ++i) {
       const double theta = static_cast<double>(n + offset) * std::pow(100.0, -2.0 * i / D);
       const size_t e = static_cast<size_t>(n * D + 2 * i);
-      EXPECT_NEAR(c[e], std::cos(theta), 1e-15);
+      EXPECT_NEAR(c[e], std::cos(theta), tol::f64_rounding);
       EXPECT_EQ(c[e], c[e + 1]);
-      EXPECT_NEAR(s[e + 1], std::sin(theta), 1e-15);
+      EXPECT_NEAR(s[e + 1], std::sin(theta), tol::f64_rounding);
       EXPECT_EQ(s[e], -s[e + 1]);
     }
   const auto f = rope_tables(N, D, DType::f32, kCpu);

@@ -3,11 +3,11 @@
 //
 // Every CUDA output is poisoned (NaN) before the launch and must come back finite
 // (fully written) and within the tolerance of its precision:
-//   twins, CUDA vs the f32 CPU twin:  ieee 1e-5 (two f32 codings, different summation
-//   orders), tf32 5e-3 (10-bit operands), bf16 2e-2 (8-bit operands; single kernels
+//   twins, CUDA vs the f32 CPU twin:  ieee tol::f32 (two f32 codings, different summation
+//   orders), tf32 tol::tf32 (10-bit operands), bf16 tol::bf16 (8-bit operands; single kernels
 //   see the raw operand rounding of up to 2^-9 per factor);
-//   layer, CUDA vs the f64 CPU layer on the same (rounded) inputs: ieee 1e-5 (issue 3),
-//   bf16 1e-2 (issue 3).
+//   layer, CUDA vs the f64 CPU layer on the same (rounded) inputs: ieee tol::f32,
+//   bf16 tol::bf16_vs_f64 (util/tolerance.h).
 // dq_hat / dk_hat are in the dtype the layer gives them (grad_hat_dtype: bf16 in bf16 mode), on
 // both sides, so a bf16 one is compared rounded against rounded; rms_norm_bwd is fed both dtypes.
 // GDNCP_TEST_SMALL=1 keeps only the small shapes (used under compute-sanitizer).
@@ -44,7 +44,7 @@ bool small_only() {
 
 const char* mode_name(MathMode m) { return m == MathMode::bf16 ? "bf16" : m == MathMode::tf32 ? "tf32" : "ieee"; }
 
-double twin_tol(MathMode m) { return m == MathMode::ieee ? 1e-5 : m == MathMode::tf32 ? 5e-3 : 2e-2; }
+double twin_tol(MathMode m) { return m == MathMode::ieee ? tol::f32 : m == MathMode::tf32 ? tol::tf32 : tol::bf16; }
 
 Tensor gpu(const Tensor& t) { return t.defined() ? t.to(Device::cuda) : Tensor(); }
 
@@ -106,7 +106,7 @@ TEST(CudaTwins, RmsStats) {
         const Prepared p = prepare(d, dt, ++seed, norm != 1, norm != 2);
         Tensor r = poisoned({d.B, d.N(), 2}, DType::f32);
         kernels::rms_stats(r, gpu(p.in.qkv), gpu(p.in.q_norm_w), gpu(p.in.k_norm_w), d, p.in.opt.norm_eps);
-        expect_close(r, p.rstd, 1e-6, "rms_stats " + dims_str(d) + " " + dtype_name(dt) + " norm " + std::to_string(norm));
+        expect_close(r, p.rstd, tol::f32_short, "rms_stats " + dims_str(d) + " " + dtype_name(dt) + " norm " + std::to_string(norm));
       }
 }
 
@@ -131,7 +131,7 @@ TEST(CudaTwins, PhaseA) {
       expect_close(gP, P, twin_tol(m), "phase_a_fwd P" + tag);
       expect_close(gA, A, twin_tol(m), "phase_a_fwd A" + tag);
       expect_close(gPz, Pz, twin_tol(m), "phase_a_fwd Pz" + tag);
-      expect_close(gbz, bz, 1e-5, "phase_a_fwd bz" + tag);  // f32 sums in every mode
+      expect_close(gbz, bz, tol::f32, "phase_a_fwd bz" + tag);  // f32 sums in every mode
       // backward, fresh random upstream gradients
       const Tensor dP = Tensor::randn(mat, DType::f32, Device::cpu, ++seed), dA = Tensor::randn(mat, DType::f32, Device::cpu, ++seed);
       const Tensor dPz = Tensor::randn(mat, DType::f32, Device::cpu, ++seed), dbz = Tensor::randn(vec, DType::f32, Device::cpu, ++seed);
@@ -169,12 +169,12 @@ TEST(CudaTwins, ScanBidi) {
     Tensor gMf = poisoned(mat, DType::f32), gMr = poisoned(mat, DType::f32), gMs = poisoned(mat, DType::f32);
     Tensor gzf = poisoned(vec, DType::f32), gzr = poisoned(vec, DType::f32), gzs = poisoned(vec, DType::f32);
     kernels::scan_bidi_fwd(gMf, gMr, gMs, gzf, gzr, gzs, gpu(P), gpu(A), gpu(Pz), gpu(bz), gpu(in.decay), d);
-    expect_close(gMf, Mf, 1e-5, "scan_bidi_fwd Mf" + tag);
-    expect_close(gMr, Mr, 1e-5, "scan_bidi_fwd Mr" + tag);
-    expect_close(gMs, Ms, 1e-5, "scan_bidi_fwd Msum" + tag);
-    expect_close(gzf, zf, 1e-5, "scan_bidi_fwd zf" + tag);
-    expect_close(gzr, zr, 1e-5, "scan_bidi_fwd zr" + tag);
-    expect_close(gzs, zs, 1e-5, "scan_bidi_fwd zsum" + tag);
+    expect_close(gMf, Mf, tol::f32, "scan_bidi_fwd Mf" + tag);
+    expect_close(gMr, Mr, tol::f32, "scan_bidi_fwd Mr" + tag);
+    expect_close(gMs, Ms, tol::f32, "scan_bidi_fwd Msum" + tag);
+    expect_close(gzf, zf, tol::f32, "scan_bidi_fwd zf" + tag);
+    expect_close(gzr, zr, tol::f32, "scan_bidi_fwd zr" + tag);
+    expect_close(gzs, zs, tol::f32, "scan_bidi_fwd zsum" + tag);
 
     const Tensor dMs = Tensor::randn(mat, DType::f32, Device::cpu, ++seed), dzs = Tensor::randn(vec, DType::f32, Device::cpu, ++seed);
     Tensor dP = Tensor::empty(mat, DType::f32), dA = dP.clone(), dPz = dP.clone(), dbz = Tensor::empty(vec, DType::f32),
@@ -184,11 +184,11 @@ TEST(CudaTwins, ScanBidi) {
            gdbz = poisoned(vec, DType::f32), gddecay = poisoned(in.decay.shape(), in.decay.dtype());
     kernels::scan_bidi_bwd(gdP, gdA, gdPz, gdbz, gddecay, gpu(dMs), gpu(dzs), gpu(P), gpu(Pz), gpu(in.decay), gpu(Mf),
                         gpu(Mr), gpu(zf), gpu(zr), d);
-    expect_close(gdP, dP, 1e-5, "scan_bidi_bwd dP" + tag);
-    expect_close(gdA, dA, 1e-5, "scan_bidi_bwd dA" + tag);
-    expect_close(gdPz, dPz, 1e-5, "scan_bidi_bwd dPz" + tag);
-    expect_close(gdbz, dbz, 1e-5, "scan_bidi_bwd dbz" + tag);
-    expect_close(gddecay, ddecay, 1e-5, "scan_bidi_bwd ddecay" + tag);
+    expect_close(gdP, dP, tol::f32, "scan_bidi_bwd dP" + tag);
+    expect_close(gdA, dA, tol::f32, "scan_bidi_bwd dA" + tag);
+    expect_close(gdPz, dPz, tol::f32, "scan_bidi_bwd dPz" + tag);
+    expect_close(gdbz, dbz, tol::f32, "scan_bidi_bwd dbz" + tag);
+    expect_close(gddecay, ddecay, tol::f32, "scan_bidi_bwd ddecay" + tag);
   }
 }
 
@@ -222,7 +222,7 @@ TEST(CudaTwins, PhaseC) {
         kernels::phase_c_fwd(gout, gden, gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w), gpu(in.rope_cos), gpu(in.rope_sin),
                           gpu(M), gpu(z), d, in.opt.eps, divide, m);
         expect_close(gout, out, twin_tol(m), "phase_c_fwd out" + tag);
-        expect_close(gden, den, 1e-5, "phase_c_fwd den" + tag);  // f32 dot in every mode
+        expect_close(gden, den, tol::f32, "phase_c_fwd den" + tag);  // f32 dot in every mode
 
         const Tensor dout = Tensor::randn(tok, divide ? dt : DType::f32, Device::cpu, ++seed);
         Tensor dden;  // raw mode: given on odd seeds, absent (zeros) on even ones
@@ -275,12 +275,12 @@ TEST(CudaTwins, RmsNormBwd) {
           kernels::rms_norm_bwd(gdqkv, gdqw, gdkw, gpu(dqh), gpu(dkh), gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w),
                                 gpu(in.k_norm_w), d);
           // bf16 storage of dqkv rounds each element once (2^-9).
-          const double t = dt == DType::bf16 ? 5e-3 : 1e-5;
+          const double t = dt == DType::bf16 ? tol::bf16_store : tol::f32;
           expect_close(channel(gdqkv, 0), channel(dqkv, 0), t, "rms_norm_bwd dq" + tag);
           expect_close(channel(gdqkv, 1), channel(dqkv, 1), t, "rms_norm_bwd dk" + tag);
           EXPECT_TRUE(has_nonfinite(channel(gdqkv, 2))) << "rms_norm_bwd must leave channel 2 of dqkv untouched" << tag;
-          if (dqw.defined()) expect_close(gdqw, dqw, 1e-5, "rms_norm_bwd dq_norm_w" + tag);
-          if (dkw.defined()) expect_close(gdkw, dkw, 1e-5, "rms_norm_bwd dk_norm_w" + tag);
+          if (dqw.defined()) expect_close(gdqw, dqw, tol::f32, "rms_norm_bwd dq_norm_w" + tag);
+          if (dkw.defined()) expect_close(gdkw, dkw, tol::f32, "rms_norm_bwd dk_norm_w" + tag);
           // One stream per call (as the layer runs them): bitwise the two-stream call, channel 2 untouched.
           Tensor sdqkv = poisoned(in.qkv.shape(), dt), sdqw, sdkw;
           if (gdqw.defined()) sdqw = poisoned({d.C()}, DType::f32);
@@ -363,17 +363,17 @@ void check_layer(Precision precision, DType dtype, double tol, uint64_t seed) {
 
 TEST(CudaLayer, IeeeF32MatchesF64Layer) {
   REQUIRE_GPU();
-  check_layer(Precision::ieee, DType::f32, 1e-5, 1000);
+  check_layer(Precision::ieee, DType::f32, tol::f32, 1000);
 }
 
 TEST(CudaLayer, Bf16MatchesF64Layer) {
   REQUIRE_GPU();
-  check_layer(Precision::automatic, DType::bf16, 1e-2, 2000);
+  check_layer(Precision::automatic, DType::bf16, tol::bf16_vs_f64, 2000);
 }
 
 TEST(CudaLayer, Tf32MatchesF64Layer) {
   REQUIRE_GPU();
-  check_layer(Precision::tf32, DType::f32, 5e-3, 3000);
+  check_layer(Precision::tf32, DType::f32, tol::tf32, 3000);
 }
 
 TEST(CudaLayer, TwoRunsBitwiseIdentical) {

@@ -2,8 +2,8 @@
 // their CPU twins on the same seeded inputs, outputs poisoned before launch.
 // Skips without a device (and in builds without CUDA).
 //
-// Tolerances: f32 1e-5 relative (different summation orders / FMA on the
-// device, f32 rounding); bf16 1e-2 (outputs rounded to 8 mantissa bits, and
+// Tolerances (util/tolerance.h): f32 tol::f32 (different summation orders / FMA on the
+// device, f32 rounding); bf16 tol::bf16_vs_f64 (outputs rounded to 8 mantissa bits, and
 // cuBLAS may order the f32 accumulation differently before that rounding).
 #include "gdncp/nn.h"
 #include "gdncp/optim.h"
@@ -15,7 +15,7 @@ namespace {
 
 #if GDNCP_WITH_CUDA
 
-double tol_for(DType dt) { return dt == DType::f32 ? 1e-5 : 1e-2; }
+double tol_for(DType dt) { return dt == DType::f32 ? test::tol::f32 : test::tol::bf16_vs_f64; }
 
 #define SKIP_WITHOUT_CUDA() \
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device"
@@ -81,7 +81,7 @@ TEST_P(NnCuda, ElementwiseTwinsMatchCpu) {
   Tensor l_cpu = Tensor::empty({1}, DType::f32), l = poisoned({1}, DType::f32);
   cpu::mse_fwd(l_cpu, x, target, 1.0 / 1000);
   cuda::mse_fwd(l, xd, target.to(Device::cuda), 1.0 / 1000);
-  EXPECT_TRUE(test::close_rel(l, l_cpu, 1e-6, "mse_fwd"));  // both sum in f64, one f32 rounding
+  EXPECT_TRUE(test::close_rel(l, l_cpu, test::tol::f32_short, "mse_fwd"));  // both sum in f64, one f32 rounding
   const Tensor dl = Tensor::full({1}, 0.7, DType::f32);
   Tensor dp_cpu = Tensor::empty({A, R, S}, dt), dp = poisoned({A, R, S}, dt);
   cpu::mse_bwd(dp_cpu, dl, x, target, 1.0 / 1000);
@@ -108,7 +108,7 @@ TEST(NnCudaOps, ForwardBackwardThroughTheTapeMatchCpuAndRepeatBitwise) {
   const auto ref = run(Device::cpu), a = run(Device::cuda), b = run(Device::cuda);
   const char* names[] = {"loss", "dx", "dw", "dwg"};
   for (size_t i = 0; i < ref.size(); ++i) {
-    EXPECT_TRUE(test::close_rel(a[i], ref[i], 1e-5, names[i]));
+    EXPECT_TRUE(test::close_rel(a[i], ref[i], test::tol::f32, names[i]));
     EXPECT_TRUE(test::bitwise_equal(a[i], b[i])) << names[i] << " differs between two CUDA runs";
   }
 }
@@ -130,8 +130,8 @@ TEST(NnCudaOps, AdamWMatchesCpu) {
     oc.step(0.5);
     od.step(0.5);
   }
-  EXPECT_TRUE(test::close_rel(pd.detach(), pc.detach(), 1e-6, "param"));
-  EXPECT_TRUE(test::close_rel(od.exp_avg_sq()[0], oc.exp_avg_sq()[0], 1e-5, "v"));
+  EXPECT_TRUE(test::close_rel(pd.detach(), pc.detach(), test::tol::f32_short, "param"));
+  EXPECT_TRUE(test::close_rel(od.exp_avg_sq()[0], oc.exp_avg_sq()[0], test::tol::f32, "v"));
 }
 
 TEST(NnCudaOps, F64OnCudaIsRejected) {

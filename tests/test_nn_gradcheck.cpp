@@ -1,5 +1,5 @@
 // tests/test_nn_gradcheck.cpp — the generic ops of gdncp/nn.h on the CPU:
-// f64 central-difference gradchecks (≤ 1e-6 relative), forwards against
+// f64 central-difference gradchecks (≤ tol::gradcheck relative), forwards against
 // independent naive loops, and bad input naming the argument.
 #include <cmath>
 #include <string>
@@ -10,8 +10,6 @@
 namespace gdncp {
 namespace {
 
-constexpr double kGradTol = 1e-6;  // f64 central differences, step 1e-6: truncation ~1e-10, rounding ~1e-10
-
 Tensor rnd(const Shape& s, uint64_t seed, double stddev = 1.0) {
   return Tensor::randn(s, DType::f64, Device::cpu, seed, stddev).requires_grad_();
 }
@@ -19,11 +17,28 @@ Tensor rnd(const Shape& s, uint64_t seed, double stddev = 1.0) {
 void expect_gradcheck(const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& fn,
                       const std::vector<Tensor>& inputs) {
   const test::GradcheckResult r = test::gradcheck(fn, inputs);
-  EXPECT_LE(r.max_rel_error, kGradTol) << r.report;
+  EXPECT_LE(r.max_rel_error, test::tol::gradcheck) << r.report;
   EXPECT_GT(r.max_rel_error, 0.0) << "gradcheck compared nothing:\n" << r.report;
 }
 
 // --- gradchecks ---------------------------------------------------------------------------
+
+// A gradcheck that compared no element fails: an empty selection (max_elems 0)
+// and inputs of which none requires grad both give +inf, whatever fn does.
+TEST(NnGradcheck, GradcheckOverEmptySelectionFails) {
+  const auto fn = [](const std::vector<Tensor>& in) { return std::vector<Tensor>{nn::sigmoid(in[0])}; };
+  const test::GradcheckResult none = test::gradcheck(fn, {rnd({3, 4}, 5)}, 1e-6, /*max_elems=*/0);
+  EXPECT_EQ(none.elements_checked, 0);
+  EXPECT_FALSE(none.max_rel_error <= test::tol::gradcheck) << none.report;
+  const Tensor frozen = Tensor::randn({3, 4}, DType::f64, Device::cpu, 6);  // requires no grad
+  const test::GradcheckResult frozen_only = test::gradcheck(fn, {frozen});
+  EXPECT_EQ(frozen_only.elements_checked, 0);
+  EXPECT_FALSE(frozen_only.max_rel_error <= test::tol::gradcheck) << frozen_only.report;
+  // The same check over a real selection passes.
+  const test::GradcheckResult some = test::gradcheck(fn, {rnd({3, 4}, 5)});
+  EXPECT_EQ(some.elements_checked, 12);
+  EXPECT_LE(some.max_rel_error, test::tol::gradcheck) << some.report;
+}
 
 TEST(NnGradcheck, MatmulGradcheck) {
   for (const Shape& xs : {Shape{7, 5}, Shape{2, 3, 5}, Shape{1, 5}}) {
@@ -121,7 +136,7 @@ TEST(NnOps, MatmulMatchesNaiveLoopF32AndBf16) {
     ASSERT_EQ(y.shape(), (Shape{2, 3, N}));
     ASSERT_EQ(y.dtype(), dt);
     // f32: accumulation rounding ~K·2^-24; bf16: one output rounding 2^-9.
-    const double tol = dt == DType::f32 ? 1e-6 : 8e-3;
+    const double tol = dt == DType::f32 ? test::tol::f32_short : test::tol::bf16_matmul;
     EXPECT_TRUE(
         test::close_rel(y.to(DType::f64), Tensor::from_vector(ref, {2, 3, N}, DType::f64), tol, dtype_name(dt)));
   }
@@ -139,17 +154,17 @@ TEST(NnOps, ElementwiseForwardsMatchFormulas) {
       for (int64_t n = 0; n < 5; ++n) {
         const double v = xv[(a * 4 + m) * 5 + n];
         s += v;
-        EXPECT_NEAR(sg[(a * 4 + m) * 5 + n], 1.0 / (1.0 + std::exp(-v)), 1e-15);
+        EXPECT_NEAR(sg[(a * 4 + m) * 5 + n], 1.0 / (1.0 + std::exp(-v)), test::tol::f64_rounding);
         EXPECT_EQ(tr[(a * 5 + n) * 4 + m], v);
       }
-      EXPECT_NEAR(fm[a * 4 + m], s / 5, 1e-15);
+      EXPECT_NEAR(fm[a * 4 + m], s / 5, test::tol::f64_rounding);
     }
   const Tensor t = Tensor::randn({3, 4, 5}, DType::f64, Device::cpu, 112);
   const std::vector<double> tv = t.to_vector();
   double sq = 0;
   for (size_t i = 0; i < xv.size(); ++i) sq += (xv[i] - tv[i]) * (xv[i] - tv[i]);
-  EXPECT_NEAR(nn::mse_loss(x, t).item(), sq / 60, 1e-14);
-  EXPECT_NEAR(nn::mse_loss(x, t, 600).item(), sq / 600, 1e-15);
+  EXPECT_NEAR(nn::mse_loss(x, t).item(), sq / 60, test::tol::f64_sum);
+  EXPECT_NEAR(nn::mse_loss(x, t, 600).item(), sq / 600, test::tol::f64_rounding);
   const std::vector<double> ad = nn::add(x, t).to_vector();
   for (size_t i = 0; i < xv.size(); ++i) EXPECT_EQ(ad[i], xv[i] + tv[i]);
 }
@@ -172,8 +187,8 @@ TEST(NnOps, Bf16OpsMatchF32WithinBf16Rounding) {
   const Tensor x = Tensor::randn({2, 6, 7}, DType::f32, Device::cpu, 131);
   const Tensor xb = x.to(DType::bf16);
   // bf16 keeps 8 bits of mantissa: one rounding on input and output, ~2^-8 relative.
-  EXPECT_TRUE(test::close_rel(nn::sigmoid(xb), nn::sigmoid(x), 1e-2, "sigmoid"));
-  EXPECT_TRUE(test::close_rel(nn::frame_mean(xb), nn::frame_mean(x), 1e-2, "frame_mean"));
+  EXPECT_TRUE(test::close_rel(nn::sigmoid(xb), nn::sigmoid(x), test::tol::bf16_vs_f64, "sigmoid"));
+  EXPECT_TRUE(test::close_rel(nn::frame_mean(xb), nn::frame_mean(x), test::tol::bf16_vs_f64, "frame_mean"));
   EXPECT_TRUE(test::bitwise_equal(nn::transpose_last2(xb), nn::transpose_last2(x).to(DType::bf16)));
   EXPECT_NEAR(nn::mse_loss(xb, xb).item(), 0.0, 0.0);
 }

@@ -1,13 +1,13 @@
-// fp64 central-difference gradient checks (max relative error <= 1e-6) of
+// fp64 central-difference gradient checks (max relative error <= tol::gradcheck_scan) of
 //  - every fine-grained op of gdncp/ops.h,
 //  - every pair of CPU kernel twins (forward + backward twin wrapped here as one
 //    autograd node): prep + phase A, the bidirectional scan, prep + phase C in
 //    divide and raw mode (the RMSNorm twins rms_stats/rms_norm_bwd ride along
 //    in the prep chains),
 //  - the whole layer bigdn (with, without and with one norm weight, checkpoint on).
-// Shapes cover D ∈ {12, 24, 112}, S = 1, F = 1 and B·H > 1. The tolerance is
-// the bar; fp64 central differences with step 1e-6 are accurate to
-// ~1e-9 relative on these smooth, well-conditioned inputs.
+// Shapes cover D ∈ {12, 24, 112}, S = 1, F = 1 and B·H > 1. fp64 central
+// differences with step 1e-6 are accurate to ~1e-9 relative on these smooth,
+// well-conditioned inputs.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -22,7 +22,7 @@ namespace gdncp {
 namespace test {
 namespace {
 
-constexpr double kTol = 1e-6;
+constexpr double kTol = tol::gradcheck_scan;
 const DType f64 = DType::f64;
 const Device cpu_dev = Device::cpu;
 

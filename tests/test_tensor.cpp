@@ -69,7 +69,7 @@ TEST(Tensor, ConversionsAndCopies) {
   Tensor a = Tensor::randn({4, 5}, DType::f64, Device::cpu, 1);
   Tensor f = a.to(DType::f32);
   EXPECT_EQ(f.dtype(), DType::f32);
-  EXPECT_LE(test::rel_l2(f, a), 1e-7);
+  EXPECT_LE(test::rel_l2(f, a), test::tol::f32_rounding);
   Tensor c = a.clone();
   EXPECT_NE(c.data(), a.data());
   EXPECT_TRUE(test::bitwise_equal(a, c));

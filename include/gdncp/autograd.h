@@ -125,7 +125,7 @@ size_t tape_size();
 // Drops this thread's tape (releases every node on it) without a backward.
 void clear_tape();
 
-// --- checkpointing (SPEC §7) -----------------------------------------------
+// --- checkpointing (docs/design.md §7) -----------------------------------------------
 enum class Checkpoint { off, on, automatic };
 const char* checkpoint_name(Checkpoint mode);
 // automatic -> on iff grad mode is on and some input requires grad.

@@ -1,4 +1,4 @@
-// gdncp/bigdn.h — the single-rank bidirectional gated-delta-net layer (SPEC §1-5).
+// gdncp/bigdn.h — the single-rank bidirectional gated-delta-net layer (docs/design.md §1-5).
 //
 //   q̂, k̂   = full-channel RMSNorm of q, k over C = H·D channels (times the norm weight)
 //   q⁺ = relu(q̂), k⁺ = relu(k̂)·k_scale, qʳ = rope(q⁺), kʳ = rope(k⁺)
@@ -20,7 +20,7 @@
 // on one device. D even, 2..128; f64 is CPU-only.
 //
 // Gradients flow to qkv, beta, decay and the present norm weights.
-// Throws gdncp::Error naming the argument for any bad input (SPEC §9).
+// Throws gdncp::Error naming the argument for any bad input (docs/design.md §9).
 #pragma once
 
 #include <cstdint>
@@ -30,8 +30,11 @@
 
 namespace gdncp {
 
-// Matrix-unit mode of the CUDA kernels (SPEC §8). The CPU computes exactly in
-// f32 (bf16/f32 inputs) or f64 whatever the mode.
+// Matrix-unit mode of the CUDA kernels (docs/design.md §8). The CPU computes in
+// f32 (bf16/f32 inputs) or f64: exactly so in ieee and tf32 modes (it has no
+// tensor cores to round operands for); in bf16 mode (automatic with bf16 input)
+// it stores dq̂ and dk̂ (dL/dq̂, dL/dk̂) in bf16 as the CUDA path does, so the q, k
+// and norm-weight gradients carry that rounding.
 enum class Precision {
   automatic,  // bf16 operands for bf16 input, IEEE f32 for f32 input
   bf16,       // bf16 tensor-core operands, f32 accumulation
@@ -62,7 +65,7 @@ Tensor bigdn_unfused(const Tensor& qkv, const Tensor& beta, const Tensor& decay,
                      const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
                      const BigdnOptions& options = {});
 
-// Standard RoPE tables for the pair layout of SPEC §2 (sin carries the sign),
+// Standard RoPE tables for the pair layout of docs/design.md §2 (sin carries the sign),
 // position of token n = n + offset, frequency base^(-2i/D) for pair i.
 // Returns {cos, sin}, each (N, D) in dtype (f32 or f64), on device.
 std::pair<Tensor, Tensor> rope_tables(int64_t N, int64_t D, DType dtype, Device device, int64_t offset = 0,

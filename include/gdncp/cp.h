@@ -1,5 +1,5 @@
 // gdncp/cp.h — context parallelism: communicators, the distributed frame scan
-// and the CP layers (SPEC §6-7).
+// and the CP layers (docs/design.md §6-7).
 //
 // Rank r of a CP group of P ranks holds the F_r ≥ 0 consecutive frames
 // [o_r, o_r + F_r) of a global sequence of F_total = Σ F_r frames, o_r =
@@ -27,13 +27,10 @@
 // rank holding 0 frames — raises gdncp::Error on EVERY rank (naming the
 // argument and the rank), never a hang or garbage. F_r may differ.
 //
-// Checkpointing (BigdnOptions::checkpoint, SPEC §7): `on` keeps only the
+// Checkpointing (BigdnOptions::checkpoint, docs/design.md §7): `on` keeps only the
 // inputs and recomputes in backward. The recompute issues no collective: the
 // gathered composites (O(P·BH·D²)) are kept from the forward, so it cannot
 // deadlock and gives bitwise the same gradients as `off`.
-//
-// OWNER: the CP helper (branch cp). This file is the contract with the trainer;
-// declarations may gain parameters but keep these names.
 #pragma once
 
 #include <mpi.h>
@@ -154,11 +151,11 @@ struct CpOptions {
   int64_t truncate_to_active = 0;
 };
 
-// --- the distributed frame scan (SPEC §6) -----------------------------------
+// --- the distributed frame scan (docs/design.md §6) -----------------------------------
 // Per frame t (global order): W_t = g_t (I − P_t),
 //   M_t = W_t M_{t−1} + A_t   (KV, D×D, M indexed [key][value] as in bigdn.h)
 //   z_t = Wz_t z_{t−1} + b_t  (Z, D),  Wz_t = g_t (I − Pz_t),  M_{−1} = z_{−1} = 0.
-// Note [state convention]: SPEC §6 writes the KV scan right-multiplied
+// Note [state convention]: docs/design.md §6 writes the KV scan right-multiplied
 // (S = Mᵀ); here the KV state is scanned left-multiplied in M, the layout the
 // kernels use — the same algorithm transposed, no adapter needed.
 //
@@ -177,7 +174,7 @@ struct ScanResult {
 ScanResult cp_scan(Communicator& comm, const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz,
                    const Tensor& decay, const CpOptions& options = {}, const Tensor& clip_starts = Tensor());
 
-// The bidirectional scan of SPEC §4 over the global sequence: returns
+// The bidirectional scan of docs/design.md §4 over the global sequence: returns
 // {M + M̃, z + z̃} for this rank's frames, equal to ops::bidi_scan on the
 // gathered sequence. The anti-causal half is the rank-reversed scan of the
 // flipped frames shifted by one frame; both halves' composites travel in one
@@ -203,7 +200,7 @@ Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const
                 const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
                 const BigdnOptions& options = {}, const Tensor& clip_starts = Tensor());
 
-// Raw single direction (seed 002 cp_fused_gdn_chunkwise_raw_autograd): Prep
+// Raw single direction (the Python reference's cp_fused_gdn_chunkwise_raw_autograd): Prep
 // (RMSNorm + relu + k_scale + RoPE + phase A) → CP scan → Output (phase C),
 // without the divide. num (B, N, H, D), den (B, H, N) in the compute dtype
 // (f32, f64 for f64 input); with truncate_to_active the terminal states
@@ -218,7 +215,7 @@ RawResult cp_gdn_raw(Communicator& comm, const Tensor& qkv, const Tensor& beta, 
                      int64_t F, int64_t S, const BigdnOptions& options = {}, const CpOptions& cp_options = {},
                      const Tensor& clip_starts = Tensor());
 
-// Camera branch, numerator only (seed 002 cp_fused_cam_gdn_num_autograd).
+// Camera branch, numerator only (the Python reference's cp_fused_cam_gdn_num_autograd).
 // q, k, v (B, H, D, N) already rotated; beta (B, H, F, S) or (B, H, F) (one
 // gate per frame); decay (B, H, F); all one float dtype (bf16, f32, f64).
 // Per frame: W = g (I − Σ_s β_s k_s k_sᵀ), U = Σ_s β_s v_s k_sᵀ (right-multiply

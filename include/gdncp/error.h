@@ -2,7 +2,7 @@
 //
 // Every public entry validates its arguments before any work is launched and
 // throws gdncp::Error whose message names the argument and says why
-// (SPEC §9). Failures of CUDA, cuBLAS, NCCL and MPI calls surface as the same
+// (docs/design.md §9). Failures of CUDA, cuBLAS, NCCL and MPI calls surface as the same
 // exception, naming the failed call. Nothing here aborts the process.
 #pragma once
 
@@ -12,7 +12,8 @@
 
 namespace gdncp {
 
-// The only exception type gdncp throws. what() reads "file:line: message".
+// The only exception type gdncp throws. what() reads "file:line: message",
+// the file relative to the source root (src/kernels/x.cpp).
 class Error : public std::runtime_error {
  public:
   explicit Error(const std::string& what) : std::runtime_error(what) {}
@@ -27,10 +28,24 @@ void append(std::ostringstream& os, const T& first, const Rest&... rest) {
   append(os, rest...);
 }
 
+// __FILE__ as the build gave it, less leading "./" and "../": the build maps
+// the source root away (-ffile-prefix-map), a compiler cache may leave the
+// path relative to the build directory instead.
+inline const char* source_relative(const char* file) {
+  for (;;) {
+    if (file[0] == '.' && file[1] == '/')
+      file += 2;
+    else if (file[0] == '.' && file[1] == '.' && file[2] == '/')
+      file += 3;
+    else
+      return file;
+  }
+}
+
 template <typename... Args>
 [[noreturn]] void fail(const char* file, int line, const Args&... args) {
   std::ostringstream os;
-  os << file << ":" << line << ": ";
+  os << source_relative(file) << ":" << line << ": ";
   append(os, args...);
   throw Error(os.str());
 }

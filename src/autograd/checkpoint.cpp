@@ -1,4 +1,4 @@
-// src/autograd/checkpoint.cpp — activation checkpointing (SPEC §7).
+// src/autograd/checkpoint.cpp — activation checkpointing (docs/design.md §7).
 //
 // Forward runs fn with grad mode off, so none of its intermediates is saved;
 // one CheckpointNode keeps only the inputs. Its backward re-runs fn with grad

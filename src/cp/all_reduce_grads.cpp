@@ -1,5 +1,5 @@
 // src/cp/all_reduce_grads.cpp — sums parameter gradients over the CP group
-// (SPEC §7: the norm-weight gradients of the CP layers are partial per rank).
+// (docs/design.md §7: the norm-weight gradients of the CP layers are partial per rank).
 //
 // The defined gradients are packed per dtype into one buffer each and summed
 // with one all-reduce per dtype (usually one: f32). Which gradients are

@@ -1,8 +1,8 @@
 // src/cp/cp_cam.cpp — the camera branch, numerator only (gdncp/cp.h
-// cp_cam_gdn_num; seed 002 cp_fused_cam_gdn_num_autograd).
+// cp_cam_gdn_num; the Python reference's cp_fused_cam_gdn_num_autograd).
 //
 // One autograd node: camera phase A (Pc = Σ β k kᵀ, Ac = Σ β k vᵀ per frame)
-// → the CP KV scan (Note [CP scan]; no Z stream) → out_s = M_fᵀ q_s. The seed
+// → the CP KV scan (Note [CP scan]; no Z stream) → out_s = M_fᵀ q_s. The Python reference
 // scans S = Mᵀ right-multiplied (S_t = S_{t−1} W + U, W = g (I − Σ β k kᵀ),
 // U = Σ β v kᵀ, out = S q); Pc is symmetric, so that is this scan transposed.
 //

@@ -1,6 +1,6 @@
 // src/cp/cp_cuda.cuh — the tile building blocks of the CUDA twins of the CP
 // kernels (scan.cu, cam.cu); the device helpers (stream, tensor views, cp.async,
-// reductions) are those of kernels/cuda_common.cuh. All arithmetic is f32 (SPEC §8:
+// reductions) are those of kernels/cuda_common.cuh. All arithmetic is f32 (docs/design.md §8:
 // the scan state, its products and the merge run in f32); inputs may be bf16 or f32.
 //
 // Note [row threads]. The state-like products here are A (D×D) times a block

@@ -8,7 +8,7 @@
 // Argument order: outputs, inputs, sizes/flags. CUDA twins run on
 // gdncp::current_stream().
 //
-// Note [scan step]. The frame scans of SPEC §4/§6 are all sweeps of one step
+// Note [scan step]. The frame scans of docs/design.md §4/§6 are all sweeps of one step
 // over frames, on a state Y of D×E (E = D for KV, 1 for Z), with the per-frame
 // transition G_t = g_t (I − P_t) applied on the left:
 //     1. Y += Vb_t                       (add_before, optional)
@@ -24,7 +24,7 @@
 // Their adjoints:      the reverse order with op = transpose and the state
 //                      gradient added before (forward) or after (anti) the step.
 //
-// Note [clip cuts]. A clip mask c (B, F) (SPEC §4a; c_t ≠ 0: frame t of row
+// Note [clip cuts]. A clip mask c (B, F) (docs/design.md §4a; c_t ≠ 0: frame t of row
 // bh / H begins a clip) cuts the sweep at its active frames: Y = 0 at the
 // start of step t (Cut::before, before step 1) or at its end (Cut::after,
 // after step 4, before step 5). Every sweep reads c_t of its own frame t:
@@ -132,7 +132,7 @@ struct CamDims {
   /* Independent groups of scan_grad_outer (each group its own dP and dg tensors): one launch on CUDA.                   \
      Per (bh, t): Gr = Σ over the group's sources; dP (=, +=) −g Gr, dg += ⟨Gr, I − P⟩. */                      \
   void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D);         \
-  /* Corrections X_t += C_t · v for all (bh, t) at once (SPEC §6 step 5): X (BH, F, D, E), C (BH, F, D, D) (cumulative \
+  /* Corrections X_t += C_t · v for all (bh, t) at once (docs/design.md §6 step 5): X (BH, F, D, E), C (BH, F, D, D) (cumulative \
      transition products), v (BH, D, E). Independent corrections: one launch on CUDA. */                                 \
   void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D);                                      \
   /* Independent folds: one launch on CUDA. */                                                                           \

@@ -1,6 +1,6 @@
 // src/cp/cp_scan.cpp — the differentiable CP scans of gdncp/cp.h: cp_scan
 // (one direction, KV + Z, with reverse_rank_order and truncate_to_active) and
-// cp_bidi_scan (both directions, SPEC §4 on the global sequence). Each is one
+// cp_bidi_scan (both directions, docs/design.md §4 on the global sequence). Each is one
 // autograd node over the scan engine (Note [CP scan], scan_engine.h).
 //
 // Gradients: P, A, Pz, bz in the compute dtype, decay in its dtype; all

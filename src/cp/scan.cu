@@ -577,13 +577,11 @@ int sm_count() {
   return counts[static_cast<size_t>(dev)];
 }
 
-// Note [eight columns]. Measured on one H200 (2026-12-01, B·H = 20, D = 112,
-// bidirectional layer, ncu): 16-column slices took 221 registers and issued at
-// 0.37 warps per scheduler with 1.4 resident; 8-column slices take 128 and the
-// sweeps of one forward+backward went 926 → 753 µs over 22 frames on one rank
-// and 576 → 456 µs for one rank of two (11 frames). What remains is latency:
-// 5–7 cycles between a warp's instructions, a third of it at the ring's
-// barriers in the transposed sweeps.
+// Note [eight columns]. At D = 112 on an H200, 16-column slices need 221
+// registers and keep too few warps resident to hide the ring's latency;
+// 8-column slices need 128 and make the sweeps about a fifth faster. What
+// remains is latency: cycles between a warp's instructions, a third of it at
+// the ring's barriers in the transposed sweeps.
 //
 // Slices per block (Note [warp tiles]): one warp per block while the launch
 // holds at most one warp per SM sub-partition; beyond that 2, then 4, so the
@@ -760,7 +758,7 @@ void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, c
 // to run on one device and stream). Row-major through column-major as in
 // matmul.cu: Xᵀ (E, F·D) += vᵀ (E, D) · Cᵀ (D, F·D). A Z correction (E = 1) is a
 // matrix-vector product per frame: correct_z_kernel. (A 3×TF32 tensor-core kernel
-// for the KV corrections, tried on 2026-12-01, took 46 µs against cuBLAS's 30.)
+// for the KV corrections was slower than cuBLAS's f32 GEMM.)
 void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D) {
   GDNCP_CHECK(D >= 1 && D <= kRowThreads, "cp cuda correct: D = ", D, " must be in [1, ", kRowThreads, "]");
   GDNCP_CHECK(BH <= INT32_MAX && F * D <= INT32_MAX, "cp cuda correct: B·H = ", BH, ", F·D = ", F * D,

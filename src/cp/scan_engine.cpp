@@ -195,7 +195,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   }
   run_folds(fs, BH, D);
 
-  // 4. The correction of SPEC §6, all frames at once: Y_t = Y_loc,t + Wcum_t X0.
+  // 4. The correction of docs/design.md §6, all frames at once: Y_t = Y_loc,t + Wcum_t X0.
   std::vector<Correction> cs;
   for (size_t i = 0; i < jobs.size(); ++i)
     if (cum[i].defined()) cs.push_back(Correction{jobs[i].Y, cum[i], jobs[i].X0, jobs[i].E});

@@ -1,4 +1,4 @@
-// src/cp/scan_engine.h — the distributed frame scan of SPEC §6, forward and
+// src/cp/scan_engine.h — the distributed frame scan of docs/design.md §6, forward and
 // backward, for several scans ("jobs") that share one all-gather.
 //
 // Note [CP scan]. Each job scans Y_t = G_t Y_{t−1} + U_t (G_t = g_t (I − P_t),
@@ -12,7 +12,7 @@
 //   3. the incoming state X0 = fold over the logically earlier ranks of
 //      X ← M_j X + h_j (and the terminal state, with truncation, the fold over
 //      all ranks: identical on every rank, no broadcast needed);
-//   4. the local rescan from X0. (SPEC §6 writes step 5 as the correction
+//   4. the local rescan from X0. (docs/design.md §6 writes step 5 as the correction
 //      S_loc[t] + X0·Wcum[t]; rescanning from X0 is the same linear map, costs
 //      the same and needs no cumulative products kept per frame.)
 // Backward, per job, with λ the state adjoint:

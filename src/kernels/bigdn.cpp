@@ -156,7 +156,7 @@ Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const T
              const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options) {
   const Dims d =
       validate_bigdn_inputs("bigdn", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
-  // Per stream, as SPEC §1 says ("absent ⇒ no RMSNorm"): the seed normalises both when either weight is given.
+  // Per stream, as docs/design.md §1 says ("absent ⇒ no RMSNorm"): the Python reference normalises both when either weight is given.
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
   const autograd::RecomputeFunction fn = [d, options](const std::vector<Tensor>& x, bool recompute) {
     return std::vector<Tensor>{bigdn_fused(x, d, options, /*write_out=*/!recompute)};

@@ -226,7 +226,7 @@ void store_qkv_channel(Tensor& qkv_like, int64_t c, const std::vector<T>& src, i
   });
 }
 
-// --- token prep (SPEC §2) --------------------------------------------------
+// --- token prep (docs/design.md §2) --------------------------------------------------
 // One head's row of q or k: x̂ = x·r·w (w may be null = 1), x⁺ = relu(x̂)·scale,
 // xʳ[d] = x⁺[d]·cos[d] + x⁺[d^1]·sin[d]. Any output pointer may be null.
 template <typename T>

@@ -231,7 +231,7 @@ __device__ __forceinline__ void store_f(__nv_bfloat16* p, int64_t i, float v) { 
     }                                                                                   \
   } while (0)
 
-// --- the qkv layout (B, N, 3, H, D) and the token prep (SPEC §2) ---------------
+// --- the qkv layout (B, N, 3, H, D) and the token prep (docs/design.md §2) ---------------
 __host__ __device__ __forceinline__ int64_t qkv_index(int64_t b, int64_t n, int c, int h, int d, int64_t N, int H,
                                                       int D) {
   return ((b * N + n) * 3 + c) * static_cast<int64_t>(H) * D + static_cast<int64_t>(h) * D + d;

@@ -73,7 +73,7 @@ inline DType grad_hat_dtype(MathMode mode, DType qkv_dtype) {
                    const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, const Tensor& beta,       \
                    const Dims& d, double k_scale, MathMode mode);                                                   \
                                                                                                                     \
-  /* Bidirectional scan (SPEC §4). Overwrites Mf (forward inclusive states), Mr (reverse, strictly later),          \
+  /* Bidirectional scan (docs/design.md §4). Overwrites Mf (forward inclusive states), Mr (reverse, strictly later),          \
      Msum = Mf + Mr, all (BH, F, D, D); zf, zr, zsum (BH, F, D). decay (B, H, F) any float dtype. */                 \
   void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,    \
                      const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Dims& d);       \

@@ -1,4 +1,4 @@
-// src/kernels/layer_prep.h — the Prep stage of the layer (SPEC §2-3) over the
+// src/kernels/layer_prep.h — the Prep stage of the layer (docs/design.md §2-3) over the
 // kernel twins (kernels.h), shared by the single-rank layer (bigdn.cpp) and
 // the CP layers (cp_layers.cpp), which differ only in the scan between Prep
 // and Output.

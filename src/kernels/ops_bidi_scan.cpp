@@ -1,5 +1,5 @@
 // src/kernels/ops_bidi_scan.cpp — ops::bidi_scan, the single-rank bidirectional
-// frame scan (SPEC §4), one autograd node, plain loops.
+// frame scan (docs/design.md §4), one autograd node, plain loops.
 //
 // With the transition T_f = g_f (I − P_f) (and Tz_f = g_f (I − Pz_f)):
 //   X_f = T_f X_{f−1} + A_f (X_{−1} = 0),   Y_f = T_{f+1} Y_{f+1} + A_{f+1} (Y_{F−1} = 0),   M = X + Y

@@ -1,5 +1,5 @@
 // src/kernels/ops_output_divide.cpp — ops::output_divide, out = num / (den + eps)
-// (SPEC §5), one autograd node.
+// (docs/design.md §5), one autograd node.
 //
 //   out[b,n,h,j] = num[b,n,h,j] / (den[b,h,n] + eps)
 //   dnum = dout / (den + eps),   dden[b,h,n] = −Σ_j dout_j num_j / (den + eps)²

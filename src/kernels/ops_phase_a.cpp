@@ -1,4 +1,4 @@
-// src/kernels/ops_phase_a.cpp — ops::phase_a, the per-frame matrices (SPEC §3),
+// src/kernels/ops_phase_a.cpp — ops::phase_a, the per-frame matrices (docs/design.md §3),
 // one autograd node, plain loops.
 //
 //   P[i][j] = Σ_s β_s kʳ_s[i] kʳ_s[j],  A[i][j] = Σ_s β_s kʳ_s[i] v_s[j]

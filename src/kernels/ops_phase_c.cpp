@@ -1,4 +1,4 @@
-// src/kernels/ops_phase_c.cpp — ops::phase_c, the per-token readout (SPEC §5),
+// src/kernels/ops_phase_c.cpp — ops::phase_c, the per-token readout (docs/design.md §5),
 // one autograd node, plain loops.
 //
 //   num_s[j] = Σ_i qʳ_s[i] M_f[i][j],   den_s = Σ_i q⁺_s[i] z_f[i]      (s in frame f)

@@ -1,5 +1,5 @@
 // src/kernels/ops_relu_rope.cpp — ops::relu_rope: relu, k_scale and RoPE on the q
-// and k channels of qkv_hat (SPEC §2.2-3), one autograd node, plain loops.
+// and k channels of qkv_hat (docs/design.md §2.2-3), one autograd node, plain loops.
 //
 //   q⁺ = relu(q̂),  k⁺ = relu(k̂)·k_scale,  xʳ[d] = x⁺[d]·cos[d] + x⁺[d^1]·sin[d]
 // Backward (g⁺, gʳ the gradients of x⁺, xʳ):

@@ -1,5 +1,5 @@
 // src/kernels/ops_rms_norm.cpp — ops::rms_norm, the full-channel RMSNorm of q and k
-// (SPEC §2.1) as one autograd node. A plain-loop coding, independent of the
+// (docs/design.md §2.1) as one autograd node. A plain-loop coding, independent of the
 // fused kernels, used to cross-check them.
 //
 //   x̂_c = x_c·r·w_c,  r = (Σ_c x_c²/C + norm_eps)^(−1/2)  over the C = H·D channels of a token

@@ -1,5 +1,5 @@
-// src/kernels/phase_a.cu — CUDA twin of phase A (SPEC §3) with the k prep
-// (SPEC §2: RMSNorm apply, relu, k_scale, RoPE) fused into the load of qkv in
+// src/kernels/phase_a.cu — CUDA twin of phase A (docs/design.md §3) with the k prep
+// (docs/design.md §2: RMSNorm apply, relu, k_scale, RoPE) fused into the load of qkv in
 // its native (B, N, 3, H, D) layout.
 //
 // Forward, per (b, h, frame f), the frame's S tokens as rows:

@@ -1,5 +1,5 @@
-// src/kernels/phase_a_ref.cpp — CPU twin of phase A (SPEC §3) with the k prep
-// (SPEC §2) fused into the load.
+// src/kernels/phase_a_ref.cpp — CPU twin of phase A (docs/design.md §3) with the k prep
+// (docs/design.md §2) fused into the load.
 //
 // Forward, per (b, h, frame f), the frame's S tokens as rows:
 //   k̂ = k·r·w,  k⁺ = relu(k̂)·k_scale,  kʳ = rope(k⁺)

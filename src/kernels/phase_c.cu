@@ -1,5 +1,5 @@
-// src/kernels/phase_c.cu — CUDA twin of phase C (SPEC §5) with the q prep
-// (SPEC §2: RMSNorm apply, relu, RoPE) fused into the load of qkv in its
+// src/kernels/phase_c.cu — CUDA twin of phase C (docs/design.md §5) with the q prep
+// (docs/design.md §2: RMSNorm apply, relu, RoPE) fused into the load of qkv in its
 // native (B, N, 3, H, D) layout and the output divide fused into the store.
 //
 // Forward, token s of frame f:  q̂ = q·r·w,  q⁺ = relu(q̂),  qʳ = rope(q⁺)

@@ -1,5 +1,5 @@
-// src/kernels/phase_c_ref.cpp — CPU twin of phase C (SPEC §5) with the q prep
-// (SPEC §2) fused into the load and, in divide mode, the output divide fused
+// src/kernels/phase_c_ref.cpp — CPU twin of phase C (docs/design.md §5) with the q prep
+// (docs/design.md §2) fused into the load and, in divide mode, the output divide fused
 // into the store.
 //
 // Forward, token s of frame f:  q̂ = q·r·w,  q⁺ = relu(q̂),  qʳ = rope(q⁺)

@@ -1,5 +1,5 @@
 // src/kernels/rms_norm.cu — CUDA twin of the full-channel RMSNorm of q and k
-// (SPEC §2.1): the statistics pass (rms_stats, the only pass of its own; the
+// (docs/design.md §2.1): the statistics pass (rms_stats, the only pass of its own; the
 // apply is fused into the loads of phase A and phase C) and its backward.
 //
 //   r = 1/sqrt(mean_c x_c² + norm_eps),  x̂ = x·r·w

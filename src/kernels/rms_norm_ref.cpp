@@ -1,5 +1,5 @@
 // src/kernels/rms_norm_ref.cpp — CPU twin of the full-channel RMSNorm of q and k
-// (SPEC §2.1): the statistics pass (rms_stats) and its backward (rms_norm_bwd).
+// (docs/design.md §2.1): the statistics pass (rms_stats) and its backward (rms_norm_bwd).
 // The normalisation itself is fused into the loads of phase A (k) and phase C (q).
 //
 //   r = 1/sqrt(mean_c x_c² + norm_eps),  x̂ = x·r·w

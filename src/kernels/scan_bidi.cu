@@ -1,5 +1,5 @@
 // src/kernels/scan_bidi.cu — CUDA twin of the single-rank bidirectional frame
-// scan (SPEC §4), forward and backward, in plain f32 (SPEC §8: scan state,
+// scan (docs/design.md §4), forward and backward, in plain f32 (docs/design.md §8: scan state,
 // products and merge run in f32 whatever the matrix-unit mode).
 //
 // Forward, per (b, h):

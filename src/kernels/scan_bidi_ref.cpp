@@ -1,5 +1,5 @@
 // src/kernels/scan_bidi_ref.cpp — CPU twin of the single-rank bidirectional
-// frame scan (SPEC §4), forward and backward.
+// frame scan (docs/design.md §4), forward and backward.
 //
 // Forward (inclusive) and reverse (strictly later frames) states, per (b, h):
 //   Mf_f = g_f (I − P_f) Mf_{f−1} + A_f,          Mf_{−1} = 0

@@ -1,4 +1,4 @@
-// src/kernels/validate.cpp — argument checks of the BiGDN layer (SPEC §9).
+// src/kernels/validate.cpp — argument checks of the BiGDN layer (docs/design.md §9).
 #include "kernels/validate.h"
 
 #include <cmath>

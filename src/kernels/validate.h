@@ -1,4 +1,4 @@
-// src/kernels/validate.h — argument checks of the BiGDN layer entries (SPEC §9).
+// src/kernels/validate.h — argument checks of the BiGDN layer entries (docs/design.md §9).
 //
 // Every public entry calls this before any work. Each failure throws
 // gdncp::Error "<entry>: <argument>: <why>", naming the argument as the user

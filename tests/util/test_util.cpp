@@ -138,6 +138,7 @@ GradcheckResult gradcheck(const std::function<std::vector<Tensor>(const std::vec
   GradcheckResult result;
   std::ostringstream report;
   std::mt19937_64 rng(seed);
+  int64_t compared = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined() || !inputs[i].requires_grad()) continue;
     const int64_t n = inputs[i].numel();
@@ -161,6 +162,7 @@ GradcheckResult gradcheck(const std::function<std::vector<Tensor>(const std::vec
       numeric.push_back((lp - lm) / (2 * step));
       analytic.push_back(analytic_all[static_cast<size_t>(e)]);
     }
+    compared += static_cast<int64_t>(numeric.size());
     double diff = 0;
     for (size_t k = 0; k < numeric.size(); ++k) diff += (analytic[k] - numeric[k]) * (analytic[k] - numeric[k]);
     const double denom = std::max(norm2(numeric), norm2(analytic));
@@ -168,6 +170,12 @@ GradcheckResult gradcheck(const std::function<std::vector<Tensor>(const std::vec
     result.max_rel_error = std::max(result.max_rel_error, std::isnan(err) ? 1e300 : err);
     report << "input " << i << " " << inputs[i].str() << ": rel error " << err << " over " << idx.size()
            << " elements, |numeric| " << norm2(numeric) << "\n";
+  }
+  // A check that compared nothing proves nothing: it fails.
+  result.elements_checked = compared;
+  if (compared == 0) {
+    result.max_rel_error = std::numeric_limits<double>::infinity();
+    report << "gradcheck compared no element (no input requires grad, or all are empty)\n";
   }
   result.report = report.str();
   return result;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gdncp/gdncp.h"
+#include "util/tolerance.h"
 
 namespace gdncp {
 namespace test {
@@ -32,9 +33,11 @@ bool has_nonfinite(const Tensor& t);
 // Every input that requires grad is perturbed element by element
 // (all elements when numel ≤ max_elems, else max_elems of them chosen at random).
 // Returns the max over inputs of ‖analytic − numeric‖ / ‖numeric‖ over the
-// checked elements, and prints per-input errors on failure.
+// checked elements, and prints per-input errors on failure. When it compared
+// no element at all, max_rel_error is +inf: an empty check fails.
 struct GradcheckResult {
   double max_rel_error = 0;
+  int64_t elements_checked = 0;
   std::string report;  // one line per input
 };
 GradcheckResult gradcheck(const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& fn,

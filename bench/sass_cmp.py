@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Compares the machine code (SASS) of every kernel in two builds' object files, without
-cuobjdump: e.g. scripts/sass_cmp.py build-old/CMakeFiles build-cuda/CMakeFiles [-v].
+cuobjdump: e.g. bench/sass_cmp.py build-old/CMakeFiles build-cuda/CMakeFiles [-v].
 
 Each .o built by nvcc embeds its cubin (an ELF) in .nv_fatbin; a kernel's SASS is the
 section .text.<mangled name>. The script extracts the cubins, reads per kernel: the
