@@ -406,7 +406,7 @@ TEST(CudaTwins, ScanSweepClipCutsMatchCpu) {
             for (int k = 0; k < 3; ++k) {
               if (!res[0][k].defined() || res[0][k].numel() == 0) continue;
               EXPECT_FALSE(has_nonfinite(res[1][k])) << what << " output " << k << " not fully written";
-              EXPECT_TRUE(close_rel(res[1][k], res[0][k], tol::f32, what));
+              EXPECT_TRUE(close_rel(res[1][k], res[0][k], test::tol::f32, what));
             }
           }
       }
@@ -447,8 +447,8 @@ TEST(CudaTwins, GradOuterClipCutsMatchCpu) {
         }
         const std::string what = "cut outer D=" + std::to_string(D) + " E=" + std::to_string(E);
         EXPECT_FALSE(has_nonfinite(out[1][0])) << what;
-        EXPECT_TRUE(close_rel(out[1][0], out[0][0], tol::f32, what + " dP"));
-        EXPECT_TRUE(close_rel(out[1][1], out[0][1], tol::f32, what + " dg"));
+        EXPECT_TRUE(close_rel(out[1][0], out[0][0], test::tol::f32, what + " dP"));
+        EXPECT_TRUE(close_rel(out[1][1], out[0][1], test::tol::f32, what + " dg"));
       }
     }
 }
