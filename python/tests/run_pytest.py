@@ -27,7 +27,7 @@ class Outcomes:
 
 
 outcomes = Outcomes()
-code = pytest.main(["-q", "-p", "no:cacheprovider", "-rs", *sys.argv[1:]], plugins=[outcomes])
+code = pytest.main(["-q", "--color=no", "-p", "no:cacheprovider", "-rs", *sys.argv[1:]], plugins=[outcomes])
 if code in (0, 5) and outcomes.failed == 0 and outcomes.passed == 0:
     print("skipped: %d test(s) skipped, none passed" % outcomes.skipped)
     sys.exit(SKIPPED)

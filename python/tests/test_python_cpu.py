@@ -1,0 +1,150 @@
+"""The PyTorch door on the CPU, one rank: gdncp.bigdn / BiGDN / bigdn_cp over
+a 1-rank MPI world against the eager float64 coding in bigdn_eager.py,
+forward and every gradient through torch.autograd."""
+import pytest
+import torch
+
+import bigdn_eager as eager
+import gdncp
+
+TOL = eager.tolerance("f64")
+B, H, D, F, S = 2, 2, 8, 4, 3
+GRADS = ["qkv", "beta", "decay", "q_norm_w", "k_norm_w"]
+
+
+def leaves(x):
+    return {k: (v.clone().requires_grad_(True) if isinstance(v, torch.Tensor) and k in GRADS else v)
+            for k, v in x.items()}
+
+
+def run(fn, x, w):
+    out = fn(x)
+    (out * w).sum().backward()
+    return out.detach(), {k: x[k].grad for k in GRADS if x[k] is not None}
+
+
+def eager_fn(x):
+    return eager.bigdn(x["qkv"], x["beta"], x["decay"], x["q_norm_w"], x["k_norm_w"], x["rope_cos"], x["rope_sin"],
+                       F, S, x["k_scale"])
+
+
+def check(got, want):
+    out, grads = got
+    out_ref, grads_ref = want
+    assert out.dtype == torch.float64 and out.shape == out_ref.shape
+    assert eager.rel_l2(out, out_ref) <= TOL, "out: rel %.3g" % eager.rel_l2(out, out_ref)
+    assert grads.keys() == grads_ref.keys()
+    for k in grads_ref:
+        err = eager.rel_l2(grads[k], grads_ref[k])
+        assert err <= TOL, "d/d %s: rel %.3g" % (k, err)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("checkpoint", ["off", "on"])
+def test_bigdn_matches_eager(norm, checkpoint):
+    x = eager.inputs(B, H, D, F, S, seed=11, norm=norm)
+    w = torch.randn(B, F * S, H, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def door(x):
+        return gdncp.bigdn(x["qkv"], x["beta"], x["decay"], x["q_norm_w"], x["k_norm_w"], x["rope_cos"],
+                           x["rope_sin"], F, S, k_scale=x["k_scale"], checkpoint=checkpoint)
+
+    check(run(door, leaves(x), w), run(eager_fn, leaves(x), w))
+
+
+def test_checkpoint_on_equals_off_bitwise():
+    x = eager.inputs(B, H, D, F, S, seed=3)
+    w = torch.randn(B, F * S, H, D, dtype=torch.float64)
+    got = {}
+    for mode in ("off", "on"):
+        def door(x):
+            return gdncp.bigdn(x["qkv"], x["beta"], x["decay"], x["q_norm_w"], x["k_norm_w"], x["rope_cos"],
+                               x["rope_sin"], F, S, k_scale=x["k_scale"], checkpoint=mode)
+        got[mode] = run(door, leaves(x), w)
+    assert torch.equal(got["off"][0], got["on"][0])
+    for k in GRADS:
+        assert torch.equal(got["off"][1][k], got["on"][1][k]), k
+
+
+def test_module_and_partial_grads():
+    x = eager.inputs(B, H, D, F, S, seed=7)
+    layer = gdncp.BiGDN(H, D, dtype=torch.float64)
+    with torch.no_grad():
+        layer.q_norm_w.copy_(x["q_norm_w"])
+        layer.k_norm_w.copy_(x["k_norm_w"])
+    qkv = x["qkv"].clone().requires_grad_(True)  # beta, decay: no grad
+    out = layer(qkv, x["beta"], x["decay"], x["rope_cos"], x["rope_sin"], F, S)
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    ref = leaves(x)
+    out_ref = eager_fn(ref)
+    (out_ref * w).sum().backward()
+    assert eager.rel_l2(out.detach(), out_ref.detach()) <= TOL
+    assert eager.rel_l2(qkv.grad, ref["qkv"].grad) <= TOL
+    assert eager.rel_l2(layer.q_norm_w.grad, ref["q_norm_w"].grad) <= TOL
+    assert eager.rel_l2(layer.k_norm_w.grad, ref["k_norm_w"].grad) <= TOL
+
+
+def test_inference_records_nothing():
+    x = eager.inputs(B, H, D, F, S, seed=9)
+    with torch.no_grad():
+        out = gdncp.bigdn(*(x[k] for k in ["qkv", "beta", "decay", "q_norm_w", "k_norm_w", "rope_cos", "rope_sin"]),
+                          F, S, k_scale=x["k_scale"])
+    assert not out.requires_grad
+    assert eager.rel_l2(out, eager_fn(x)) <= TOL
+
+
+def test_output_shares_memory_with_the_library():
+    # The door hands back the library's buffer: writing through torch is seen by
+    # a second view over the same DLPack export (no copy on the way out).
+    x = eager.inputs(1, 1, 4, 2, 2, seed=1)
+    out = gdncp.bigdn(x["qkv"], x["beta"], x["decay"], None, None, x["rope_cos"], x["rope_sin"], 2, 2)
+    view = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(out))
+    assert view.data_ptr() == out.data_ptr()
+
+
+def test_bad_argument_names_it():
+    x = eager.inputs(1, 2, 4, 2, 2, seed=2)
+    with pytest.raises(gdncp.GdncpError, match="decay"):
+        gdncp.bigdn(x["qkv"], x["beta"], x["decay"][..., :1].contiguous(), None, None, x["rope_cos"],
+                    x["rope_sin"], 2, 2)
+    with pytest.raises(gdncp.ArgumentError, match="qkv"):
+        gdncp.bigdn(x["qkv"].int(), x["beta"], x["decay"], None, None, x["rope_cos"], x["rope_sin"], 2, 2)
+    with pytest.raises(ValueError, match="precision"):
+        gdncp.bigdn(x["qkv"], x["beta"], x["decay"], None, None, x["rope_cos"], x["rope_sin"], 2, 2,
+                    precision="fp8")
+
+
+def test_strided_input_is_made_contiguous():
+    x = eager.inputs(1, 2, 4, 2, 2, seed=4)
+    qkv_t = x["qkv"].transpose(0, 1).contiguous().transpose(0, 1)  # same values, strided (B=1 keeps it dense)
+    out = gdncp.bigdn(qkv_t, x["beta"], x["decay"], x["q_norm_w"], x["k_norm_w"], x["rope_cos"], x["rope_sin"], 2,
+                      2, k_scale=x["k_scale"])
+    ref = eager.bigdn(x["qkv"], x["beta"], x["decay"], x["q_norm_w"], x["k_norm_w"], x["rope_cos"], x["rope_sin"],
+                      2, 2, x["k_scale"])
+    assert eager.rel_l2(out, ref) <= TOL
+
+
+def test_cp_layer_one_rank_matches_eager():
+    comm = gdncp.Communicator.mpi_world()
+    if comm.size != 1:
+        pytest.skip("runs on one rank (the MPI test covers more)")
+    assert comm.backend == "mpi" and comm.rank == 0
+    comm.timeout = 60.0
+    assert comm.timeout == 60.0
+    with pytest.raises(gdncp.ArgumentError, match="seconds"):
+        comm.timeout = float("inf")
+    x = eager.inputs(B, H, D, F, S, seed=13)
+    w = torch.randn(B, F * S, H, D, dtype=torch.float64)
+
+    def door(x):
+        return gdncp.bigdn_cp(comm, x["qkv"], x["beta"], x["decay"], x["q_norm_w"], x["k_norm_w"], x["rope_cos"],
+                              x["rope_sin"], F, S, k_scale=x["k_scale"])
+
+    check(run(door, leaves(x), w), run(eager_fn, leaves(x), w))
+    # The graph keeps the communicator alive: close the handle between forward and backward.
+    y = leaves(x)
+    out = door(y)
+    comm.close()
+    (out * w).sum().backward()
+    assert y["qkv"].grad is not None
