@@ -148,3 +148,25 @@ def test_cp_layer_one_rank_matches_eager():
     comm.close()
     (out * w).sum().backward()
     assert y["qkv"].grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_door_equals_cpp_entry_bitwise(tmp_path, dtype):
+    import door_files
+
+    if not door_files.reference_binary():
+        pytest.skip("GDNCP_DOOR_REFERENCE (tests/door_reference) not set: run through ctest")
+    x = eager.inputs(B, H, D, F, S, seed=17)
+    table = torch.float64 if dtype == torch.float64 else torch.float32
+    y = {k: (x[k].to(table if k in ("q_norm_w", "k_norm_w", "rope_cos", "rope_sin") else dtype))
+         for k in ["qkv", "beta", "decay", "q_norm_w", "k_norm_w", "rope_cos", "rope_sin"]}
+    y["grad_out"] = torch.randn(B, F * S, H, D, dtype=dtype)
+    door_files.write_call(str(tmp_path), y, F, S, x["k_scale"])
+    door_files.run_reference(str(tmp_path))
+
+    def door(v):
+        return gdncp.bigdn(v["qkv"], v["beta"], v["decay"], v["q_norm_w"], v["k_norm_w"], v["rope_cos"],
+                           v["rope_sin"], F, S, k_scale=x["k_scale"])
+
+    got = door_files.door_step(door, y)
+    door_files.assert_bitwise(got, door_files.read_results(str(tmp_path), got[0], y))
