@@ -93,3 +93,34 @@ def test_bad_argument_on_one_rank_raises_on_every_rank(comm):
     msg = str(e.value)
     assert ("decay" if r == P - 1 else "rank") in msg, msg
     assert not comm.aborted
+
+
+def test_from_process_group_wraps_mpi_world(comm):
+    import socket
+
+    import torch.distributed as dist
+
+    P, r = comm.size, comm.rank
+    # Rank 0 picks a free port; the sum over the MPI ranks tells the others.
+    port = torch.zeros(1, dtype=torch.float64)
+    if r == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    comm.all_reduce_sum_(port)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % int(port.item()), rank=r, world_size=P)
+    try:
+        c = gdncp.from_process_group()
+        assert (c.rank, c.size, c.backend) == (r, P, "mpi")
+        F_total = 2 * P
+        F, off = eager.balanced_split(F_total, P, r)
+        x = local(eager.inputs(B, H, D, F_total, S, seed=41), off, F)
+        w = torch.randn(B, F * S, H, D, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        a = door_step(c, leaves(x), F, w)
+        b = door_step(comm, leaves(x), F, w)
+        c.close()
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(a[0], b[0])
+    for k in b[1]:
+        assert torch.equal(a[1][k], b[1][k]), k
