@@ -151,19 +151,23 @@ gdncp_status gdncp_graph_destroy(gdncp_graph* graph);
 /* --- the layers --------------------------------------------------------------------- */
 /* Inputs (gdncp/bigdn.h for the math and layouts): 0 qkv (B, F*S, 3, H, D),
  * 1 beta (B, H, F, S), 2 decay (B, H, F), 3 q_norm_w (C) or NULL, 4 k_norm_w
- * (C) or NULL, rope_cos and rope_sin (F*S, D) (not differentiable). Output
- * (graph output 0): out (B, F*S, H, D). options NULL = defaults. graph NULL:
- * no recording (inference). */
+ * (C) or NULL, rope_cos and rope_sin (F*S, D) (not differentiable),
+ * clip_starts: the clip-start mask (B, F) f32 of docs/design.md §4a, or NULL
+ * (one clip per row; the only value this build takes). Output (graph output
+ * 0): out (B, F*S, H, D). options NULL = defaults. graph NULL: no recording
+ * (inference). */
 gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                          DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
-                         DLManagedTensor* rope_sin, int64_t F, int64_t S, const gdncp_layer_options* options,
+                         DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
+                         const gdncp_layer_options* options,
                          void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph);
 
 /* The bidirectional CP layer (gdncp/cp.h bigdn_cp): the same inputs, this
  * rank's F frames; collective over comm (forward and backward). */
 gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                             DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
-                            DLManagedTensor* rope_sin, int64_t F, int64_t S, const gdncp_layer_options* options,
+                            DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
+                         const gdncp_layer_options* options,
                             void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph);
 
 /* One direction, raw (gdncp/cp.h cp_gdn_raw): inputs as gdncp_bigdn_cp;
@@ -172,7 +176,8 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
  * cp_options NULL = defaults. */
 gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                               DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
-                              DLManagedTensor* rope_sin, int64_t F, int64_t S, const gdncp_layer_options* options,
+                              DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
+                         const gdncp_layer_options* options,
                               const gdncp_cp_options* cp_options, void* stream, uint32_t requires_grad,
                               DLManagedTensor* outputs[4], gdncp_graph** graph);
 
@@ -180,7 +185,8 @@ gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedT
  * (B*H, F, D, D), 3 bz (B*H, F, D), 4 decay (B, H, F); outputs M, z and with
  * truncate_to_active terminal_M, terminal_z (else NULL). */
 gdncp_status gdncp_cp_scan(gdncp_comm* comm, DLManagedTensor* P, DLManagedTensor* A, DLManagedTensor* Pz,
-                           DLManagedTensor* bz, DLManagedTensor* decay, const gdncp_cp_options* cp_options,
+                           DLManagedTensor* bz, DLManagedTensor* decay, DLManagedTensor* clip_starts,
+                           const gdncp_cp_options* cp_options,
                            void* stream, uint32_t requires_grad, DLManagedTensor* outputs[4], gdncp_graph** graph);
 
 #ifdef __cplusplus

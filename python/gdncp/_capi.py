@@ -109,7 +109,7 @@ lib.gdncp_last_error.restype = ctypes.c_char_p
 lib.gdncp_last_error.argtypes = []
 lib.gdncp_abi_version.restype = ctypes.c_int
 lib.gdncp_cuda_available.restype = ctypes.c_int
-_LAYER_IN = [_p] * 7 + [_i64, _i64, ctypes.POINTER(LayerOptions)]
+_LAYER_IN = [_p] * 8 + [_i64, _i64, ctypes.POINTER(LayerOptions)]
 F = {
     "layer_options_init": _sig("gdncp_layer_options_init", ctypes.POINTER(LayerOptions)),
     "cp_options_init": _sig("gdncp_cp_options_init", ctypes.POINTER(CpOptions)),
@@ -132,7 +132,7 @@ F = {
     "bigdn": _sig("gdncp_bigdn", *_LAYER_IN, _p, _u32, _pp, _pp),
     "bigdn_cp": _sig("gdncp_bigdn_cp", _p, *_LAYER_IN, _p, _u32, _pp, _pp),
     "cp_gdn_raw": _sig("gdncp_cp_gdn_raw", _p, *_LAYER_IN, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
-    "cp_scan": _sig("gdncp_cp_scan", _p, _p, _p, _p, _p, _p, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
+    "cp_scan": _sig("gdncp_cp_scan", _p, _p, _p, _p, _p, _p, _p, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
 }
 
 

@@ -87,12 +87,13 @@ def _run(entry, comm, inputs, F, S, opts, needs, n_out, extra=()):
 
 class BiGDNFunction(torch.autograd.Function):
     """out = bigdn(...) (one rank; gdncp_bigdn). Arguments after ctx:
-    qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, opts (gdncp._capi.LayerOptions)."""
+    qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts (or None), F, S,
+    opts (gdncp._capi.LayerOptions)."""
 
     @staticmethod
-    def forward(ctx, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, opts):
+    def forward(ctx, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts):
         (out,), ctx.graph = _run(
-            "bigdn", None, [qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin], F, S, opts,
+            "bigdn", None, [qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts], F, S, opts,
             ctx.needs_input_grad[:_DIFF], 1)
         return out
 
@@ -101,7 +102,7 @@ class BiGDNFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grads = ctx.graph.backward([grad_out], _dlpack.stream_of(grad_out))
         ctx.graph = None
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 class BiGDNCPFunction(torch.autograd.Function):
@@ -111,9 +112,9 @@ class BiGDNCPFunction(torch.autograd.Function):
     (sum them over the group, e.g. comm.all_reduce_sum_ or torch.distributed)."""
 
     @staticmethod
-    def forward(ctx, comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, opts):
+    def forward(ctx, comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts):
         (out,), ctx.graph = _run(
-            "bigdn_cp", comm, [qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin], F, S, opts,
+            "bigdn_cp", comm, [qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts], F, S, opts,
             ctx.needs_input_grad[1:1 + _DIFF], 1)
         return out
 
@@ -122,30 +123,32 @@ class BiGDNCPFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grads = ctx.graph.backward([grad_out], _dlpack.stream_of(grad_out))
         ctx.graph = None
-        return (None, *grads, None, None, None, None, None)
+        return (None, *grads, None, None, None, None, None, None)
 
 
 def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5, eps=1e-6,
-          precision="auto", checkpoint="off"):
-    """The single-rank layer (gdncp/bigdn.h); differentiable through torch.autograd."""
+          precision="auto", checkpoint="off", clip_starts=None):
+    """The single-rank layer (gdncp/bigdn.h); differentiable through torch.autograd.
+    clip_starts: the (B, F) clip-start mask (docs/design.md §4a), None = one clip per row."""
     opts = _capi.layer_options(k_scale, norm_eps, eps, precision, checkpoint)
-    return BiGDNFunction.apply(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, opts)
+    return BiGDNFunction.apply(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts)
 
 
 def bigdn_cp(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5,
-             eps=1e-6, precision="auto", checkpoint="off"):
+             eps=1e-6, precision="auto", checkpoint="off", clip_starts=None):
     """The bidirectional CP layer (gdncp/cp.h bigdn_cp) on this rank's F frames."""
     if not isinstance(comm, Communicator):
         raise TypeError("gdncp.bigdn_cp: comm must be a gdncp.Communicator, got %s" % type(comm).__name__)
     opts = _capi.layer_options(k_scale, norm_eps, eps, precision, checkpoint)
-    return BiGDNCPFunction.apply(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, opts)
+    return BiGDNCPFunction.apply(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S,
+                                 opts)
 
 
 class BiGDN(torch.nn.Module):
     """The bidirectional gated-delta-net layer with its RMSNorm weights as parameters.
 
     forward(qkv (B, F·S, 3, H, D), beta (B, H, F, S), decay (B, H, F),
-            rope_cos, rope_sin (F·S, D), F, S) -> out (B, F·S, H, D).
+            rope_cos, rope_sin (F·S, D), F, S, clip_starts=None) -> out (B, F·S, H, D).
     With comm (a gdncp.Communicator), the context-parallel layer: the inputs
     are this rank's F frames, and the weights' gradients are this rank's part
     (sum them over the group before the optimizer step).
@@ -166,10 +169,10 @@ class BiGDN(torch.nn.Module):
             self.register_parameter("q_norm_w", None)
             self.register_parameter("k_norm_w", None)
 
-    def forward(self, qkv, beta, decay, rope_cos, rope_sin, F, S):
+    def forward(self, qkv, beta, decay, rope_cos, rope_sin, F, S, clip_starts=None):
         k_scale = self.k_scale if self.k_scale is not None else 1.0 / math.sqrt(self.head_dim * S)
         kw = dict(k_scale=k_scale, norm_eps=self.norm_eps, eps=self.eps, precision=self.precision,
-                  checkpoint=self.checkpoint)
+                  checkpoint=self.checkpoint, clip_starts=clip_starts)
         args = (qkv, beta, decay, self.q_norm_w, self.k_norm_w, rope_cos, rope_sin, F, S)
         if self.comm is None:
             return bigdn(*args, **kw)

@@ -110,6 +110,9 @@ def test_bad_argument_names_it():
                     x["rope_sin"], 2, 2)
     with pytest.raises(gdncp.ArgumentError, match="qkv"):
         gdncp.bigdn(x["qkv"].int(), x["beta"], x["decay"], None, None, x["rope_cos"], x["rope_sin"], 2, 2)
+    with pytest.raises(gdncp.ArgumentError, match="clip_starts"):  # until the layers take the mask
+        gdncp.bigdn(x["qkv"], x["beta"], x["decay"], None, None, x["rope_cos"], x["rope_sin"], 2, 2,
+                    clip_starts=torch.zeros(1, 2, dtype=torch.float32))
     with pytest.raises(ValueError, match="precision"):
         gdncp.bigdn(x["qkv"], x["beta"], x["decay"], None, None, x["rope_cos"], x["rope_sin"], 2, 2,
                     precision="fp8")

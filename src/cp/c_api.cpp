@@ -158,6 +158,8 @@ class Inputs {
     return dev;
   }
 
+  bool given(size_t i) const { return ms_[i] != nullptr; }
+
   void require(size_t i) const {
     if (!ms_[i]) argument_error(fn_, ": ", names_[i], " is NULL");
   }
@@ -272,9 +274,17 @@ void run_layer(const char* fn, Inputs& in, size_t n_diff, size_t n_in, uint32_t 
 std::mutex g_mpi_mutex;
 bool g_mpi_initialised_here = false;
 
-const char* const kLayerNames[] = {"qkv", "beta", "decay", "q_norm_w", "k_norm_w", "rope_cos", "rope_sin"};
+const char* const kLayerNames[] = {"qkv",      "beta",     "decay",    "q_norm_w",
+                                   "k_norm_w", "rope_cos", "rope_sin", "clip_starts"};
 
-std::vector<const char*> layer_names() { return std::vector<const char*>(kLayerNames, kLayerNames + 7); }
+std::vector<const char*> layer_names() { return std::vector<const char*>(kLayerNames, kLayerNames + 8); }
+
+// The clip-start mask reaches the layers once their C++ entries take it; until
+// then only the one-clip-per-row default (NULL) is accepted.
+void no_clip_mask_yet(const Inputs& in, size_t i, const char* fn) {
+  if (in.given(i))
+    argument_error(fn, ": clip_starts: this build's layers take no clip-start mask yet; pass NULL (one clip per row)");
+}
 
 }  // namespace
 
@@ -530,15 +540,17 @@ gdncp_status gdncp_graph_destroy(gdncp_graph* graph) {
 
 gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                          DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
-                         DLManagedTensor* rope_sin, int64_t F, int64_t S, const gdncp_layer_options* options,
+                         DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
+                         const gdncp_layer_options* options,
                          void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph) {
   const char* fn = "gdncp_bigdn";
   return guarded([&] {
-    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin}, layer_names());
+    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
     for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
+    no_clip_mask_yet(in, 7, fn);
     not_null(out, fn, "out");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
-    run_layer(fn, in, 5, 7, requires_grad, stream, nullptr,
+    run_layer(fn, in, 5, 8, requires_grad, stream, nullptr,
               [&](std::vector<Tensor>& x) {
                 return std::vector<Tensor>{gdncp::bigdn(x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt)};
               },
@@ -548,16 +560,18 @@ gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedT
 
 gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                             DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
-                            DLManagedTensor* rope_sin, int64_t F, int64_t S, const gdncp_layer_options* options,
+                            DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
+                         const gdncp_layer_options* options,
                             void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph) {
   const char* fn = "gdncp_bigdn_cp";
   return guarded([&] {
-    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin}, layer_names());
+    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
     auto& c = comm_of(comm, fn);
     for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
+    no_clip_mask_yet(in, 7, fn);
     not_null(out, fn, "out");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
-    run_layer(fn, in, 5, 7, requires_grad, stream, comm->c,
+    run_layer(fn, in, 5, 8, requires_grad, stream, comm->c,
               [&](std::vector<Tensor>& x) {
                 return std::vector<Tensor>{
                     gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt)};
@@ -568,18 +582,20 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
 
 gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                               DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
-                              DLManagedTensor* rope_sin, int64_t F, int64_t S, const gdncp_layer_options* options,
+                              DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
+                         const gdncp_layer_options* options,
                               const gdncp_cp_options* cp_options, void* stream, uint32_t requires_grad,
                               DLManagedTensor* outputs[4], gdncp_graph** graph) {
   const char* fn = "gdncp_cp_gdn_raw";
   return guarded([&] {
-    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin}, layer_names());
+    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
     auto& c = comm_of(comm, fn);
     for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
+    no_clip_mask_yet(in, 7, fn);
     not_null(outputs, fn, "outputs");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
     const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
-    run_layer(fn, in, 5, 7, requires_grad, stream, comm->c,
+    run_layer(fn, in, 5, 8, requires_grad, stream, comm->c,
               [&](std::vector<Tensor>& x) {
                 gdncp::cp::RawResult r =
                     gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt);
@@ -590,16 +606,18 @@ gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedT
 }
 
 gdncp_status gdncp_cp_scan(gdncp_comm* comm, DLManagedTensor* P, DLManagedTensor* A, DLManagedTensor* Pz,
-                           DLManagedTensor* bz, DLManagedTensor* decay, const gdncp_cp_options* cp_options,
+                           DLManagedTensor* bz, DLManagedTensor* decay, DLManagedTensor* clip_starts,
+                           const gdncp_cp_options* cp_options,
                            void* stream, uint32_t requires_grad, DLManagedTensor* outputs[4], gdncp_graph** graph) {
   const char* fn = "gdncp_cp_scan";
   return guarded([&] {
-    Inputs in(fn, {P, A, Pz, bz, decay}, {"P", "A", "Pz", "bz", "decay"});
+    Inputs in(fn, {P, A, Pz, bz, decay, clip_starts}, {"P", "A", "Pz", "bz", "decay", "clip_starts"});
     auto& c = comm_of(comm, fn);
     for (size_t i = 0; i < 5; ++i) in.require(i);
+    no_clip_mask_yet(in, 5, fn);
     not_null(outputs, fn, "outputs");
     const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
-    run_layer(fn, in, 5, 5, requires_grad, stream, comm->c,
+    run_layer(fn, in, 5, 6, requires_grad, stream, comm->c,
               [&](std::vector<Tensor>& x) {
                 gdncp::cp::ScanResult r = gdncp::cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], cp_opt);
                 return std::vector<Tensor>{r.M, r.z, r.terminal_M, r.terminal_z};
