@@ -146,11 +146,22 @@ static void case_status(void) {
   st = gdncp_comm_set_timeout(NULL, 1.0);
   EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "comm") != NULL, "%d '%s'", st,
          gdncp_last_error());
-  /* Without CUDA, or without a GPU, the NCCL bootstrap fails with a message. */
-  unsigned char id[GDNCP_UNIQUE_ID_BYTES];
+  /* The NCCL bootstrap: a bad rank, or no CUDA build or no GPU, fails with a
+   * message (a CUDA build makes the id without a GPU; the communicator fails). */
+  unsigned char id[GDNCP_UNIQUE_ID_BYTES] = {0};
+  gdncp_comm* c = NULL;
+  st = gdncp_comm_create_nccl(id, 2, 2, 0, &c);
+  EXPECT(st == GDNCP_ERROR && c == NULL && strstr(gdncp_last_error(), "make_nccl_communicator") != NULL, "%d '%s'",
+         st, gdncp_last_error());
   if (!gdncp_cuda_available()) {
     st = gdncp_unique_id(id);
-    EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "unique_id") != NULL, "%d '%s'", st, gdncp_last_error());
+    if (st != GDNCP_OK) {
+      EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "unique_id") != NULL, "%d '%s'", st, gdncp_last_error());
+    } else {
+      st = gdncp_comm_create_nccl(id, 0, 1, 0, &c);
+      EXPECT(st == GDNCP_ERROR && c == NULL && strstr(gdncp_last_error(), "device") != NULL, "%d '%s'", st,
+             gdncp_last_error());
+    }
   }
 }
 

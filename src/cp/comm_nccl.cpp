@@ -392,7 +392,10 @@ std::shared_ptr<Communicator> make_nccl_communicator(const UniqueId& id, int ran
   GDNCP_CHECK(size >= 1, "make_nccl_communicator: size must be >= 1, got ", size);
   GDNCP_CHECK(rank >= 0 && rank < size, "make_nccl_communicator: rank ", rank, " is not in [0, ", size, ")");
   int ndev = 0;
-  GDNCP_CUDA_CHECK(cudaGetDeviceCount(&ndev));
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess) {  // no driver or no device
+    (void)cudaGetLastError();
+    ndev = 0;
+  }
   GDNCP_CHECK(device >= 0 && device < ndev, "make_nccl_communicator: device ", device, " but rank ", rank, " sees ",
               ndev, " CUDA devices");
   GDNCP_CUDA_CHECK(cudaSetDevice(device));
