@@ -37,7 +37,10 @@ def inputs(B, H, D, F, S, seed, norm=True, dtype=torch.float64):
     return x
 
 
-def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale, norm_eps=1e-5, eps=1e-6):
+def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale, norm_eps=1e-5, eps=1e-6,
+          raw=False):
+    """out (B, N, H, D); raw=True: the forward direction's num (B, N, H, D) and
+    den (B, H, N) without the divide (gdncp/cp.h cp_gdn_raw)."""
     B, N, three, H, D = qkv.shape
     assert three == 3 and N == F * S
     C = H * D
@@ -90,6 +93,11 @@ def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scal
     for f in range(F - 2, -1, -1):
         M, z = step(f + 1, M, z)
         rev[f] = (M, z)
+
+    if raw:
+        num = torch.stack([QR[:, :, f] @ fwd[f][0] for f in range(F)], dim=2)  # (B, H, F, S, D)
+        den = torch.stack([(QP[:, :, f] @ fwd[f][1][..., None])[..., 0] for f in range(F)], dim=2)  # (B, H, F, S)
+        return num.permute(0, 2, 3, 1, 4).reshape(B, N, H, D), den.reshape(B, H, N)
 
     # §5: out = num / (den + eps), per frame.
     outs = []
