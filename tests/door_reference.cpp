@@ -5,11 +5,10 @@
 //   door_reference DIR [--time ITERS]            gdncp::bigdn
 //   mpirun -np P door_reference DIR --cp [...]   gdncp::cp::bigdn_cp, rank r in DIR/rank<r>
 //
-// DIR/meta.txt: "B H D F S k_scale dtype(f32|bf16|f64) checkpoint(off|on) device(cpu|cuda) precision(auto|bf16|tf32|ieee)"
-// (F = this rank's frames). Inputs: raw dense bytes qkv, beta, decay, grad_out
-// in dtype; q_norm_w, k_norm_w (absent file = no norm), rope_cos, rope_sin in
-// f32 (f64 with f64). Writes out.ref and grad_<name>.ref beside them: one
-// forward and one backward(out, grad_out). --time ITERS then times ITERS more
+// DIR/meta.txt: "B H D F S k_scale dtype(f32|bf16|f64) checkpoint(off|on) device(cpu|cuda)
+// precision(auto|bf16|tf32|ieee)" (F = this rank's frames). Inputs: raw dense bytes qkv, beta, decay, grad_out in
+// dtype; q_norm_w, k_norm_w (absent file = no norm), rope_cos, rope_sin in f32 (f64 with f64). Writes out.ref and
+// grad_<name>.ref beside them: one forward and one backward(out, grad_out). --time ITERS then times ITERS more
 // forward+backward steps and prints "door_reference: <ms> ms per step".
 #include <mpi.h>
 
@@ -70,9 +69,12 @@ int run(int argc, char** argv) {
   int iters = 0;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--cp") cp_mode = true;
-    else if (a == "--time" && i + 1 < argc) iters = std::stoi(argv[++i]);
-    else GDNCP_FAIL("door_reference: unknown argument ", a);
+    if (a == "--cp")
+      cp_mode = true;
+    else if (a == "--time" && i + 1 < argc)
+      iters = std::stoi(argv[++i]);
+    else
+      GDNCP_FAIL("door_reference: unknown argument ", a);
   }
   std::shared_ptr<cp::Communicator> comm;
   std::ifstream meta_file(dir + "/meta.txt");
@@ -124,8 +126,7 @@ int run(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < iters; ++i) step();
     synchronize();
-    const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / iters;
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / iters;
     std::printf("door_reference: %.4f ms per step\n", ms);
   }
   return 0;

@@ -15,14 +15,14 @@
 #include "gdncp/gdncp_c.h"
 
 static int g_failures = 0;
-#define EXPECT(cond, ...)                                      \
-  do {                                                         \
-    if (!(cond)) {                                             \
+#define EXPECT(cond, ...)                                                \
+  do {                                                                   \
+    if (!(cond)) {                                                       \
       fprintf(stderr, "%s:%d: failed: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                            \
-      fprintf(stderr, "\n");                                   \
-      ++g_failures;                                            \
-    }                                                          \
+      fprintf(stderr, __VA_ARGS__);                                      \
+      fprintf(stderr, "\n");                                             \
+      ++g_failures;                                                      \
+    }                                                                    \
   } while (0)
 
 /* --- caller-owned tensors ------------------------------------------------------ */
@@ -144,15 +144,14 @@ static void case_status(void) {
   EXPECT(o.struct_size == sizeof o && o.k_scale == 1.0 && o.norm_eps == 1e-5 && o.eps == 1e-6, "defaults");
   /* A NULL handle names the argument. */
   st = gdncp_comm_set_timeout(NULL, 1.0);
-  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "comm") != NULL, "%d '%s'", st,
-         gdncp_last_error());
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "comm") != NULL, "%d '%s'", st, gdncp_last_error());
   /* The NCCL bootstrap: a bad rank, or no CUDA build or no GPU, fails with a
    * message (a CUDA build makes the id without a GPU; the communicator fails). */
   unsigned char id[GDNCP_UNIQUE_ID_BYTES] = {0};
   gdncp_comm* c = NULL;
   st = gdncp_comm_create_nccl(id, 2, 2, 0, &c);
-  EXPECT(st == GDNCP_ERROR && c == NULL && strstr(gdncp_last_error(), "make_nccl_communicator") != NULL, "%d '%s'",
-         st, gdncp_last_error());
+  EXPECT(st == GDNCP_ERROR && c == NULL && strstr(gdncp_last_error(), "make_nccl_communicator") != NULL, "%d '%s'", st,
+         gdncp_last_error());
   if (!gdncp_cuda_available()) {
     st = gdncp_unique_id(id);
     if (st != GDNCP_OK) {
@@ -166,7 +165,7 @@ static void case_status(void) {
 }
 
 typedef struct ThreadArg {
-  const char* which;  /* the argument the thread gets wrong */
+  const char* which; /* the argument the thread gets wrong */
   int rounds;
   int ok;
 } ThreadArg;
@@ -219,8 +218,7 @@ static void case_bad_argument(void) {
   /* NULL beta: the door's own check, naming it; every other input consumed. */
   layer_wrap(L, in);
   gdncp_status st = gdncp_bigdn(in[0], NULL, in[2], in[3], in[4], in[5], in[6], NULL, F, S, NULL, NULL, 0, &out, NULL);
-  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "beta") != NULL, "%d '%s'", st,
-         gdncp_last_error());
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "beta") != NULL, "%d '%s'", st, gdncp_last_error());
   EXPECT(L->b[0].deleted == 1 && L->b[1].deleted == 0 && L->b[6].deleted == 1, "inputs consumed once");
   EXPECT(out == NULL, "no output on failure");
 
@@ -229,8 +227,7 @@ static void case_bad_argument(void) {
   in[0]->dl_tensor.dtype.code = kDLInt;
   in[0]->dl_tensor.dtype.bits = 32;
   st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, F, S, NULL, NULL, 0, &out, NULL);
-  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "qkv") != NULL, "%d '%s'", st,
-         gdncp_last_error());
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "qkv") != NULL, "%d '%s'", st, gdncp_last_error());
   EXPECT(all_deleted_once(L), "inputs consumed once");
 
   /* Non-contiguous strides, naming decay. */
@@ -256,8 +253,8 @@ static void case_bad_argument(void) {
     Blob cb;
     const int64_t cs[] = {B, F};
     layer_wrap(L, in);
-    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], wrap(&cb, clip, kDLFloat, 32, 2, cs), F, S,
-                     NULL, NULL, 0, &out, NULL);
+    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], wrap(&cb, clip, kDLFloat, 32, 2, cs), F, S, NULL,
+                     NULL, 0, &out, NULL);
     EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "clip_starts") != NULL, "%d '%s'", st,
            gdncp_last_error());
     EXPECT(all_deleted_once(L) && cb.deleted == 1, "inputs consumed once");
@@ -311,8 +308,7 @@ static void case_bigdn_backward(void) {
   /* A second backward is refused. */
   DLManagedTensor* again[5] = {0};
   const gdncp_status st2 = gdncp_graph_backward(g, NULL, NULL, again);
-  EXPECT(st2 == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "once") != NULL, "%d '%s'", st2,
-         gdncp_last_error());
+  EXPECT(st2 == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "once") != NULL, "%d '%s'", st2, gdncp_last_error());
   gdncp_graph_destroy(g);
   EXPECT(all_deleted_once(L), "every input released once the graph is gone");
   release(out);
@@ -401,16 +397,23 @@ int main(int argc, char** argv) {
     return 2;
   }
   const char* c = argv[1];
-  if (strcmp(c, "status") == 0) case_status();
-  else if (strcmp(c, "thread_messages") == 0) case_thread_messages();
-  else if (strcmp(c, "bad_argument") == 0) case_bad_argument();
-  else if (strcmp(c, "bigdn_backward") == 0) case_bigdn_backward();
-  else if (strcmp(c, "dlpack_in_place") == 0) case_dlpack_in_place();
+  if (strcmp(c, "status") == 0)
+    case_status();
+  else if (strcmp(c, "thread_messages") == 0)
+    case_thread_messages();
+  else if (strcmp(c, "bad_argument") == 0)
+    case_bad_argument();
+  else if (strcmp(c, "bigdn_backward") == 0)
+    case_bigdn_backward();
+  else if (strcmp(c, "dlpack_in_place") == 0)
+    case_dlpack_in_place();
   else {
     fprintf(stderr, "unknown case %s\n", c);
     return 2;
   }
-  if (g_failures) fprintf(stderr, "%s: %d failure(s)\n", c, g_failures);
-  else printf("%s: passed\n", c);
+  if (g_failures)
+    fprintf(stderr, "%s: %d failure(s)\n", c, g_failures);
+  else
+    printf("%s: passed\n", c);
   return g_failures ? 1 : 0;
 }

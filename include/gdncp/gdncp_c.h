@@ -156,10 +156,9 @@ gdncp_status gdncp_graph_destroy(gdncp_graph* graph);
  * (one clip per row; the only value this build takes). Output (graph output
  * 0): out (B, F*S, H, D). options NULL = defaults. graph NULL: no recording
  * (inference). */
-gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
-                         DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
-                         DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
-                         const gdncp_layer_options* options,
+gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay, DLManagedTensor* q_norm_w,
+                         DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos, DLManagedTensor* rope_sin,
+                         DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
                          void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph);
 
 /* The bidirectional CP layer (gdncp/cp.h bigdn_cp): the same inputs, this
@@ -167,8 +166,8 @@ gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedT
 gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                             DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
                             DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
-                         const gdncp_layer_options* options,
-                            void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph);
+                            const gdncp_layer_options* options, void* stream, uint32_t requires_grad,
+                            DLManagedTensor** out, gdncp_graph** graph);
 
 /* One direction, raw (gdncp/cp.h cp_gdn_raw): inputs as gdncp_bigdn_cp;
  * outputs (graph outputs 0-3) num (B, F*S, H, D), den (B, H, F*S), and with
@@ -177,17 +176,16 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
 gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                               DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
                               DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
-                         const gdncp_layer_options* options,
-                              const gdncp_cp_options* cp_options, void* stream, uint32_t requires_grad,
-                              DLManagedTensor* outputs[4], gdncp_graph** graph);
+                              const gdncp_layer_options* options, const gdncp_cp_options* cp_options, void* stream,
+                              uint32_t requires_grad, DLManagedTensor* outputs[4], gdncp_graph** graph);
 
 /* The distributed frame scan (gdncp/cp.h cp_scan): inputs 0 P, 1 A, 2 Pz
  * (B*H, F, D, D), 3 bz (B*H, F, D), 4 decay (B, H, F); outputs M, z and with
  * truncate_to_active terminal_M, terminal_z (else NULL). */
 gdncp_status gdncp_cp_scan(gdncp_comm* comm, DLManagedTensor* P, DLManagedTensor* A, DLManagedTensor* Pz,
                            DLManagedTensor* bz, DLManagedTensor* decay, DLManagedTensor* clip_starts,
-                           const gdncp_cp_options* cp_options,
-                           void* stream, uint32_t requires_grad, DLManagedTensor* outputs[4], gdncp_graph** graph);
+                           const gdncp_cp_options* cp_options, void* stream, uint32_t requires_grad,
+                           DLManagedTensor* outputs[4], gdncp_graph** graph);
 
 #ifdef __cplusplus
 }

@@ -38,9 +38,12 @@ DType dtype_of(const DLDataType& t, const char* what) {
 
 DLDataType dl_dtype(DType t) {
   switch (t) {
-    case DType::f32: return DLDataType{kDLFloat, 32, 1};
-    case DType::f64: return DLDataType{kDLFloat, 64, 1};
-    case DType::bf16: return DLDataType{kDLBfloat, 16, 1};
+    case DType::f32:
+      return DLDataType{kDLFloat, 32, 1};
+    case DType::f64:
+      return DLDataType{kDLFloat, 64, 1};
+    case DType::bf16:
+      return DLDataType{kDLBfloat, 16, 1};
   }
   GDNCP_FAIL("to_dlpack: unknown dtype");
 }
@@ -77,9 +80,8 @@ Tensor from_dlpack(DLManagedTensor* m, const char* what) {
     int64_t expected = 1;
     for (int i = t.ndim - 1; i >= 0; --i) {
       if (shape[static_cast<size_t>(i)] != 1)
-        GDNCP_CHECK(t.strides[i] == expected, what, ": DLPack tensor ", shape_str(shape),
-                    " is not contiguous (stride ", t.strides[i], " of dim ", i, ", expected ", expected,
-                    "); pass a contiguous tensor");
+        GDNCP_CHECK(t.strides[i] == expected, what, ": DLPack tensor ", shape_str(shape), " is not contiguous (stride ",
+                    t.strides[i], " of dim ", i, ", expected ", expected, "); pass a contiguous tensor");
       expected *= shape[static_cast<size_t>(i)];
     }
   }

@@ -12,8 +12,6 @@
 // backward on its device thread), and a graph dropped without backward frees
 // its saved tensors. Outputs leave detached: the caller's copy of an output
 // does not keep the graph's saved tensors alive.
-#include "gdncp/gdncp_c.h"
-
 #include <mpi.h>
 
 #include <cmath>
@@ -32,6 +30,7 @@
 #include "gdncp/bigdn.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
+#include "gdncp/gdncp_c.h"
 
 #if GDNCP_WITH_CUDA
 #include <cuda_runtime.h>
@@ -47,8 +46,8 @@ struct gdncp_comm {
 
 struct gdncp_graph {
   gdncp::autograd::Tape tape;
-  std::vector<Tensor> outputs;  // the roots (undefined where the call has none)
-  std::vector<Tensor> inputs;   // the differentiable inputs (undefined where absent)
+  std::vector<Tensor> outputs;                    // the roots (undefined where the call has none)
+  std::vector<Tensor> inputs;                     // the differentiable inputs (undefined where absent)
   std::shared_ptr<gdncp::cp::Communicator> comm;  // kept alive for the backward's collectives
   int device = -1;                                // CUDA device of the call, -1 = CPU
   bool consumed = false;
@@ -107,8 +106,10 @@ class DeviceScope {
 #if GDNCP_WITH_CUDA
     if (device < 0) return;
     GDNCP_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device) GDNCP_CUDA_CHECK(cudaSetDevice(device));
-    else prev_ = -1;
+    if (prev_ != device)
+      GDNCP_CUDA_CHECK(cudaSetDevice(device));
+    else
+      prev_ = -1;
 #else
     (void)device;
 #endif
@@ -192,17 +193,33 @@ gdncp::BigdnOptions layer_options(const gdncp_layer_options* o, const char* fn) 
   opt.norm_eps = o->norm_eps;
   opt.eps = o->eps;
   switch (o->precision) {
-    case GDNCP_PRECISION_AUTO: opt.precision = gdncp::Precision::automatic; break;
-    case GDNCP_PRECISION_BF16: opt.precision = gdncp::Precision::bf16; break;
-    case GDNCP_PRECISION_TF32: opt.precision = gdncp::Precision::tf32; break;
-    case GDNCP_PRECISION_IEEE: opt.precision = gdncp::Precision::ieee; break;
-    default: argument_error(fn, ": options->precision ", o->precision, " is not a gdncp_precision");
+    case GDNCP_PRECISION_AUTO:
+      opt.precision = gdncp::Precision::automatic;
+      break;
+    case GDNCP_PRECISION_BF16:
+      opt.precision = gdncp::Precision::bf16;
+      break;
+    case GDNCP_PRECISION_TF32:
+      opt.precision = gdncp::Precision::tf32;
+      break;
+    case GDNCP_PRECISION_IEEE:
+      opt.precision = gdncp::Precision::ieee;
+      break;
+    default:
+      argument_error(fn, ": options->precision ", o->precision, " is not a gdncp_precision");
   }
   switch (o->checkpoint) {
-    case GDNCP_CHECKPOINT_OFF: opt.checkpoint = gdncp::Checkpoint::off; break;
-    case GDNCP_CHECKPOINT_ON: opt.checkpoint = gdncp::Checkpoint::on; break;
-    case GDNCP_CHECKPOINT_AUTO: opt.checkpoint = gdncp::Checkpoint::automatic; break;
-    default: argument_error(fn, ": options->checkpoint ", o->checkpoint, " is not a gdncp_checkpoint");
+    case GDNCP_CHECKPOINT_OFF:
+      opt.checkpoint = gdncp::Checkpoint::off;
+      break;
+    case GDNCP_CHECKPOINT_ON:
+      opt.checkpoint = gdncp::Checkpoint::on;
+      break;
+    case GDNCP_CHECKPOINT_AUTO:
+      opt.checkpoint = gdncp::Checkpoint::automatic;
+      break;
+    default:
+      argument_error(fn, ": options->checkpoint ", o->checkpoint, " is not a gdncp_checkpoint");
   }
   return opt;
 }
@@ -296,11 +313,16 @@ const char* gdncp_last_error(void) { return t_last_error.c_str(); }
 
 const char* gdncp_status_name(gdncp_status status) {
   switch (status) {
-    case GDNCP_OK: return "ok";
-    case GDNCP_ERROR_ARGUMENT: return "argument";
-    case GDNCP_ERROR: return "error";
-    case GDNCP_ERROR_OUT_OF_MEMORY: return "out of memory";
-    case GDNCP_ERROR_INTERNAL: return "internal";
+    case GDNCP_OK:
+      return "ok";
+    case GDNCP_ERROR_ARGUMENT:
+      return "argument";
+    case GDNCP_ERROR:
+      return "error";
+    case GDNCP_ERROR_OUT_OF_MEMORY:
+      return "out of memory";
+    case GDNCP_ERROR_INTERNAL:
+      return "internal";
   }
   return "unknown status";
 }
@@ -538,10 +560,9 @@ gdncp_status gdncp_graph_destroy(gdncp_graph* graph) {
 
 // --- the layers ---------------------------------------------------------------------
 
-gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
-                         DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
-                         DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
-                         const gdncp_layer_options* options,
+gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay, DLManagedTensor* q_norm_w,
+                         DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos, DLManagedTensor* rope_sin,
+                         DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
                          void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph) {
   const char* fn = "gdncp_bigdn";
   return guarded([&] {
@@ -550,19 +571,20 @@ gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedT
     no_clip_mask_yet(in, 7, fn);
     not_null(out, fn, "out");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
-    run_layer(fn, in, 5, 8, requires_grad, stream, nullptr,
-              [&](std::vector<Tensor>& x) {
-                return std::vector<Tensor>{gdncp::bigdn(x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt)};
-              },
-              out, 1, graph);
+    run_layer(
+        fn, in, 5, 8, requires_grad, stream, nullptr,
+        [&](std::vector<Tensor>& x) {
+          return std::vector<Tensor>{gdncp::bigdn(x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt)};
+        },
+        out, 1, graph);
   });
 }
 
 gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                             DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
                             DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
-                         const gdncp_layer_options* options,
-                            void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph) {
+                            const gdncp_layer_options* options, void* stream, uint32_t requires_grad,
+                            DLManagedTensor** out, gdncp_graph** graph) {
   const char* fn = "gdncp_bigdn_cp";
   return guarded([&] {
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
@@ -571,21 +593,20 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
     no_clip_mask_yet(in, 7, fn);
     not_null(out, fn, "out");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
-    run_layer(fn, in, 5, 8, requires_grad, stream, comm->c,
-              [&](std::vector<Tensor>& x) {
-                return std::vector<Tensor>{
-                    gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt)};
-              },
-              out, 1, graph);
+    run_layer(
+        fn, in, 5, 8, requires_grad, stream, comm->c,
+        [&](std::vector<Tensor>& x) {
+          return std::vector<Tensor>{gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt)};
+        },
+        out, 1, graph);
   });
 }
 
 gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                               DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
                               DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
-                         const gdncp_layer_options* options,
-                              const gdncp_cp_options* cp_options, void* stream, uint32_t requires_grad,
-                              DLManagedTensor* outputs[4], gdncp_graph** graph) {
+                              const gdncp_layer_options* options, const gdncp_cp_options* cp_options, void* stream,
+                              uint32_t requires_grad, DLManagedTensor* outputs[4], gdncp_graph** graph) {
   const char* fn = "gdncp_cp_gdn_raw";
   return guarded([&] {
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
@@ -595,20 +616,21 @@ gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedT
     not_null(outputs, fn, "outputs");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
     const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
-    run_layer(fn, in, 5, 8, requires_grad, stream, comm->c,
-              [&](std::vector<Tensor>& x) {
-                gdncp::cp::RawResult r =
-                    gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt);
-                return std::vector<Tensor>{r.num, r.den, r.terminal_M, r.terminal_z};
-              },
-              outputs, 4, graph);
+    run_layer(
+        fn, in, 5, 8, requires_grad, stream, comm->c,
+        [&](std::vector<Tensor>& x) {
+          gdncp::cp::RawResult r =
+              gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt);
+          return std::vector<Tensor>{r.num, r.den, r.terminal_M, r.terminal_z};
+        },
+        outputs, 4, graph);
   });
 }
 
 gdncp_status gdncp_cp_scan(gdncp_comm* comm, DLManagedTensor* P, DLManagedTensor* A, DLManagedTensor* Pz,
                            DLManagedTensor* bz, DLManagedTensor* decay, DLManagedTensor* clip_starts,
-                           const gdncp_cp_options* cp_options,
-                           void* stream, uint32_t requires_grad, DLManagedTensor* outputs[4], gdncp_graph** graph) {
+                           const gdncp_cp_options* cp_options, void* stream, uint32_t requires_grad,
+                           DLManagedTensor* outputs[4], gdncp_graph** graph) {
   const char* fn = "gdncp_cp_scan";
   return guarded([&] {
     Inputs in(fn, {P, A, Pz, bz, decay, clip_starts}, {"P", "A", "Pz", "bz", "decay", "clip_starts"});
@@ -617,12 +639,13 @@ gdncp_status gdncp_cp_scan(gdncp_comm* comm, DLManagedTensor* P, DLManagedTensor
     no_clip_mask_yet(in, 5, fn);
     not_null(outputs, fn, "outputs");
     const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
-    run_layer(fn, in, 5, 6, requires_grad, stream, comm->c,
-              [&](std::vector<Tensor>& x) {
-                gdncp::cp::ScanResult r = gdncp::cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], cp_opt);
-                return std::vector<Tensor>{r.M, r.z, r.terminal_M, r.terminal_z};
-              },
-              outputs, 4, graph);
+    run_layer(
+        fn, in, 5, 6, requires_grad, stream, comm->c,
+        [&](std::vector<Tensor>& x) {
+          gdncp::cp::ScanResult r = gdncp::cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], cp_opt);
+          return std::vector<Tensor>{r.M, r.z, r.terminal_M, r.terminal_z};
+        },
+        outputs, 4, graph);
   });
 }
 
