@@ -209,3 +209,53 @@ def test_cp_gdn_raw_through_the_c_abi():
     assert eager.rel_l2(den, den_ref.detach()) <= TOL
     for k, g in zip(GRADS, grads):
         assert eager.rel_l2(g, ref[k].grad) <= TOL, k
+
+
+def test_cp_scan_through_the_c_abi():
+    # The distributed frame scan's entry on one rank: M, z and every gradient
+    # against the recurrence M_f = g_f (I - P_f) M_{f-1} + A_f (z likewise).
+    import ctypes
+
+    from gdncp import _capi, _dlpack
+
+    comm = gdncp.Communicator.mpi_world()
+    if comm.size != 1:
+        pytest.skip("runs on one rank")
+    g = torch.Generator().manual_seed(23)
+    BH = B * H
+    x = dict(P=0.1 * torch.randn(BH, F, D, D, generator=g, dtype=torch.float64),
+             A=torch.randn(BH, F, D, D, generator=g, dtype=torch.float64),
+             Pz=0.1 * torch.randn(BH, F, D, D, generator=g, dtype=torch.float64),
+             bz=torch.randn(BH, F, D, generator=g, dtype=torch.float64),
+             decay=0.5 + 0.49 * torch.rand(B, H, F, generator=g, dtype=torch.float64))
+    names = ["P", "A", "Pz", "bz", "decay"]
+    outs = (ctypes.c_void_p * 4)()
+    graph = ctypes.c_void_p()
+    _capi.call("cp_scan", comm.handle, *(_dlpack.give(x[k]) for k in names), None, None, None, 0x1F, outs,
+               ctypes.byref(graph))
+    M, z, tM, tz = (_dlpack.take(outs[k]) for k in range(4))
+    assert tM is None and tz is None
+    gM, gz = torch.randn_like(M), torch.randn_like(z)
+    grads_in = (ctypes.c_void_p * 5)()
+    _capi.call("graph_backward", graph, (ctypes.c_void_p * 4)(_dlpack.give(gM), _dlpack.give(gz), None, None), None,
+               grads_in)
+    _capi.call("graph_destroy", graph)
+    grads = [_dlpack.take(grads_in[i]) for i in range(5)]
+    comm.close()
+
+    r = {k: v.clone().requires_grad_(True) for k, v in x.items()}
+    I = torch.eye(D, dtype=torch.float64)
+    dec = r["decay"].reshape(BH, F)
+    Mi, zi, Ms, zs = torch.zeros(BH, D, D, dtype=torch.float64), torch.zeros(BH, D, dtype=torch.float64), [], []
+    for f in range(F):
+        gf = dec[:, f, None, None]
+        Mi = gf * (I - r["P"][:, f]) @ Mi + r["A"][:, f]
+        zi = (gf * (I - r["Pz"][:, f]) @ zi[..., None])[..., 0] + r["bz"][:, f]
+        Ms.append(Mi)
+        zs.append(zi)
+    M_ref, z_ref = torch.stack(Ms, 1), torch.stack(zs, 1)
+    ((M_ref * gM).sum() + (z_ref * gz).sum()).backward()
+    assert eager.rel_l2(M, M_ref.detach()) <= TOL
+    assert eager.rel_l2(z, z_ref.detach()) <= TOL
+    for k, gr in zip(names, grads):
+        assert eager.rel_l2(gr, r[k].grad) <= TOL, k
