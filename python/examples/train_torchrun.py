@@ -6,6 +6,8 @@ Every rank holds the same parameters and a consecutive block of the frames
 (gdncp's CP layer exchanges the scan's O(D²) state, not tokens); the
 parameter gradients are partial per rank and summed with torch.distributed.
 With one process (plain python3, or --nproc_per_node=1) it trains on one GPU.
+Without a GPU, --device cpu trains on CPU ranks under mpirun instead
+(MPI_COMM_WORLD is the CP group): mpirun -np 2 python3 train_torchrun.py --device cpu.
 
 --dump DIR writes, at step 0, layer 0's inputs, output gradient, output and
 input gradients per rank (DIR/rank<r>), for the comparison with the C++ entry
@@ -66,18 +68,26 @@ def main():
     p.add_argument("--head-dim", type=int, default=112)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--dump", default=None)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     a = p.parse_args()
 
     distributed = "WORLD_SIZE" in os.environ
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    if distributed:
+    if a.device == "cpu":  # CPU ranks under mpirun: the gradients are summed through gdncp's MPI communicator
+        comm = gdncp.Communicator.mpi_world()
+        P, r = comm.size, comm.rank
+        device = torch.device("cpu")
+        distributed = False
+    elif distributed:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
         dist.init_process_group("nccl")
         comm = gdncp.from_process_group()
         P, r = dist.get_world_size(), dist.get_rank()
     else:
-        comm = gdncp.Communicator.nccl(gdncp.unique_id(), 0, 1, local)
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(0)
+        comm = gdncp.Communicator.nccl(gdncp.unique_id(), 0, 1, 0)
         P, r = 1, 0
     base, extra = divmod(a.frames, P)
     F = base + (1 if r < extra else 0)
@@ -107,6 +117,10 @@ def main():
                 dist.all_reduce(prm.grad)
             dist.all_reduce(loss)
             loss = loss / P
+        elif P > 1:
+            for prm in model.parameters():
+                comm.all_reduce_sum_(prm.grad)
+            loss = comm.all_reduce_sum_(loss.detach().clone().reshape(1))[0] / P
         opt.step()
         if r == 0 and (step % 5 == 0 or step == a.steps - 1):
             print("step %3d  loss %.6f" % (step, loss.item()), flush=True)

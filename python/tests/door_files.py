@@ -82,3 +82,14 @@ def assert_bitwise(got, want, what=""):
     for k in grads_ref:
         assert torch.equal(grads[k], grads_ref[k]), "%sd/d %s differs from the C++ entry (max |diff| %g)" % (
             what, k, (grads[k].double() - grads_ref[k].double()).abs().max())
+
+
+def assert_dump_matches_reference(dump, nproc):
+    """Runs door_reference --cp under mpirun on what the example dumped (train_torchrun.py --dump)
+    and compares each rank's door results with it, bitwise."""
+    run_reference(dump, mpi_ranks=nproc)
+    for rank in range(nproc):
+        d = os.path.join(dump, "rank%d" % rank)
+        door = torch.load(os.path.join(d, "door.pt"))
+        want = read_results(d, door["out"], {k: door[k] for k in GRADS})
+        assert_bitwise((door["out"], {k: door[k] for k in GRADS}), want, "rank %d: " % rank)
