@@ -15,6 +15,10 @@ from ._capi import ArgumentError, GdncpError, abi_version, cuda_available
 from .comm import Communicator, from_process_group, unique_id
 
 __version__ = "0.1.0"
+__all__ = ["ArgumentError", "GdncpError", "abi_version", "cuda_available", "Communicator", "from_process_group",
+           "unique_id"]
 
 if _util.find_spec("torch") is not None:
-    from .layers import BiGDN, BiGDNCPFunction, BiGDNFunction, bigdn, bigdn_cp  # noqa: F401
+    from .layers import BiGDN, BiGDNCPFunction, BiGDNFunction, bigdn, bigdn_cp
+
+    __all__ += ["BiGDN", "BiGDNCPFunction", "BiGDNFunction", "bigdn", "bigdn_cp"]
