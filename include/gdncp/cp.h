@@ -125,6 +125,18 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device);
 // The local rank on this node (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)).
 int local_rank(MPI_Comm comm = MPI_COMM_WORLD);
 
+// Bootstrap without MPI (docs/design.md §11): one rank calls make_unique_id()
+// and hands the bytes to the others by any means (torch.distributed, a file, a
+// TCP store); every rank then calls make_nccl_communicator(id, rank, size,
+// device), collectively. device >= 0 is made the calling thread's current
+// device. The communicator owns its ncclComm_t; its host exchanges go through
+// the device. Both throw gdncp::Error when gdncp was built without CUDA.
+struct UniqueId {
+  unsigned char bytes[128];  // an ncclUniqueId's bytes
+};
+UniqueId make_unique_id();
+std::shared_ptr<Communicator> make_nccl_communicator(const UniqueId& id, int rank, int size, int device);
+
 // The balanced split of F_total frames over P ranks: the first F_total % P
 // ranks hold one frame more; offset = Σ_{j<r} frames_j (the rank's first
 // global frame: its RoPE rows and its slice of the data). F_total ≥ 0, P ≥ 1,

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -65,6 +66,8 @@ struct Storage {
   size_t nbytes = 0;
   Device device = Device::cpu;
   int device_index = 0;
+  // Foreign memory (Tensor::from_blob): runs instead of the free when the storage dies.
+  std::function<void()> deleter;
   Storage(size_t nbytes, Device device);
   ~Storage();
   Storage(const Storage&) = delete;
@@ -95,6 +98,11 @@ class Tensor {
   // Values given as doubles, rounded to dtype.
   static Tensor from_vector(const std::vector<double>& values, const Shape& shape, DType dtype,
                             Device device = Device::cpu);
+  // Zero copy over foreign memory (a DLPack tensor, a caller's buffer): data
+  // holds numel(shape) contiguous row-major elements of dtype on device (CUDA:
+  // the current device); deleter (may be empty) runs once, when the last tensor
+  // sharing the storage dies. The memory is never freed by gdncp itself.
+  static Tensor from_blob(void* data, Shape shape, DType dtype, Device device, std::function<void()> deleter);
 
   // --- metadata --------------------------------------------------------
   bool defined() const { return impl_ != nullptr; }

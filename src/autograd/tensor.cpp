@@ -59,6 +59,10 @@ Storage::Storage(size_t n, Device dev) : nbytes(n), device(dev) {
 }
 
 Storage::~Storage() {
+  if (deleter) {  // foreign memory: its owner frees it
+    deleter();
+    return;
+  }
   if (!ptr) return;
   if (device == Device::cpu)
     ::operator delete(ptr, kHostAlign);
@@ -146,6 +150,29 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   impl->shape = shape;
   impl->dtype = dtype;
   impl->storage = std::make_shared<Storage>(static_cast<size_t>(numel_of(shape)) * dtype_size(dtype), device);
+  return Tensor(std::move(impl));
+}
+
+Tensor Tensor::from_blob(void* data, Shape shape, DType dtype, Device device, std::function<void()> deleter) {
+  int64_t n = 1;
+  for (int64_t s : shape) {
+    GDNCP_CHECK(s >= 0, "Tensor::from_blob: negative size in shape ", shape_str(shape));
+    GDNCP_CHECK(s == 0 || n <= INT64_MAX / s, "Tensor::from_blob: the element count of ", shape_str(shape),
+                " overflows int64");
+    n *= s;
+  }
+  GDNCP_CHECK(data != nullptr || n == 0, "Tensor::from_blob: data is null for shape ", shape_str(shape));
+  GDNCP_CHECK(static_cast<uint64_t>(n) <= SIZE_MAX / dtype_size(dtype), "Tensor::from_blob: the byte count of ",
+              shape_str(shape), " overflows size_t");
+  auto storage = std::make_shared<Storage>(0, device);  // allocates nothing
+  storage->ptr = data;
+  storage->nbytes = static_cast<size_t>(n) * dtype_size(dtype);
+  if (device == Device::cuda) storage->device_index = detail::current_device();
+  storage->deleter = deleter ? std::move(deleter) : [] {};  // never the allocator's free
+  auto impl = std::make_shared<TensorImpl>();
+  impl->shape = std::move(shape);
+  impl->dtype = dtype;
+  impl->storage = std::move(storage);
   return Tensor(std::move(impl));
 }
 

@@ -376,11 +376,58 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device_a
   return std::make_shared<NcclCommunicator>(nc, true, nullptr, timeout, make_mpi_communicator(comm));
 }
 
+// --- bootstrap without MPI ---------------------------------------------------
+
+static_assert(sizeof(ncclUniqueId) == sizeof(UniqueId), "UniqueId holds exactly an ncclUniqueId");
+
+UniqueId make_unique_id() {
+  ncclUniqueId nid;
+  GDNCP_NCCL_CHECK(ncclGetUniqueId(&nid));
+  UniqueId id;
+  std::memcpy(id.bytes, &nid, sizeof id.bytes);
+  return id;
+}
+
+std::shared_ptr<Communicator> make_nccl_communicator(const UniqueId& id, int rank, int size, int device) {
+  GDNCP_CHECK(size >= 1, "make_nccl_communicator: size must be >= 1, got ", size);
+  GDNCP_CHECK(rank >= 0 && rank < size, "make_nccl_communicator: rank ", rank, " is not in [0, ", size, ")");
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess) {  // no driver or no device
+    (void)cudaGetLastError();
+    ndev = 0;
+  }
+  GDNCP_CHECK(device >= 0 && device < ndev, "make_nccl_communicator: device ", device, " but rank ", rank, " sees ",
+              ndev, " CUDA devices");
+  GDNCP_CUDA_CHECK(cudaSetDevice(device));
+  ncclUniqueId nid;
+  std::memcpy(&nid, id.bytes, sizeof nid);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t nc = nullptr;
+  const ncclResult_t r = ncclCommInitRankConfig(&nc, size, nid, rank, &config);
+  GDNCP_CHECK(r == ncclSuccess || r == ncclInProgress,
+              "make_nccl_communicator: ncclCommInitRankConfig failed: ", ncclGetErrorString(r));
+  const double timeout = 300.0;
+  const ncclResult_t st = settle(nc, Clock::now() + as_duration(timeout));
+  if (st != ncclSuccess) {
+    ncclCommAbort(nc);
+    GDNCP_FAIL("make_nccl_communicator: ncclCommInitRankConfig on rank ", rank, " (device ", device, ") ",
+               st == ncclInProgress ? std::string("timed out") : std::string(ncclGetErrorString(st)));
+  }
+  return std::make_shared<NcclCommunicator>(nc, true, nullptr, timeout);
+}
+
 #else  // !GDNCP_WITH_CUDA
 
 std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm) { return make_nccl_communicator(comm, -1); }
 
 std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm, int) {
+  GDNCP_FAIL("make_nccl_communicator: gdncp was built without CUDA (configure with GDNCP_CUDA=ON)");
+}
+
+UniqueId make_unique_id() { GDNCP_FAIL("make_unique_id: gdncp was built without CUDA (configure with GDNCP_CUDA=ON)"); }
+
+std::shared_ptr<Communicator> make_nccl_communicator(const UniqueId&, int, int, int) {
   GDNCP_FAIL("make_nccl_communicator: gdncp was built without CUDA (configure with GDNCP_CUDA=ON)");
 }
 

@@ -1,0 +1,178 @@
+"""ctypes binding of the C ABI (include/gdncp/gdncp_c.h).
+
+Why ctypes: the package needs no compiled extension of its own, so it is tied
+to no Python version's ABI and builds nothing beyond libgdncp; one shared
+library serves every interpreter (Debian's, a venv's, a container's torch).
+The calls are coarse (one per layer call), so ctypes' per-call cost is small
+next to a layer step (python/examples/bench_door.py measures it).
+
+The library is found, in order: $GDNCP_LIBRARY; the path the build wrote into
+_library.py (build/python/gdncp/_library.py); libgdncp.so beside the package
+or in ../lib of it (an install); the loader's search path.
+"""
+import ctypes
+import ctypes.util
+import os
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+OK = 0
+STATUS_NAMES = {0: "ok", 1: "argument", 2: "error", 3: "out of memory", 4: "internal"}
+
+PRECISIONS = {"auto": 0, "bf16": 1, "tf32": 2, "ieee": 3}
+CHECKPOINTS = {"off": 0, "on": 1, "auto": 2}
+UNIQUE_ID_BYTES = 128
+
+
+class GdncpError(RuntimeError):
+    """A failed gdncp call: .status is the C status, the message the library's."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+
+
+class ArgumentError(GdncpError, ValueError):
+    """The door refused an argument (GDNCP_ERROR_ARGUMENT)."""
+
+
+def _candidates():
+    env = os.environ.get("GDNCP_LIBRARY")
+    if env:
+        yield env
+        return
+    try:
+        from ._library import LIBRARY  # written by the build
+
+        yield LIBRARY
+    except ImportError:
+        pass
+    for d in (_HERE, os.path.join(_HERE, "..", "..", "lib"), os.path.join(_HERE, "..", "..", "..", "lib")):
+        for name in ("libgdncp.so", "libgdncp.so.0"):
+            p = os.path.join(d, name)
+            if os.path.exists(p):
+                yield p
+    found = ctypes.util.find_library("gdncp")
+    if found:
+        yield found
+
+
+def _load():
+    tried = []
+    for path in _candidates():
+        try:
+            # RTLD_GLOBAL: MPI's plugins resolve symbols of libmpi loaded through us.
+            return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            tried.append("%s (%s)" % (path, e))
+    raise ImportError(
+        "gdncp: libgdncp not found; set GDNCP_LIBRARY to its path. Tried: " + ("; ".join(tried) or "nothing")
+    )
+
+
+lib = _load()
+
+_p = ctypes.c_void_p
+_pp = ctypes.POINTER(ctypes.c_void_p)
+_i64 = ctypes.c_int64
+_u32 = ctypes.c_uint32
+_int = ctypes.c_int
+
+
+class LayerOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("k_scale", ctypes.c_double),
+        ("norm_eps", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("precision", ctypes.c_int),
+        ("checkpoint", ctypes.c_int),
+    ]
+
+
+class CpOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("reverse_rank_order", ctypes.c_int),
+        ("truncate_to_active", ctypes.c_int64),
+    ]
+
+
+def _sig(name, *args):
+    f = getattr(lib, name)
+    f.restype = ctypes.c_int
+    f.argtypes = list(args)
+    return f
+
+
+lib.gdncp_last_error.restype = ctypes.c_char_p
+lib.gdncp_last_error.argtypes = []
+lib.gdncp_abi_version.restype = ctypes.c_int
+lib.gdncp_cuda_available.restype = ctypes.c_int
+_LAYER_IN = [_p] * 8 + [_i64, _i64, ctypes.POINTER(LayerOptions)]
+F = {
+    "layer_options_init": _sig("gdncp_layer_options_init", ctypes.POINTER(LayerOptions)),
+    "cp_options_init": _sig("gdncp_cp_options_init", ctypes.POINTER(CpOptions)),
+    "unique_id": _sig("gdncp_unique_id", ctypes.c_char_p),
+    "comm_create_nccl": _sig("gdncp_comm_create_nccl", ctypes.c_char_p, _int, _int, _int, _pp),
+    "comm_create_mpi_world": _sig("gdncp_comm_create_mpi_world", _pp),
+    "mpi_finalize": _sig("gdncp_mpi_finalize"),
+    "comm_destroy": _sig("gdncp_comm_destroy", _p),
+    "comm_rank": _sig("gdncp_comm_rank", _p, ctypes.POINTER(_int)),
+    "comm_size": _sig("gdncp_comm_size", _p, ctypes.POINTER(_int)),
+    "comm_backend": _sig("gdncp_comm_backend", _p, ctypes.POINTER(ctypes.c_char_p)),
+    "comm_set_timeout": _sig("gdncp_comm_set_timeout", _p, ctypes.c_double),
+    "comm_timeout": _sig("gdncp_comm_timeout", _p, ctypes.POINTER(ctypes.c_double)),
+    "comm_aborted": _sig("gdncp_comm_aborted", _p, ctypes.POINTER(_int)),
+    "comm_all_reduce_sum": _sig("gdncp_comm_all_reduce_sum", _p, _p, _p),
+    "graph_num_outputs": _sig("gdncp_graph_num_outputs", _p, ctypes.POINTER(_int)),
+    "graph_num_inputs": _sig("gdncp_graph_num_inputs", _p, ctypes.POINTER(_int)),
+    "graph_backward": _sig("gdncp_graph_backward", _p, _pp, _p, _pp),
+    "graph_destroy": _sig("gdncp_graph_destroy", _p),
+    "bigdn": _sig("gdncp_bigdn", *_LAYER_IN, _p, _u32, _pp, _pp),
+    "bigdn_cp": _sig("gdncp_bigdn_cp", _p, *_LAYER_IN, _p, _u32, _pp, _pp),
+    "cp_gdn_raw": _sig("gdncp_cp_gdn_raw", _p, *_LAYER_IN, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
+    "cp_scan": _sig("gdncp_cp_scan", _p, _p, _p, _p, _p, _p, _p, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
+}
+
+
+def check(status):
+    """Raises the library's error for a failed status (message from this thread)."""
+    if status == OK:
+        return
+    msg = lib.gdncp_last_error().decode("utf-8", "replace")
+    cls = ArgumentError if status == 1 else GdncpError
+    raise cls(status, "gdncp (%s): %s" % (STATUS_NAMES.get(status, status), msg))
+
+
+def call(name, *args):
+    check(F[name](*args))
+
+
+def abi_version():
+    return lib.gdncp_abi_version()
+
+
+def cuda_available():
+    return bool(lib.gdncp_cuda_available())
+
+
+def layer_options(k_scale=1.0, norm_eps=1e-5, eps=1e-6, precision="auto", checkpoint="off"):
+    o = LayerOptions()
+    call("layer_options_init", ctypes.byref(o))
+    o.k_scale, o.norm_eps, o.eps = float(k_scale), float(norm_eps), float(eps)
+    if precision not in PRECISIONS:
+        raise ValueError("gdncp: precision must be one of %s, got %r" % (sorted(PRECISIONS), precision))
+    if checkpoint not in CHECKPOINTS:
+        raise ValueError("gdncp: checkpoint must be one of %s, got %r" % (sorted(CHECKPOINTS), checkpoint))
+    o.precision = PRECISIONS[precision]
+    o.checkpoint = CHECKPOINTS[checkpoint]
+    return o
+
+
+def cp_options(reverse_rank_order=False, truncate_to_active=0):
+    o = CpOptions()
+    call("cp_options_init", ctypes.byref(o))
+    o.reverse_rank_order = int(bool(reverse_rank_order))
+    o.truncate_to_active = int(truncate_to_active)
+    return o
