@@ -53,9 +53,57 @@ std::string value_str(const Field& f, int64_t v) {
 
 }  // namespace
 
+// Note [validation policy]: the record of a call is exchanged under
+// comm.validation() (docs/design.md §10). on_change remembers, per entry, the
+// bytes this rank last validated successfully; an equal record skips the
+// exchange. A record that changed on one rank only makes that rank exchange
+// while the others go on to their data collective: the communicator reports
+// the ranks out of step (or the deadline passes), on every rank.
+struct ValidationMemory {
+  static bool same(Communicator& c, int64_t key, const void* rec, size_t bytes) {
+    const auto it = c.validated_.find(key);
+    return it != c.validated_.end() && it->second.size() == bytes && std::memcmp(it->second.data(), rec, bytes) == 0;
+  }
+  static void remember(Communicator& c, int64_t key, const void* rec, size_t bytes) {
+    c.validated_[key].assign(static_cast<const char*>(rec), bytes);
+  }
+  static void forget(Communicator& c, int64_t key) { c.validated_.erase(key); }
+};
+
+bool exchange_needed(Communicator& comm, const char* entry, const void* rec, size_t bytes, bool ok) {
+  switch (comm.validation()) {
+    case Validation::off:
+      return false;
+    case Validation::on_change:
+      return !ok || !ValidationMemory::same(comm, hash_of(entry), rec, bytes);
+    case Validation::every_call:
+      return true;
+  }
+  return true;
+}
+
+void remember_validated(Communicator& comm, const char* entry, const void* rec, size_t bytes) {
+  ValidationMemory::remember(comm, hash_of(entry), rec, bytes);
+}
+
+void forget_validated(Communicator& comm, const char* entry) { ValidationMemory::forget(comm, hash_of(entry)); }
+
+void exchange_or_explain(Communicator& comm, const char* entry, void* all, const void* rec, size_t bytes, bool ok,
+                         const char* local_error) {
+  try {
+    comm.exchange_record(all, rec, bytes);
+  } catch (const Error& e) {
+    if (ok) throw;
+    // This rank's own bad argument is the cause; the exchange only failed
+    // because the other ranks did not expect it (Note [validation policy]).
+    GDNCP_FAIL(local_error, " (", entry, ": the other ranks skipped validating this call under Validation::",
+               validation_name(comm.validation()), " and the ranks are now out of step: ", e.what(), ")");
+  }
+}
+
 void validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
                          const std::function<void(CallRecord&)>& local) {
-  GDNCP_CHECK(!comm.aborted(), entry, ": comm: the communicator was aborted by an earlier error");
+  comm.check_usable(entry);
   Wire mine;
   mine.entry_hash = hash_of(entry);
   try {
@@ -68,9 +116,14 @@ void validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
     std::strncpy(mine.msg, e.what(), sizeof(mine.msg) - 1);
   }
   mine.rec = rec;
+  if (!exchange_needed(comm, entry, &mine, sizeof(Wire), mine.ok)) {
+    if (!mine.ok) throw Error(std::string(mine.msg, strnlen(mine.msg, sizeof(mine.msg))));
+    return;
+  }
   const int P = comm.size();
   std::vector<Wire> all(static_cast<size_t>(P));
-  comm.all_gather_host(all.data(), &mine, sizeof(Wire));
+  forget_validated(comm, entry);
+  exchange_or_explain(comm, entry, all.data(), &mine, sizeof(Wire), mine.ok, mine.msg);
 
   for (int r = 0; r < P; ++r) {
     const Wire& w = all[static_cast<size_t>(r)];
@@ -97,6 +150,7 @@ void validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
     GDNCP_CHECK(x.k_scale == r0.k_scale && x.norm_eps == r0.norm_eps && x.eps == r0.eps, entry,
                 ": options (k_scale, norm_eps, eps) differ between rank 0 and rank ", r);
   }
+  remember_validated(comm, entry, &mine, sizeof(Wire));
 }
 
 void check_cp_options(const char* entry, const CpOptions& o, int P, int64_t F) {

@@ -2,7 +2,8 @@
 //
 // Each entry describes its call in a CallRecord and runs its local checks;
 // one all-gather of the records (fixed size, host memory) follows, before any
-// other collective. Then every rank sees every rank's outcome and throws the
+// other collective, when the communicator's Validation policy asks for it
+// (every call, or only when this rank's record changed, or never). Then every rank sees every rank's outcome and throws the
 // same gdncp::Error when any rank's arguments were bad (naming that rank and
 // argument) or when the ranks disagree on a size or an option (naming the
 // field and the values) — so a mistake on one rank never leaves the others
@@ -35,6 +36,18 @@ struct CallRecord {
 // the communicator: usable, and its device the tensors' device.
 void validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
                          const std::function<void(CallRecord&)>& local);
+
+// The validation policy around an entry's own record exchange (Note
+// [validation policy] in validate_cp.cpp), for entries with a record of their
+// own (all_reduce_grads): whether this rank exchanges `rec` now; after the
+// exchange, forget before checking and remember once every rank agreed.
+// exchange_or_explain runs the exchange; when this rank's own local check
+// failed (ok false) and the exchange fails, it reports local_error first.
+bool exchange_needed(Communicator& comm, const char* entry, const void* rec, size_t bytes, bool ok);
+void remember_validated(Communicator& comm, const char* entry, const void* rec, size_t bytes);
+void forget_validated(Communicator& comm, const char* entry);
+void exchange_or_explain(Communicator& comm, const char* entry, void* all, const void* rec, size_t bytes, bool ok,
+                         const char* local_error);
 
 // truncate_to_active / reverse_rank_order checks shared by the entries
 // (local part; P·F is known locally since F must agree).
