@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -119,6 +120,12 @@ constexpr int64_t kMagic = 0x67646e6370747231;  // "gdncptr1"
 
 // Payload + trailer of one rank, 8-byte aligned.
 size_t slot_bytes(size_t payload) { return (payload + 7) / 8 * 8 + sizeof(Trailer); }
+
+std::string seconds_str(double s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
 
 using Buffer = std::shared_ptr<std::vector<unsigned char>>;
 Buffer buffer(size_t n) { return std::make_shared<std::vector<unsigned char>>(n, 0); }
@@ -361,7 +368,7 @@ class MpiCommunicator final : public Communicator {
         if (Clock::now() > deadline) {
           abandoned_.insert(abandoned_.end(), keep.begin(), keep.end());
           abort_with(std::string(call) + " did not complete within the deadline of " +
-                     std::to_string(timeout_seconds_) + " s on rank " + std::to_string(rank_) + " of " +
+                     seconds_str(timeout_seconds_) + " s on rank " + std::to_string(rank_) + " of " +
                      std::to_string(size_) + " (a rank lost, stopped or out of step)");
         }
         if (spins < 64)
