@@ -11,9 +11,13 @@
 // before anything else is sent).
 //
 // Errors: every entry validates its arguments locally, then exchanges the
-// result with the other ranks, so a bad argument on any rank — or sizes that
-// differ between ranks (F, S, B, H, D, dtype, options) — raises gdncp::Error on
-// EVERY rank (naming the argument and the rank), never a hang or garbage.
+// result with the other ranks (as the communicator's Validation policy says),
+// so a bad argument on any rank — or sizes that differ between ranks (F, S, B,
+// H, D, dtype, options) — raises gdncp::Error on EVERY rank (naming the
+// argument and the rank), never a hang or garbage. Under on_change (the
+// default) a rank whose arguments change while the others' do not is out of
+// step with them: it names its own bad argument, the others raise that the
+// ranks are out of step (MPI at once, NCCL at the deadline).
 //
 // Checkpointing (BigdnOptions::checkpoint, SPEC §7): `on` keeps only the
 // inputs and recomputes in backward. The recompute issues no collective: the

@@ -68,6 +68,8 @@ std::string mpi_error_string(int code) {
 // Open MPI 4 reports an error of a nonblocking collective's request through
 // MPI_COMM_WORLD's handler (fatal by default), not through the handler of the
 // request's communicator: while a request is tested, world returns errors too.
+// (The handler is swapped on the calling thread's behalf: gdncp's MPI use is
+// single-threaded, MPI_THREAD_SINGLE or FUNNELED.)
 class WorldReturnsErrors {
  public:
   WorldReturnsErrors() {
