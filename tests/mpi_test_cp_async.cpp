@@ -124,6 +124,22 @@ TEST(MpiCommAsync, RankChangingShapeAloneFailsOnEveryRank) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// on_change: a bad argument on one rank in steady state. That rank names its
+// argument; the others, already in their data all-gather, say the ranks are
+// out of step. At once, not at the deadline.
+TEST(MpiCommAsync, BadArgumentOnOneRankInSteadyState) {
+  if (nranks() == 1) GTEST_SKIP() << "needs two ranks";
+  auto c = cp::make_mpi_communicator(MPI_COMM_WORLD);
+  c->set_timeout_seconds(5);
+  layer_step(*c, 2);
+  const LayerInputs l = local_block(make_layer_inputs(dims(1, 2, 4, 2 * nranks(), 2), DType::f64, 77), 2, rank());
+  const Tensor beta = rank() == 1 ? Tensor::zeros({3}, DType::f64) : l.beta;
+  expect_error_in_time(
+      [&] { cp::bigdn_cp(*c, l.qkv, beta, l.decay, l.q_norm_w, l.k_norm_w, l.rope_cos, l.rope_sin, 2, 2, l.opt); },
+      {rank() == 1 ? "beta" : "out of step"}, 5);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // Hardening: one rank in bigdn_cp while the others are in all_reduce_grads (a
 // steady state that validates nothing): a gdncp::Error on every rank, never
 // MPI's fatal MPI_ERR_TRUNCATE.
