@@ -26,8 +26,8 @@ double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 std::vector<double> layer_step(cp::Communicator& c, int64_t F, uint64_t seed = 77, bool backward_too = true) {
   const int64_t S = 2;
   const LayerInputs l = local_block(make_layer_inputs(dims(1, 2, 4, F * c.size(), S), DType::f64, seed), F, c.rank());
-  std::vector<Tensor> x = {leaf(l.qkv), leaf(l.beta), leaf(l.decay), leaf(l.q_norm_w), leaf(l.k_norm_w),
-                           l.rope_cos, l.rope_sin};
+  std::vector<Tensor> x = {leaf(l.qkv),      leaf(l.beta), leaf(l.decay), leaf(l.q_norm_w),
+                           leaf(l.k_norm_w), l.rope_cos,   l.rope_sin};
   Tensor out = cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, l.opt);
   std::vector<double> v = out.to_vector();
   if (!backward_too) return v;
@@ -114,8 +114,7 @@ TEST(MpiCommAsync, RankChangingShapeAloneFailsOnEveryRank) {
   auto c = cp::make_mpi_communicator(MPI_COMM_WORLD);
   c->set_timeout_seconds(5);
   layer_step(*c, 2);
-  expect_error_in_time([&] { layer_step(*c, rank() == 1 ? 3 : 2); }, {"out of step", "did not complete within"},
-                       5 + 5);
+  expect_error_in_time([&] { layer_step(*c, rank() == 1 ? 3 : 2); }, {"out of step", "did not complete within"}, 5 + 5);
   EXPECT_TRUE(c->aborted());
   // Every later call throws at once, naming the cause.
   const auto t0 = Clock::now();
@@ -140,7 +139,7 @@ TEST(MpiCommAsync, BadArgumentOnOneRankInSteadyState) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-// Hardening: one rank in bigdn_cp while the others are in all_reduce_grads (a
+// One rank in bigdn_cp while the others are in all_reduce_grads (a
 // steady state that validates nothing): a gdncp::Error on every rank, never
 // MPI's fatal MPI_ERR_TRUNCATE.
 TEST(MpiCommAsync, RanksInDifferentEntriesRaiseNotAbort) {

@@ -25,8 +25,8 @@ double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 std::vector<double> layer_step(cp::Communicator& c, int64_t F, uint64_t seed = 77, bool backward_too = true) {
   const int64_t S = 2;
   const LayerInputs l = local_block(make_layer_inputs(dims(1, 2, 4, F * c.size(), S), DType::f64, seed), F, c.rank());
-  std::vector<Tensor> x = {leaf(l.qkv), leaf(l.beta), leaf(l.decay), leaf(l.q_norm_w), leaf(l.k_norm_w),
-                           l.rope_cos, l.rope_sin};
+  std::vector<Tensor> x = {leaf(l.qkv),      leaf(l.beta), leaf(l.decay), leaf(l.q_norm_w),
+                           leaf(l.k_norm_w), l.rope_cos,   l.rope_sin};
   Tensor out = cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, l.opt);
   std::vector<double> v = out.to_vector();
   if (!backward_too) return v;

@@ -6,9 +6,9 @@
 // binary does not join MPI itself. Nothing is left behind: a process still
 // alive at the end is continued and killed.
 // gdncp-mpi-np: 1
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <fcntl.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -83,13 +83,38 @@ TEST(TrainWatchdog, StoppedRankEndsTheRunInTime) {
     if (!launcher || kv.rfind("OMPI_ALLOW_RUN_AS_ROOT", 0) == 0) env.push_back(kv);
   }
   const fs::path log = fs::temp_directory_path() / ("gdncp_train_watchdog_" + std::to_string(getpid()) + ".log");
-  std::vector<std::string> args = {mpirun,   "-np",      "2",         "--oversubscribe", "--allow-run-as-root",
-                                   "--bind-to", "none",   train.string(), "--cp",        "2",
-                                   "--timeout", "5",      "--steps",   "1000000",         "--log",
-                                   "",          "--frames", "4",       "--tokens",        "4",
-                                   "--heads",   "1",      "--head-dim", "8",              "--batch",
-                                   "1",         "--layers", "1",       "--print-every",   "1",
-                                   "--check-every", "0"};
+  std::vector<std::string> args = {mpirun,
+                                   "-np",
+                                   "2",
+                                   "--oversubscribe",
+                                   "--allow-run-as-root",
+                                   "--bind-to",
+                                   "none",
+                                   train.string(),
+                                   "--cp",
+                                   "2",
+                                   "--timeout",
+                                   "5",
+                                   "--steps",
+                                   "1000000",
+                                   "--log",
+                                   "",
+                                   "--frames",
+                                   "4",
+                                   "--tokens",
+                                   "4",
+                                   "--heads",
+                                   "1",
+                                   "--head-dim",
+                                   "8",
+                                   "--batch",
+                                   "1",
+                                   "--layers",
+                                   "1",
+                                   "--print-every",
+                                   "1",
+                                   "--check-every",
+                                   "0"};
   const pid_t launcher = fork();
   ASSERT_GE(launcher, 0);
   if (launcher == 0) {

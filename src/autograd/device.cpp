@@ -8,11 +8,12 @@
 // it are still queued is reused only by work queued after them on the same
 // stream, which runs after them. Mixing streams needs a synchronize first.
 // A captured CUDA graph keeps its blocks in a pool of its own (Note [graph pools]).
+#include "autograd/device.h"
+
 #include <map>
 #include <mutex>
 #include <unordered_map>
 
-#include "autograd/device.h"
 #include "gdncp/error.h"
 
 #if GDNCP_WITH_CUDA
@@ -70,7 +71,7 @@ struct DeviceCache {
 // relaxed capture mode, counted in capture_mallocs).
 struct GraphPool {
   int device = 0;
-  bool alive = true;                        // false: the graph is gone, blocks return to the cache when freed
+  bool alive = true;                         // false: the graph is gone, blocks return to the cache when freed
   std::multimap<size_t, void*> free_blocks;  // reusable by this graph's capture only
   int64_t capture_mallocs = 0;
 };
@@ -106,8 +107,8 @@ class CachingAllocator {
       if (pool) cudaThreadExchangeStreamCaptureMode(&mode);
       if (err != cudaSuccess) {
         (void)cudaGetLastError();
-        GDNCP_FAIL("CUDA call cudaMalloc(", size, " bytes) failed: ", cudaGetErrorString(err),
-                   " (allocated ", c.stats.allocated, " bytes, cached ", c.stats.cached, ")");
+        GDNCP_FAIL("CUDA call cudaMalloc(", size, " bytes) failed: ", cudaGetErrorString(err), " (allocated ",
+                   c.stats.allocated, " bytes, cached ", c.stats.cached, ")");
       }
     }
     if (pool) pool_of_[ptr] = capturing_;

@@ -305,8 +305,8 @@ class MpiCommunicator final : public Communicator {
   }
 
   void start(int rc, const char* call) {
-    if (rc != MPI_SUCCESS) abort_with(std::string(call) + " failed on rank " + std::to_string(rank_) + ": " +
-                                      mpi_error_string(rc));
+    if (rc != MPI_SUCCESS)
+      abort_with(std::string(call) + " failed on rank " + std::to_string(rank_) + ": " + mpi_error_string(rc));
   }
 
   // The all-gather of `bytes` per rank behind all_gather, all_reduce_sum,
@@ -348,8 +348,8 @@ class MpiCommunicator final : public Communicator {
   // on one core.
   void wait(MPI_Request& req, const char* call, std::vector<Buffer> keep, size_t bytes, bool host_wait) {
     const auto start = Clock::now();
-    const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
-                                      std::chrono::duration<double>(timeout_seconds_));
+    const auto deadline =
+        start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds_));
     int done = 0;
     {
       WorldReturnsErrors world_returns;
@@ -361,17 +361,18 @@ class MpiCommunicator final : public Communicator {
           int cls = 0;
           MPI_Error_class(rc, &cls);
           if (cls == MPI_ERR_TRUNCATE)
-            why += " (a message of another rank did not fit: the ranks are out of step, in different collectives "
-                   "or calls)";
+            why +=
+                " (a message of another rank did not fit: the ranks are out of step, in different collectives "
+                "or calls)";
           if (!done) abandoned_.insert(abandoned_.end(), keep.begin(), keep.end());
           abort_with(why);
         }
         if (done) break;
         if (Clock::now() > deadline) {
           abandoned_.insert(abandoned_.end(), keep.begin(), keep.end());
-          abort_with(std::string(call) + " did not complete within the deadline of " +
-                     seconds_str(timeout_seconds_) + " s on rank " + std::to_string(rank_) + " of " +
-                     std::to_string(size_) + " (a rank lost, stopped or out of step)");
+          abort_with(std::string(call) + " did not complete within the deadline of " + seconds_str(timeout_seconds_) +
+                     " s on rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+                     " (a rank lost, stopped or out of step)");
         }
         if (spins < 64)
           std::this_thread::yield();

@@ -122,8 +122,8 @@ class NcclCommunicator final : public Communicator {
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       config.blocking = 0;
       const ncclResult_t r = ncclCommSplit(comm_, 0, rank_, &record_comm_, &config);
-      GDNCP_CHECK(r == ncclSuccess || r == ncclInProgress, "make_nccl_communicator: ncclCommSplit failed: ",
-                  ncclGetErrorString(r));
+      GDNCP_CHECK(r == ncclSuccess || r == ncclInProgress,
+                  "make_nccl_communicator: ncclCommSplit failed: ", ncclGetErrorString(r));
       const ncclResult_t st = settle(record_comm_, Clock::now() + as_duration(timeout_seconds_));
       GDNCP_CHECK(st == ncclSuccess, "make_nccl_communicator: ncclCommSplit of the validation channel: ",
                   st == ncclInProgress ? std::string("timed out") : std::string(ncclGetErrorString(st)));
@@ -488,7 +488,7 @@ class NcclCommunicator final : public Communicator {
   bool owned_ = false;
   cudaStream_t stream_ = nullptr;
   std::shared_ptr<Communicator> host_;
-  ncclComm_t record_comm_ = nullptr;     // the validation channel without MPI
+  ncclComm_t record_comm_ = nullptr;  // the validation channel without MPI
   cudaStream_t record_stream_ = nullptr;
   int rank_ = 0, size_ = 1, device_ = 0;
   int64_t seq_ = 0;

@@ -29,8 +29,8 @@ void Communicator::set_timeout_seconds(double s) {
 
 void Communicator::check_usable(const char* what) const {
   if (!aborted()) return;
-  GDNCP_FAIL(what, ": the ", backend(), " communicator (rank ", rank(), " of ", size(), ") was aborted: ",
-             abort_reason());
+  GDNCP_FAIL(what, ": the ", backend(), " communicator (rank ", rank(), " of ", size(),
+             ") was aborted: ", abort_reason());
 }
 
 // Padded to kRecordBytes: the exchanges of different entries have one size,

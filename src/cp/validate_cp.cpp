@@ -96,8 +96,9 @@ void exchange_or_explain(Communicator& comm, const char* entry, void* all, const
     if (ok) throw;
     // This rank's own bad argument is the cause; the exchange only failed
     // because the other ranks did not expect it (Note [validation policy]).
-    GDNCP_FAIL(local_error, " (", entry, ": the other ranks skipped validating this call under Validation::",
-               validation_name(comm.validation()), " and the ranks are now out of step: ", e.what(), ")");
+    GDNCP_FAIL(local_error, " (", entry,
+               ": the other ranks skipped validating this call under Validation::", validation_name(comm.validation()),
+               " and the ranks are now out of step: ", e.what(), ")");
   }
 }
 

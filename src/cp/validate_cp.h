@@ -3,11 +3,11 @@
 // Each entry describes its call in a CallRecord and runs its local checks;
 // one all-gather of the records (fixed size, host memory) follows, before any
 // other collective, when the communicator's Validation policy asks for it
-// (every call, or only when this rank's record changed, or never). Then every rank sees every rank's outcome and throws the
-// same gdncp::Error when any rank's arguments were bad (naming that rank and
-// argument) or when the ranks disagree on a size or an option (naming the
-// field and the values) — so a mistake on one rank never leaves the others
-// waiting in a collective.
+// (every call, or only when this rank's record changed, or never). Then every
+// rank sees every rank's outcome and throws the same gdncp::Error when any
+// rank's arguments were bad (naming that rank and argument) or when the ranks
+// disagree on a size or an option (naming the field and the values) — so a
+// mistake on one rank never leaves the others waiting in a collective.
 #pragma once
 
 #include <cstdint>
