@@ -288,20 +288,26 @@ class NcclCommunicator final : public Communicator {
     stats_.host_waits += 1;
   }
 
-  // Marks the communicator aborted and aborts the NCCL communicators (once).
-  // Caller holds mu_.
+  // Marks the communicator aborted and aborts its NCCL communicator (once).
+  // Caller holds mu_. The validation channel is used by the calling thread
+  // without mu_: only that thread aborts it (abort_and_throw); after a
+  // watchdog abort it is left as it is (never destroyed: the destructor of an
+  // aborted communicator returns at once).
   void abort_locked(const std::string& why) {
     if (aborted_) return;
     reason_ = why + " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ")";
     aborted_ = true;
     ncclCommAbort(comm_);
-    if (record_comm_) ncclCommAbort(record_comm_);
   }
 
   [[noreturn]] void abort_and_throw(const std::string& why) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       abort_locked(why);
+    }
+    if (record_comm_) {
+      ncclCommAbort(record_comm_);
+      record_comm_ = nullptr;
     }
     GDNCP_FAIL(abort_reason(), "; the NCCL communicator is aborted");
   }
