@@ -1,11 +1,13 @@
 // src/cp/comm_nccl.cpp — the NCCL communicator (CUDA tensors).
 //
 // Note [watchdog]: a collective is enqueued on the stream and the call
-// returns; the host never waits for the device. The communicator is created
-// nonblocking (ncclConfig_t::blocking = 0), so no NCCL call can block the host
-// forever; a call that answers ncclInProgress (connection set-up, on the
-// first collectives) is settled by polling against the deadline — counted as
-// a host wait. Around each collective two events from a pool (no event is
+// returns; the host never waits for the device. The communicator is blocking
+// (NCCL's default: an enqueue returns without polling; a nonblocking
+// ncclComm_t of the caller answers ncclInProgress, and is then settled by
+// polling against the deadline — counted as a host wait). A call that blocks
+// (connection set-up on the first collectives, with a rank lost) is ended by
+// the watchdog with ncclCommAbort at its deadline, as NCCL allows from
+// another thread. Around each collective two events from a pool (no event is
 // created on the hot path) are recorded and handed to the communicator's
 // watchdog thread, which polls them in order together with
 // ncclCommGetAsyncError: a completed collective returns its events to the
@@ -90,6 +92,16 @@ ncclResult_t settle(ncclComm_t comm, Clock::time_point deadline) {
   }
 }
 
+// settle() that never throws (destructors).
+ncclResult_t settle_quietly(ncclComm_t comm, Clock::time_point deadline) {
+  ncclResult_t state = ncclInProgress;
+  for (int spins = 0;; ++spins) {
+    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) return ncclInternalError;
+    if (state != ncclInProgress || Clock::now() > deadline) return state;
+    pause(spins);
+  }
+}
+
 bool capturing(cudaStream_t s) {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
   GDNCP_CUDA_CHECK(cudaStreamIsCapturing(s, &st));
@@ -133,6 +145,23 @@ class NcclCommunicator final : public Communicator {
   }
 
   ~NcclCommunicator() override {
+    if (owned_ && !aborted_) {  // finalize under the watchdog: a lost rank cannot hang it
+      std::lock_guard<std::mutex> guard(call_mu_);
+      in_call_name_ = "ncclCommFinalize";
+      in_call_deadline_ = Clock::now() + as_duration(timeout_seconds_);
+      in_call_ = true;
+      ncclResult_t fin = ncclCommFinalize(comm_);
+      if (fin == ncclInProgress) fin = settle_quietly(comm_, in_call_deadline_.load());
+      in_call_ = false;
+      std::lock_guard<std::mutex> lock(reason_mu_);
+      if (!aborted_) {
+        if (fin == ncclSuccess)
+          ncclCommDestroy(comm_);
+        else
+          ncclCommAbort(comm_);
+        gone_ = true;
+      }
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
@@ -145,7 +174,6 @@ class NcclCommunicator final : public Communicator {
     if (record_stream_) cudaStreamDestroy(record_stream_);
     if (aborted_) return;  // never waits again (Note [watchdog])
     if (record_comm_) finalize(record_comm_);
-    if (owned_) finalize(comm_);
   }
 
   int rank() const override { return rank_; }
@@ -154,7 +182,7 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm() const { return comm_; }
   bool aborted() const override { return aborted_ || (host_ && host_->aborted()); }
   std::string abort_reason() const override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(reason_mu_);
     if (!reason_.empty()) return reason_;
     return host_ ? host_->abort_reason() : std::string();
   }
@@ -289,27 +317,48 @@ class NcclCommunicator final : public Communicator {
   }
 
   // Marks the communicator aborted and aborts its NCCL communicator (once).
-  // Caller holds mu_. The validation channel is used by the calling thread
-  // without mu_: only that thread aborts it (abort_and_throw); after a
-  // watchdog abort it is left as it is (never destroyed: the destructor of an
-  // aborted communicator returns at once).
-  void abort_locked(const std::string& why) {
-    if (aborted_) return;
-    reason_ = why + " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ")";
-    aborted_ = true;
+  // The caller is the thread in the NCCL call, or holds call_mu_ (no call in
+  // progress), or found that call stuck past its deadline: ncclCommAbort is
+  // how NCCL ends a call blocked in another thread. The validation channel is
+  // used by the calling thread alone: only that thread aborts it
+  // (abort_and_throw); after a watchdog abort it is left as it is (never
+  // destroyed: the destructor of an aborted communicator returns at once).
+  void abort_comm(const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(reason_mu_);
+      if (aborted_ || gone_) return;
+      reason_ = why + " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ")";
+      aborted_ = true;
+    }
     ncclCommAbort(comm_);
   }
 
   [[noreturn]] void abort_and_throw(const std::string& why) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      abort_locked(why);
-    }
+    abort_comm(why);
     if (record_comm_) {
       ncclCommAbort(record_comm_);
       record_comm_ = nullptr;
     }
     GDNCP_FAIL(abort_reason(), "; the NCCL communicator is aborted");
+  }
+
+  // From the watchdog: waits for an enqueue in progress to return, unless it
+  // is itself stuck past its deadline (connection set-up with a lost rank).
+  // why empty: only a stuck call is to be aborted (nothing if it returned).
+  void abort_from_watchdog(const std::string& why) {
+    for (;;) {
+      if (call_mu_.try_lock()) {
+        if (!why.empty()) abort_comm(why);
+        call_mu_.unlock();
+        return;
+      }
+      if (in_call_.load() && Clock::now() > in_call_deadline_.load()) {
+        abort_comm(std::string(in_call_name_.load()) + " did not return within the deadline of " +
+                   seconds_str(timeout_seconds_) + " s (a rank lost while NCCL connected)");
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
   }
 
   cudaEvent_t take_event() {
@@ -339,8 +388,9 @@ class NcclCommunicator final : public Communicator {
   }
 
   // Enqueues op on the collective stream (ordered after the current stream's
-  // work and before its later work) and hands it to the watchdog. Holds mu_
-  // while NCCL runs, so the watchdog never aborts comm_ under a call.
+  // work and before its later work) and hands it to the watchdog. Holds
+  // call_mu_ while NCCL runs, so the watchdog never aborts comm_ under a call
+  // that returns (Note [watchdog]).
   template <typename Op>
   void run(const char* call, size_t bytes, Op op) {
     const cudaStream_t cur = static_cast<cudaStream_t>(current_stream());
@@ -354,43 +404,45 @@ class NcclCommunicator final : public Communicator {
       w.start = take_event();
       w.stop = take_event();
     }
+    std::string failure;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (aborted_) {
-        release(w);
-        lock.unlock();
-        check_usable(call);
-      }
-      w.seq = seq_++;
-      if (s != cur) {  // the collective reads what the current stream wrote
-        GDNCP_CUDA_CHECK(cudaEventRecord(order_, cur));
-        GDNCP_CUDA_CHECK(cudaStreamWaitEvent(s, order_, 0));
-      }
-      if (!captured) GDNCP_CUDA_CHECK(cudaEventRecord(w.start, s));
-      ncclResult_t r = op(s);
-      if (r == ncclInProgress) {  // connection set-up: settle within the deadline (a host wait)
-        count_host_wait();
-        r = settle(comm_, w.deadline);
-        if (r == ncclInProgress) {
-          abort_locked(std::string(call) + " could not be enqueued within the deadline of " +
-                       seconds_str(timeout_seconds_) + " s");
-          release(w);
-          lock.unlock();
-          GDNCP_FAIL(abort_reason(), "; the NCCL communicator is aborted");
+      std::lock_guard<std::mutex> guard(call_mu_);
+      if (!aborted_) {
+        w.seq = seq_++;
+        if (s != cur) {  // the collective reads what the current stream wrote
+          GDNCP_CUDA_CHECK(cudaEventRecord(order_, cur));
+          GDNCP_CUDA_CHECK(cudaStreamWaitEvent(s, order_, 0));
+        }
+        if (!captured) GDNCP_CUDA_CHECK(cudaEventRecord(w.start, s));
+        in_call_name_ = call;
+        in_call_deadline_ = w.deadline;
+        in_call_ = true;
+        ncclResult_t r = op(s);
+        in_call_ = false;
+        if (r == ncclInProgress) {  // a nonblocking ncclComm_t of the caller: settle (a host wait)
+          count_host_wait();
+          r = settle(comm_, w.deadline);
+          if (r == ncclInProgress)
+            failure = std::string(call) + " could not be enqueued within the deadline of " +
+                      seconds_str(timeout_seconds_) + " s";
+        }
+        if (failure.empty() && r != ncclSuccess)
+          failure = std::string("NCCL call ") + call + " failed: " + ncclGetErrorString(r);
+        if (!failure.empty()) abort_comm(failure);
+        if (failure.empty() && !aborted_) {
+          if (!captured) GDNCP_CUDA_CHECK(cudaEventRecord(w.stop, s));
+          if (s != cur) {
+            GDNCP_CUDA_CHECK(cudaEventRecord(order_, s));
+            GDNCP_CUDA_CHECK(cudaStreamWaitEvent(cur, order_, 0));
+          }
         }
       }
-      if (r != ncclSuccess) {
-        abort_locked(std::string("NCCL call ") + call + " failed: " + ncclGetErrorString(r));
-        release(w);
-        lock.unlock();
-        GDNCP_FAIL(abort_reason(), "; the NCCL communicator is aborted");
-      }
-      if (!captured) GDNCP_CUDA_CHECK(cudaEventRecord(w.stop, s));
-      if (s != cur) {
-        GDNCP_CUDA_CHECK(cudaEventRecord(order_, s));
-        GDNCP_CUDA_CHECK(cudaStreamWaitEvent(cur, order_, 0));
-      }
     }
+    if (aborted_) {
+      std::lock_guard<std::mutex> lock(mu_);
+      release(w);
+    }
+    check_usable(call);  // throws when this call or the watchdog aborted the communicator
     if (!captured) enqueue(w);
   }
 
@@ -401,22 +453,21 @@ class NcclCommunicator final : public Communicator {
     cudaThreadExchangeStreamCaptureMode(&mode);
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_) {
-      cv_.wait_for(lock, std::chrono::milliseconds(queue_.empty() ? 20 : 1));
+      cv_.wait_for(lock, std::chrono::milliseconds(queue_.empty() && !in_call_ ? 20 : 1));
       if (stop_ || aborted_) continue;
+      std::string failure;
       ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
-        const char* call = queue_.empty() ? "a collective" : queue_.front().call;
-        abort_locked(std::string(call) + " failed asynchronously: " + ncclGetErrorString(async));
-        continue;
-      }
-      while (!queue_.empty() && !aborted_) {
+      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
+        failure = std::string(queue_.empty() ? "a collective" : queue_.front().call) +
+                  " failed asynchronously: " + ncclGetErrorString(async);
+      while (failure.empty() && !queue_.empty()) {
         Watch& w = queue_.front();
         const cudaError_t q = cudaEventQuery(w.stop);
         if (q == cudaSuccess) {
           float ms = 0;
           if (cudaEventElapsedTime(&ms, w.start, w.stop) != cudaSuccess) ms = 0;
           if (w.counted) {
-            std::lock_guard<std::mutex> s(stats_mu_);
+            std::lock_guard<std::mutex> st(stats_mu_);
             stats_.calls += 1;
             stats_.bytes += static_cast<int64_t>(w.bytes);
             stats_.seconds += ms * 1e-3;
@@ -425,16 +476,20 @@ class NcclCommunicator final : public Communicator {
           queue_.pop_front();
           continue;
         }
-        if (q != cudaErrorNotReady) {
-          abort_locked(std::string(w.call) + " (collective #" + std::to_string(w.seq) +
-                       ") failed on the device: " + cudaGetErrorString(q));
-        } else if (Clock::now() > w.deadline) {
-          abort_locked(std::string(w.call) + " (collective #" + std::to_string(w.seq) +
-                       ") did not complete within the deadline of " + seconds_str(timeout_seconds_) +
-                       " s (a rank lost, stopped or out of step)");
-        }
+        if (q != cudaErrorNotReady)
+          failure = std::string(w.call) + " (collective #" + std::to_string(w.seq) +
+                    ") failed on the device: " + cudaGetErrorString(q);
+        else if (Clock::now() > w.deadline)
+          failure = std::string(w.call) + " (collective #" + std::to_string(w.seq) +
+                    ") did not complete within the deadline of " + seconds_str(timeout_seconds_) +
+                    " s (a rank lost, stopped or out of step)";
         break;
       }
+      const bool stuck = failure.empty() && in_call_ && Clock::now() > in_call_deadline_.load();
+      if (failure.empty() && !stuck) continue;
+      lock.unlock();  // the calling thread may need mu_ to finish its enqueue
+      abort_from_watchdog(failure);
+      lock.lock();
     }
   }
 
@@ -500,7 +555,13 @@ class NcclCommunicator final : public Communicator {
   int64_t seq_ = 0;
   cudaEvent_t order_ = nullptr;
 
-  mutable std::mutex mu_;  // guards what the watchdog shares: queue_, pool_, reason_, comm_'s abort
+  mutable std::mutex mu_;         // guards what the watchdog shares: queue_, pool_
+  std::mutex call_mu_;            // held by the calling thread while NCCL enqueues
+  mutable std::mutex reason_mu_;  // guards reason_ (and the first abort)
+  bool gone_ = false;             // comm_ destroyed (guarded by reason_mu_)
+  std::atomic<bool> in_call_{false};
+  std::atomic<const char*> in_call_name_{""};
+  std::atomic<Clock::time_point> in_call_deadline_{Clock::time_point()};
   std::condition_variable cv_;
   std::deque<Watch> queue_;
   std::vector<cudaEvent_t> pool_;
@@ -549,8 +610,10 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device_a
   ncclUniqueId id;
   if (rank == 0) GDNCP_NCCL_CHECK(ncclGetUniqueId(&id));
   GDNCP_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, comm));
+  // Blocking (NCCL's default): a collective returns once enqueued, with no
+  // polling; a call stuck in connection set-up is ended by the watchdog.
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
+  config.blocking = 1;
   ncclComm_t nc = nullptr;
   const ncclResult_t r = ncclCommInitRankConfig(&nc, size, id, rank, &config);
   GDNCP_CHECK(r == ncclSuccess || r == ncclInProgress,
