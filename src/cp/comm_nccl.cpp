@@ -154,6 +154,7 @@ class NcclCommunicator final : public Communicator {
       if (fin == ncclInProgress) fin = settle_quietly(comm_, in_call_deadline_.load());
       in_call_ = false;
       std::lock_guard<std::mutex> lock(reason_mu_);
+      std::lock_guard<std::mutex> watchdog_out(mu_);  // the watchdog polls comm_ under mu_
       if (!aborted_) {
         if (fin == ncclSuccess)
           ncclCommDestroy(comm_);
@@ -454,7 +455,7 @@ class NcclCommunicator final : public Communicator {
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_) {
       cv_.wait_for(lock, std::chrono::milliseconds(queue_.empty() && !in_call_ ? 20 : 1));
-      if (stop_ || aborted_) continue;
+      if (stop_ || aborted_ || gone_) continue;
       std::string failure;
       ncclResult_t async = ncclSuccess;
       if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
@@ -555,10 +556,10 @@ class NcclCommunicator final : public Communicator {
   int64_t seq_ = 0;
   cudaEvent_t order_ = nullptr;
 
-  mutable std::mutex mu_;         // guards what the watchdog shares: queue_, pool_
-  std::mutex call_mu_;            // held by the calling thread while NCCL enqueues
-  mutable std::mutex reason_mu_;  // guards reason_ (and the first abort)
-  bool gone_ = false;             // comm_ destroyed (guarded by reason_mu_)
+  mutable std::mutex mu_;          // guards what the watchdog shares: queue_, pool_
+  std::mutex call_mu_;             // held by the calling thread while NCCL enqueues
+  mutable std::mutex reason_mu_;   // guards reason_ (and the first abort)
+  std::atomic<bool> gone_{false};  // comm_ destroyed (set under reason_mu_ and mu_)
   std::atomic<bool> in_call_{false};
   std::atomic<const char*> in_call_name_{""};
   std::atomic<Clock::time_point> in_call_deadline_{Clock::time_point()};
