@@ -130,6 +130,10 @@ inline int run_mpi_tests(int argc, char** argv, const std::function<void()>& set
         self() = cp::make_mpi_communicator(MPI_COMM_SELF);
         // A hung collective in a broken test becomes an error, not a stuck job.
         world()->set_timeout_seconds(120);
+        // The bad-input tests change one rank's arguments between calls and expect
+        // the field named on every rank: that is the every_call policy (under
+        // on_change such a rank is out of step; tests/mpi_test_cp_async.cpp).
+        world()->set_validation(cp::Validation::every_call);
         if (setup) setup();
       },
       [&] {

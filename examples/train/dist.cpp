@@ -11,6 +11,7 @@
 
 #include <gdncp/error.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -19,7 +20,7 @@ namespace train {
 using gdncp::Device;
 using gdncp::Tensor;
 
-Dist::Dist(MPI_Comm world, int cp, Device device) : world_(world), device_(device) {
+Dist::Dist(MPI_Comm world, int cp, Device device, double timeout_seconds) : world_(world), device_(device) {
   GDNCP_MPI_CHECK(MPI_Comm_rank(world, &rank_));
   GDNCP_MPI_CHECK(MPI_Comm_size(world, &size_));
   GDNCP_CHECK(cp >= 1 && size_ % cp == 0, "--cp ", cp, " must divide the number of ranks ", size_);
@@ -33,11 +34,15 @@ Dist::Dist(MPI_Comm world, int cp, Device device) : world_(world), device_(devic
   };
   if (cp_size_ > 1) cp_comm_ = make(cp_mpi_);
   if (size_ > 1) grad_comm_ = cp_size_ == size_ ? cp_comm_ : make(world);
+  host_ = gdncp::cp::make_mpi_communicator(world);
+  for (auto* c : {&cp_comm_, &grad_comm_, &host_})
+    if (*c) (*c)->set_timeout_seconds(timeout_seconds);
 }
 
 Dist::~Dist() {
   cp_comm_.reset();
   grad_comm_.reset();
+  host_.reset();
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!finalized && cp_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&cp_mpi_);
@@ -55,14 +60,14 @@ void Dist::reduce_grads(const std::vector<Tensor>& params) {
 }
 
 double Dist::sum(double v) const {
-  double out = 0;
-  GDNCP_MPI_CHECK(MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_SUM, world_));
-  return out;
+  Tensor t = Tensor::full({1}, v, gdncp::DType::f64);
+  host_->all_reduce_sum(t);  // summed in rank order: the same bits on every rank
+  return t.to_vector()[0];
 }
 
 void Dist::check_identical(uint64_t hash, const char* what) const {
   std::vector<uint64_t> all(static_cast<size_t>(size_));
-  GDNCP_MPI_CHECK(MPI_Allgather(&hash, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, world_));
+  host_->all_gather_host(all.data(), &hash, sizeof hash);
   std::string differing;
   for (int r = 1; r < size_; ++r)
     if (all[static_cast<size_t>(r)] != all[0]) differing += (differing.empty() ? "" : ", ") + std::to_string(r);
@@ -70,13 +75,20 @@ void Dist::check_identical(uint64_t hash, const char* what) const {
 }
 
 void Dist::broadcast_bytes(std::vector<char>& bytes) const {
-  uint64_t n = bytes.size();
-  GDNCP_MPI_CHECK(MPI_Bcast(&n, 1, MPI_UINT64_T, 0, world_));
-  bytes.resize(n);
-  const uint64_t chunk = uint64_t(1) << 30;  // MPI counts are int
-  for (uint64_t off = 0; off < n; off += chunk) {
-    const int count = static_cast<int>(std::min(chunk, n - off));
-    GDNCP_MPI_CHECK(MPI_Bcast(bytes.data() + off, count, MPI_BYTE, 0, world_));
+  Tensor n = Tensor::full({1}, static_cast<double>(bytes.size()), gdncp::DType::f64);
+  host_->broadcast(n, 0);
+  const double count = n.to_vector()[0];
+  GDNCP_CHECK(count >= 0 && count < 9007199254740992.0, "broadcast_bytes: bad size ", count);
+  bytes.resize(static_cast<size_t>(count));
+  const int64_t chunk = int64_t(1) << 27;  // f64 words per broadcast: 1 GiB, within MPI's int count
+  const int64_t words = (static_cast<int64_t>(bytes.size()) + 7) / 8;
+  for (int64_t off = 0; off < words; off += chunk) {
+    const int64_t w = std::min(chunk, words - off);
+    const size_t lo = static_cast<size_t>(off) * 8, len = std::min(bytes.size() - lo, static_cast<size_t>(w) * 8);
+    Tensor t = Tensor::zeros({w}, gdncp::DType::f64);
+    if (rank_ == 0) std::memcpy(t.data(), bytes.data() + lo, len);
+    host_->broadcast(t, 0);
+    std::memcpy(bytes.data() + lo, t.data(), len);
   }
 }
 

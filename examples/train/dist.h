@@ -1,6 +1,8 @@
 // examples/train/dist.h — the rank layout of gdncp_train and every collective
 // the trainer issues: the CP layer call, the gradient reduction, scalar sums,
-// the parameter-identity check and byte broadcasts.
+// the parameter-identity check and byte broadcasts. Every one goes through a
+// gdncp communicator with the run's deadline (--timeout): a lost or hung rank
+// makes the others raise gdncp::Error instead of waiting for ever.
 #pragma once
 
 #include <gdncp/bigdn.h>
@@ -17,8 +19,10 @@ namespace train {
 class Dist {
  public:
   // world = dp × cp ranks; consecutive ranks form a CP group. Creates the
-  // communicators (MPI for cpu, NCCL for cuda) of the groups larger than one.
-  Dist(MPI_Comm world, int cp, gdncp::Device device);
+  // communicators (MPI for cpu, NCCL for cuda) of the groups larger than one,
+  // and an MPI one over the world for the host helpers; every collective of
+  // them has a deadline of timeout_seconds.
+  Dist(MPI_Comm world, int cp, gdncp::Device device, double timeout_seconds = 300);
   ~Dist();
   Dist(const Dist&) = delete;
   Dist& operator=(const Dist&) = delete;
@@ -41,7 +45,7 @@ class Dist {
   // replicas in one all-reduce); the optimizer divides by DP.
   void reduce_grads(const std::vector<gdncp::Tensor>& params);
 
-  // Host-side helpers over the world (MPI).
+  // Host-side helpers over the world (MPI, with the deadline).
   double sum(double v) const;
   // Throws gdncp::Error on every rank unless all ranks hold the same hash.
   void check_identical(uint64_t hash, const char* what) const;
@@ -55,6 +59,7 @@ class Dist {
   gdncp::Device device_;
   std::shared_ptr<gdncp::cp::Communicator> cp_comm_;    // null when cp_size == 1
   std::shared_ptr<gdncp::cp::Communicator> grad_comm_;  // over the world; null when size == 1
+  std::shared_ptr<gdncp::cp::Communicator> host_;       // MPI over the world, for the host helpers
 };
 
 // A 64-bit hash of the tensors' bytes (host copies), in order; any one differing word changes it.

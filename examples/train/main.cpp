@@ -5,7 +5,9 @@
 // (UsageError): rank 0 prints it and every rank exits with status 2 (flags)
 // or 1 (checkpoint). Any other error may hit one rank only, while the others
 // wait in a collective: that rank prints it and aborts the job (MPI_Abort,
-// non-zero status) rather than leave the others hanging.
+// non-zero status) rather than leave the others hanging. A lost or hung rank:
+// every collective has the deadline of --timeout, so the others raise there
+// and abort the job (MPI_Finalize would wait for the lost rank).
 #include <mpi.h>
 
 #include <cstdio>

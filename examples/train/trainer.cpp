@@ -139,6 +139,9 @@ const std::vector<Flag>& flags() {
        [](Config& c, const std::string& v) { c.seed = static_cast<uint64_t>(parse_int("seed", v, 0, INT64_MAX)); },
        [](const Config& c) { return std::to_string(c.seed); }},
       int_flag("cp", "context-parallel group size; data-parallel groups = ranks / cp", &Config::cp, 1, 1 << 20),
+      real_flag("timeout",
+                "deadline in seconds of every collective: a lost or hung rank ends the run with an error on the others",
+                &Config::timeout, 1e-3, 1e6),
       text_flag("log", "JSON-lines log path (rank 0), '' for none", &Config::log_path),
       text_flag("plot", "SVG loss curve path (default: loss.svg beside the log)", &Config::plot_path),
       text_flag("save-dir", "directory for checkpoints (none when empty)", &Config::save_dir),
@@ -388,7 +391,7 @@ Result train(const Config& cfg, MPI_Comm world) {
   validate(cfg, world_size);
   const Device dev = cfg.device == "cuda" ? Device::cuda : Device::cpu;
   const DType dt = cfg.dtype == "bf16" ? DType::bf16 : DType::f32;
-  Dist dist(world, static_cast<int>(cfg.cp), dev);
+  Dist dist(world, static_cast<int>(cfg.cp), dev, cfg.timeout);
   const bool lead = dist.rank() == 0;
 
   const int64_t F = cfg.frames / cfg.cp, S = cfg.tokens, N = F * S, C = cfg.heads * cfg.head_dim;

@@ -50,6 +50,7 @@ struct Config {
   std::string resume;                            // a checkpoint file, or a directory (its latest checkpoint)
   int64_t check_every = 10;                      // parameter-identity check period (and at the end)
   int64_t print_every = 1;                       // progress line period on rank 0; 0 = silent
+  double timeout = 300;                          // seconds: the deadline of every collective
 };
 
 // A bad flag or a bad checkpoint: raised identically on every rank (so the

@@ -10,8 +10,8 @@
 // compute for this rank's frames, forward and every gradient. Communication
 // is O(P·D²), independent of S, F_r and the split: ONE all-gather of the
 // per-rank composites in forward and ONE in backward (plus one small
-// all-gather of the sizes that validates the call on every rank before
-// anything else is sent).
+// exchange of the sizes, when the Validation policy calls for it, that
+// validates the call on every rank before anything else is sent).
 //
 // Packed clips (SPEC §4a): the entries that take `clip_starts` accept a
 // per-rank mask (B, F_r), f32, on the inputs' device: 1 where frame f of row
@@ -25,7 +25,11 @@
 // result with the other ranks, so a bad argument on any rank — or sizes that
 // must agree and differ between ranks (S, B, H, D, dtype, options), or every
 // rank holding 0 frames — raises gdncp::Error on EVERY rank (naming the
-// argument and the rank), never a hang or garbage. F_r may differ.
+// argument and the rank), never a hang or garbage. F_r may differ. The
+// exchange follows the communicator's Validation policy: under on_change (the
+// default) a rank whose arguments change while the others' do not is out of
+// step with them: it names its own bad argument, the others raise that the
+// ranks are out of step (MPI at once, NCCL at the deadline).
 //
 // Checkpointing (BigdnOptions::checkpoint, docs/design.md §7): `on` keeps only the
 // inputs and recomputes in backward. The recompute issues no collective: the
@@ -37,7 +41,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -47,12 +53,48 @@
 namespace gdncp {
 namespace cp {
 
+namespace detail {
+struct ValidationMemory;
+}
+
+// How the CP entries check that the ranks agree on sizes and options before
+// their data collectives (docs/design.md §9-10). The check exchanges a small
+// host record of the call over the group:
+//   every_call — on every call;
+//   on_change  — only when this rank's record differs from the last one it
+//                validated for the same entry on this communicator (default:
+//                a steady-state step exchanges nothing);
+//   off        — never (ranks that disagree then get garbage or a timeout).
+// A rank whose record changes alone (the others skip the exchange and go on
+// to their data collective) still ends in an error on every rank: the
+// collectives carry their kind and size (MPI) and meet the deadline (NCCL),
+// and the message says the ranks are out of step.
+enum class Validation { every_call, on_change, off };
+const char* validation_name(Validation v);
+
 // A group of ranks that exchange tensors. CPU tensors go through MPI, CUDA
-// tensors through NCCL on the current stream (gdncp::current_stream()). Every
-// call is checked; a collective that cannot finish within timeout_seconds()
-// aborts the communicator and throws gdncp::Error on that rank instead of
-// hanging; every later call on an aborted communicator throws at once.
+// tensors through NCCL on the current stream (gdncp::current_stream()).
 // All ranks must issue the same collectives in the same order.
+//
+// Asynchrony and failure (docs/design.md §10):
+// - NCCL: a collective returns once it is enqueued; the host never waits for
+//   the device (no stream or event synchronisation, no polling). A watchdog
+//   thread of the communicator watches every enqueued collective against its
+//   deadline (timeout_seconds() after the call) and NCCL's asynchronous
+//   errors; on a miss or an error it calls ncclCommAbort, and the next call on
+//   this communicator (and every gdncp CP entry given it) throws gdncp::Error
+//   naming the collective and the deadline.
+// - MPI: collectives are nonblocking (MPI_I*). CPU data is used by the host
+//   right after the call, so the call completes its request at that point of
+//   use, polling MPI_Test against the deadline; a miss marks the communicator
+//   aborted and throws (MPI cannot abort one communicator: the request is
+//   abandoned with its buffers kept alive, every later call throws at once).
+//   MPI errors come back as gdncp::Error, never through MPI's fatal handler.
+//   Each collective carries a trailer (kind, size, sequence number), so ranks
+//   that are in different collectives fail at once with a message saying so.
+//   Exit after an abort: MPI_Finalize synchronises with every rank, a lost one
+//   included, and can hang; end such a process with MPI_Abort or _exit.
+// - A destructor of an aborted communicator never waits.
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -70,39 +112,72 @@ class Communicator {
   // (either rank may be -1 for none). For a halo exchange.
   virtual void send_recv(const Tensor& send, int dst, Tensor& recv, int src) = 0;
   virtual void barrier() = 0;
-  // Host memory all-gather of `bytes` bytes per rank into out (size()·bytes):
-  // the cross-rank validation of sizes and options uses it.
+  // Host memory all-gather of `bytes` bytes per rank into out (size()·bytes).
+  // The host needs the result at once: a blocking wait (Stats::host_waits).
   virtual void all_gather_host(void* out, const void* in, size_t bytes) = 0;
+  // The validation exchange of the CP entries: a host all-gather of a record
+  // of at most kRecordBytes (padded to that size, so records of different
+  // entries never truncate each other). A blocking wait; counted in
+  // Stats::validations and Stats::host_waits.
+  static constexpr size_t kRecordBytes = 1024;
+  virtual void exchange_record(void* out, const void* in, size_t bytes);
   // True after a timeout or an asynchronous error aborted the communicator.
   virtual bool aborted() const = 0;
-  // Deferred completion: after begin_deferred(), a device collective returns
-  // once it is enqueued on the stream, and complete() waits for every such
-  // collective against the deadline (throwing on a miss, as a plain call does)
-  // and ends the deferral. A caller enqueues the work that follows its
-  // collective before the host waits, so the device never idles while the
-  // host makes its round trip. Host (MPI) collectives complete at once: for
-  // them both are no-ops.
-  virtual void begin_deferred() {}
-  virtual void complete() {}
+  // Why it was aborted ("" while usable): the collective, the deadline, the error.
+  virtual std::string abort_reason() const { return aborted() ? "aborted" : ""; }
+  // Throws gdncp::Error naming `what` and abort_reason() when aborted.
+  void check_usable(const char* what) const;
+  // Puts the work enqueued so far on the current stream under the watchdog's
+  // deadline, labelled `what` — e.g. after replaying a CUDA graph whose
+  // collectives were captured (captured collectives are not watched at
+  // capture time: a graph replays them later). No-op for MPI.
+  virtual void watch(const char* what) { (void)what; }
   // "mpi" or "nccl".
   virtual const char* backend() const = 0;
 
+  // Deadline of every collective, in seconds (finite and > 0; default 300).
   double timeout_seconds() const { return timeout_seconds_; }
-  void set_timeout_seconds(double s) { timeout_seconds_ = s; }
+  void set_timeout_seconds(double s);
 
-  // Time spent in collectives by this communicator (seconds measured on the
-  // device with events for NCCL, wall time for MPI), calls and bytes sent.
+  Validation validation() const { return validation_; }
+  void set_validation(Validation v) { validation_ = v; }
+
+  // Counters of this communicator. calls/bytes/seconds: collectives completed
+  // (seconds measured on the device with events for NCCL, wall time for MPI).
+  // host_waits: times the calling thread blocked on other ranks or on the
+  // device beyond the point of use of a collective's result — validation and
+  // host exchanges, barriers, and for NCCL any host wait at all (an
+  // in-progress NCCL call settling, a stream synchronisation). A steady-state
+  // CP layer call makes none. (An MPI data collective completes when the host
+  // reads its result, right after the call: that wait is its point of use and
+  // is not counted; it is bounded by the deadline.)
+  // validations: record exchanges made by the validation policy.
   struct Stats {
     int64_t calls = 0;
     int64_t bytes = 0;
     double seconds = 0;
+    int64_t host_waits = 0;
+    int64_t validations = 0;
   };
-  const Stats& stats() const { return stats_; }
-  void reset_stats() { stats_ = Stats(); }
+  Stats stats() const {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    return stats_;
+  }
+  void reset_stats() {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_ = Stats();
+  }
 
  protected:
   double timeout_seconds_ = 300.0;
+  Validation validation_ = Validation::on_change;
+  mutable std::mutex stats_mu_;  // the NCCL watchdog counts completed collectives
   Stats stats_;
+
+ private:
+  friend struct detail::ValidationMemory;
+  // The last record validated per entry (on_change): entry hash -> record bytes.
+  std::map<int64_t, std::string> validated_;
 };
 
 // MPI communicator over a duplicate of comm (default MPI_COMM_WORLD; the caller

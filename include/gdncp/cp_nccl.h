@@ -16,8 +16,11 @@ namespace cp {
 // Wraps comm (not owned: the caller destroys it after the communicator, and
 // keeps the device current). Collectives run on `stream` (nullptr: the current
 // stream), ordered after the current stream's work by an event and before any
-// later work on it. A timeout calls ncclCommAbort on comm — the caller's comm
-// is unusable after that, as after any NCCL error.
+// later work on it. Collective over the ranks of comm: it splits a second
+// NCCL communicator off comm (ncclCommSplit) for the validation exchange.
+// The communicator's watchdog thread calls ncclCommAbort on comm when a
+// collective misses its deadline or NCCL reports an asynchronous error — the
+// caller's comm is unusable after that, as after any NCCL error.
 std::shared_ptr<Communicator> make_nccl_communicator(ncclComm_t comm, cudaStream_t stream);
 
 // The ncclComm_t of an NCCL communicator (throws for an MPI one). It stays

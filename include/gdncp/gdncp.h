@@ -6,6 +6,7 @@
 #include "gdncp/autograd.h"
 #include "gdncp/bigdn.h"
 #include "gdncp/error.h"
+#include "gdncp/graph.h"
 #include "gdncp/nn.h"
 #include "gdncp/ops.h"
 #include "gdncp/optim.h"

@@ -16,6 +16,15 @@ void cuda_free(void* ptr);
 // The calling thread's current CUDA device (0 without CUDA).
 int current_device();
 
+// The caching allocator's graph pools (Note [graph pools] in device.cpp):
+// begin_pool_capture() routes the process's allocations into a new pool until
+// end_pool_capture(); release_pool(id) returns the pool's memory to the cache
+// once its graph is gone. pool_capture_mallocs: cudaMallocs a capture needed.
+int64_t begin_pool_capture();
+void end_pool_capture();
+void release_pool(int64_t id);
+int64_t pool_capture_mallocs(int64_t id);
+
 // Copies nbytes between any two devices; the copy is complete on return when
 // the destination is the host (D2H waits for the current stream).
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes);

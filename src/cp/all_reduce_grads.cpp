@@ -3,8 +3,9 @@
 //
 // The defined gradients are packed per dtype into one buffer each and summed
 // with one all-reduce per dtype (usually one: f32). Which gradients are
-// defined, their sizes and dtypes are checked across ranks first, so a rank
-// with a different parameter set gets an error on every rank, not a hang.
+// defined, their sizes and dtypes are checked across ranks first (under the
+// communicator's Validation policy), so a rank with a different parameter set
+// gets an error on every rank, not a hang.
 #include <cstring>
 #include <vector>
 
@@ -15,6 +16,10 @@
 
 namespace gdncp {
 namespace cp {
+
+namespace {
+constexpr int64_t kTag = 0x6772616473;  // "grads"
+}
 
 void all_reduce_grads(Communicator& comm, const std::vector<Tensor>& params) {
   std::vector<Tensor> grads(params.size());
@@ -35,19 +40,34 @@ void all_reduce_grads(Communicator& comm, const std::vector<Tensor>& params) {
          {static_cast<uint64_t>(i), static_cast<uint64_t>(g.numel()), static_cast<uint64_t>(g.dtype())})
       sig = (sig ^ x) * 1099511628211ull;
   }
+  // The record starts with the entry's tag, so a rank in another CP entry is
+  // named as out of step (validate_cp.cpp's records start with another one).
   struct Wire {
+    int64_t tag;
     int64_t ok;
     uint64_t sig;
     char why[200];
-  } mine{local_ok, sig, {0}};
+  } mine{kTag, local_ok, sig, {0}};
   std::strncpy(mine.why, why.c_str(), sizeof(mine.why) - 1);
-  std::vector<Wire> all(static_cast<size_t>(comm.size()));
-  comm.all_gather_host(all.data(), &mine, sizeof(Wire));
-  for (int r = 0; r < comm.size(); ++r) {
-    const Wire& w = all[static_cast<size_t>(r)];
-    GDNCP_CHECK(w.ok, "all_reduce_grads: rank ", r, ": ", std::string(w.why, strnlen(w.why, sizeof(w.why))));
-    GDNCP_CHECK(w.sig == all[0].sig, "all_reduce_grads: params: rank ", r,
-                " has a different set of gradients (which are defined, their sizes or dtypes) than rank 0");
+  const char* entry = "all_reduce_grads";
+  comm.check_usable(entry);
+  if (detail::exchange_needed(comm, entry, &mine, sizeof(Wire), local_ok)) {
+    std::vector<Wire> all(static_cast<size_t>(comm.size()));
+    detail::forget_validated(comm, entry);
+    const std::string local_error = "all_reduce_grads: " + why;
+    detail::exchange_or_explain(comm, entry, all.data(), &mine, sizeof(Wire), local_ok, local_error.c_str());
+    for (int r = 0; r < comm.size(); ++r)
+      GDNCP_CHECK(all[static_cast<size_t>(r)].tag == kTag, "all_reduce_grads: rank ", r,
+                  " is in a different gdncp call (the ranks are out of step)");
+    for (int r = 0; r < comm.size(); ++r) {
+      const Wire& w = all[static_cast<size_t>(r)];
+      GDNCP_CHECK(w.ok, "all_reduce_grads: rank ", r, ": ", std::string(w.why, strnlen(w.why, sizeof(w.why))));
+      GDNCP_CHECK(w.sig == all[0].sig, "all_reduce_grads: params: rank ", r,
+                  " has a different set of gradients (which are defined, their sizes or dtypes) than rank 0");
+    }
+    detail::remember_validated(comm, entry, &mine, sizeof(Wire));
+  } else {
+    GDNCP_CHECK(local_ok, "all_reduce_grads: ", why);
   }
 
   for (const DType dt : {DType::f32, DType::f64, DType::bf16}) {

@@ -43,31 +43,6 @@ using detail::ScanJob;
 
 enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kNumInputs };
 
-// The layer's collective in deferred mode (Communicator::begin_deferred): the
-// host waits for it only after the kernels that follow it are enqueued, so the
-// device runs on through the host's round trip.
-class DeferredCollectives {
- public:
-  explicit DeferredCollectives(Communicator& c) : c_(c) { c_.begin_deferred(); }
-  DeferredCollectives(const DeferredCollectives&) = delete;
-  DeferredCollectives& operator=(const DeferredCollectives&) = delete;
-  void complete() {
-    done_ = true;
-    c_.complete();
-  }
-  ~DeferredCollectives() {
-    if (done_) return;
-    try {
-      c_.complete();
-    } catch (...) {  // unwinding from an earlier error already: that one is reported
-    }
-  }
-
- private:
-  Communicator& c_;
-  bool done_ = false;
-};
-
 class CpLayerNode : public autograd::Node {
  public:
   CpLayerNode(Communicator& comm, const Dims& d, const BigdnOptions& opt, const CpOptions& cpo, MathMode mode,
@@ -96,7 +71,6 @@ class CpLayerNode : public autograd::Node {
     // Handles, not references into the saved list: they outlive release().
     const Tensor qkv = saved(kQkv), beta = saved(kBeta), decay = saved(kDecay), qw = saved(kQNormW),
                  kw = saved(kKNormW), cs = saved(kRopeCos), sn = saved(kRopeSin), rstd = saved(kRstd);
-    DeferredCollectives deferred(comm_);
     const Dims& d = d_;
     const Device dev = qkv.device();
     const DType ct = compute_dtype(qkv.dtype());
@@ -135,7 +109,6 @@ class CpLayerNode : public autograd::Node {
     if (needs_input_grad(kDecay)) out[kDecay] = s.dg.to(decay.dtype()).reshape(decay.shape());
     out[kQNormW] = g.dq_norm_w;
     out[kKNormW] = g.dk_norm_w;
-    deferred.complete();
     return out;
   }
 
@@ -195,7 +168,6 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   const DType ct = compute_dtype(qkv.dtype());
   const MathMode mode = resolve_math_mode(opt.precision, qkv.dtype());
   const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
-  DeferredCollectives deferred(comm);
 
   // Prep: RMSNorm statistics and phase A, once for both directions (a rank with no frame: empty).
   Prep prep;
@@ -243,7 +215,6 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
     node->save_state(in, rstd, P, Pz, ctx, M, z, jobs);
     autograd::record(node, in, outputs);
   }
-  deferred.complete();
   return outputs;
 }
 

@@ -52,9 +52,74 @@ std::string value_str(const Field& f, int64_t v) {
 
 }  // namespace
 
+// Note [validation policy]: the record of a call is exchanged under
+// comm.validation() (docs/design.md §10). on_change remembers, per entry, the
+// bytes this rank last validated successfully; an equal record skips the
+// exchange. A record that changed on one rank only makes that rank exchange
+// while the others go on to their data collective: the communicator reports
+// the ranks out of step (or the deadline passes), on every rank.
+struct ValidationMemory {
+  static bool same(Communicator& c, int64_t key, const void* rec, size_t bytes) {
+    const auto it = c.validated_.find(key);
+    return it != c.validated_.end() && it->second.size() == bytes && std::memcmp(it->second.data(), rec, bytes) == 0;
+  }
+  static void remember(Communicator& c, int64_t key, const void* rec, size_t bytes) {
+    c.validated_[key].assign(static_cast<const char*>(rec), bytes);
+  }
+  static void forget(Communicator& c, int64_t key) { c.validated_.erase(key); }
+  // The frame layout found by the last exchange of an equal record, kept
+  // beside the record's bytes (offsets need every rank's F: an exchange
+  // skipped for an unchanged record must still know them).
+  static bool layout(Communicator& c, int64_t key, const void* rec, size_t bytes, FrameLayout* f) {
+    const auto it = c.validated_.find(key);
+    if (it == c.validated_.end() || it->second.size() != bytes + sizeof(FrameLayout) ||
+        std::memcmp(it->second.data(), rec, bytes) != 0)
+      return false;
+    std::memcpy(f, it->second.data() + bytes, sizeof(FrameLayout));
+    return true;
+  }
+  static void remember(Communicator& c, int64_t key, const void* rec, size_t bytes, const FrameLayout& f) {
+    std::string& m = c.validated_[key];
+    m.assign(static_cast<const char*>(rec), bytes);
+    m.append(reinterpret_cast<const char*>(&f), sizeof(FrameLayout));
+  }
+};
+
+bool exchange_needed(Communicator& comm, const char* entry, const void* rec, size_t bytes, bool ok) {
+  switch (comm.validation()) {
+    case Validation::off:
+      return false;
+    case Validation::on_change:
+      return !ok || !ValidationMemory::same(comm, hash_of(entry), rec, bytes);
+    case Validation::every_call:
+      return true;
+  }
+  return true;
+}
+
+void remember_validated(Communicator& comm, const char* entry, const void* rec, size_t bytes) {
+  ValidationMemory::remember(comm, hash_of(entry), rec, bytes);
+}
+
+void forget_validated(Communicator& comm, const char* entry) { ValidationMemory::forget(comm, hash_of(entry)); }
+
+void exchange_or_explain(Communicator& comm, const char* entry, void* all, const void* rec, size_t bytes, bool ok,
+                         const char* local_error) {
+  try {
+    comm.exchange_record(all, rec, bytes);
+  } catch (const Error& e) {
+    if (ok) throw;
+    // This rank's own bad argument is the cause; the exchange only failed
+    // because the other ranks did not expect it (Note [validation policy]).
+    GDNCP_FAIL(local_error, " (", entry,
+               ": the other ranks skipped validating this call under Validation::", validation_name(comm.validation()),
+               " and the ranks are now out of step: ", e.what(), ")");
+  }
+}
+
 FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
                                 const std::function<void(CallRecord&)>& local) {
-  GDNCP_CHECK(!comm.aborted(), entry, ": comm: the communicator was aborted by an earlier error");
+  comm.check_usable(entry);
   Wire mine;
   mine.entry_hash = hash_of(entry);
   try {
@@ -67,9 +132,19 @@ FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecor
     std::strncpy(mine.msg, e.what(), sizeof(mine.msg) - 1);
   }
   mine.rec = rec;
+  const Validation policy = comm.validation();
+  // off: a bad argument raises on its own rank only; on_change and off skip
+  // the exchange when an equal record was exchanged last (its frame layout is
+  // kept with it); off still exchanges once per new record, for the layout.
+  if (policy == Validation::off && !mine.ok) throw Error(std::string(mine.msg, strnlen(mine.msg, sizeof(mine.msg))));
+  FrameLayout known;
+  if (policy != Validation::every_call && mine.ok &&
+      ValidationMemory::layout(comm, mine.entry_hash, &mine, sizeof(Wire), &known))
+    return known;
   const int P = comm.size();
   std::vector<Wire> all(static_cast<size_t>(P));
-  comm.all_gather_host(all.data(), &mine, sizeof(Wire));
+  forget_validated(comm, entry);
+  exchange_or_explain(comm, entry, all.data(), &mine, sizeof(Wire), mine.ok, mine.msg);
 
   for (int r = 0; r < P; ++r) {
     const Wire& w = all[static_cast<size_t>(r)];
@@ -84,17 +159,19 @@ FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecor
       GDNCP_FAIL(entry, ": bad argument on rank ", r, " of ", P, ": ", msg);
     }
   }
-  const CallRecord& r0 = all[0].rec;
-  for (const Field& f : kFields)
+  if (policy != Validation::off) {
+    const CallRecord& r0 = all[0].rec;
+    for (const Field& f : kFields)
+      for (int r = 1; r < P; ++r) {
+        const int64_t a = r0.*f.member, b = all[static_cast<size_t>(r)].rec.*f.member;
+        GDNCP_CHECK(a == b, entry, ": ", f.name, " differs between ranks: rank 0 has ", value_str(f, a), ", rank ", r,
+                    " has ", value_str(f, b), " (every rank of the CP group must agree)");
+      }
     for (int r = 1; r < P; ++r) {
-      const int64_t a = r0.*f.member, b = all[static_cast<size_t>(r)].rec.*f.member;
-      GDNCP_CHECK(a == b, entry, ": ", f.name, " differs between ranks: rank 0 has ", value_str(f, a), ", rank ", r,
-                  " has ", value_str(f, b), " (every rank of the CP group must agree)");
+      const CallRecord& x = all[static_cast<size_t>(r)].rec;
+      GDNCP_CHECK(x.k_scale == r0.k_scale && x.norm_eps == r0.norm_eps && x.eps == r0.eps, entry,
+                  ": options (k_scale, norm_eps, eps) differ between rank 0 and rank ", r);
     }
-  for (int r = 1; r < P; ++r) {
-    const CallRecord& x = all[static_cast<size_t>(r)].rec;
-    GDNCP_CHECK(x.k_scale == r0.k_scale && x.norm_eps == r0.norm_eps && x.eps == r0.eps, entry,
-                ": options (k_scale, norm_eps, eps) differ between rank 0 and rank ", r);
   }
   // F may differ (uneven ownership); the ranks' frames make the global sequence.
   FrameLayout f;
@@ -104,6 +181,7 @@ FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecor
     f.total += Fr;
   }
   GDNCP_CHECK(f.total > 0, entry, ": F: every rank of the CP group holds 0 frames (the sequence is empty)");
+  ValidationMemory::remember(comm, mine.entry_hash, &mine, sizeof(Wire), f);
   return f;
 }
 

@@ -2,11 +2,12 @@
 //
 // Each entry describes its call in a CallRecord and runs its local checks;
 // one all-gather of the records (fixed size, host memory) follows, before any
-// other collective. Then every rank sees every rank's outcome and throws the
-// same gdncp::Error when any rank's arguments were bad (naming that rank and
-// argument) or when the ranks disagree on a size or an option (naming the
-// field and the values) — so a mistake on one rank never leaves the others
-// waiting in a collective.
+// other collective, when the communicator's Validation policy asks for it
+// (every call, or only when this rank's record changed, or never). Then every
+// rank sees every rank's outcome and throws the same gdncp::Error when any
+// rank's arguments were bad (naming that rank and argument) or when the ranks
+// disagree on a size or an option (naming the field and the values) — so a
+// mistake on one rank never leaves the others waiting in a collective.
 #pragma once
 
 #include <cstdint>
@@ -37,15 +38,27 @@ struct FrameLayout {
 };
 
 // Runs local (which throws gdncp::Error on a bad argument of this rank; it
-// also fills rec), exchanges the outcome and rec with all ranks of comm, and
+// also fills rec), exchanges the outcome and rec with all ranks of comm (as
+// comm.validation() says: Note [validation policy] in validate_cp.cpp), and
 // throws on every rank if any rank failed, the records differ in a field that
 // must agree, or every rank holds 0 frames. Also checks the communicator:
 // usable, and its device the tensors' device. Returns this rank's place in
-// the global sequence, which needs every rank's F: an exchange policy that
-// skips the exchange for an unchanged record must return the layout of the
-// last exchange.
+// the global sequence, which needs every rank's F: an exchange skipped for
+// an unchanged record returns the layout of the last exchange.
 FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
                                 const std::function<void(CallRecord&)>& local);
+
+// The validation policy around an entry's own record exchange (Note
+// [validation policy] in validate_cp.cpp), for entries with a record of their
+// own (all_reduce_grads): whether this rank exchanges `rec` now; after the
+// exchange, forget before checking and remember once every rank agreed.
+// exchange_or_explain runs the exchange; when this rank's own local check
+// failed (ok false) and the exchange fails, it reports local_error first.
+bool exchange_needed(Communicator& comm, const char* entry, const void* rec, size_t bytes, bool ok);
+void remember_validated(Communicator& comm, const char* entry, const void* rec, size_t bytes);
+void forget_validated(Communicator& comm, const char* entry);
+void exchange_or_explain(Communicator& comm, const char* entry, void* all, const void* rec, size_t bytes, bool ok,
+                         const char* local_error);
 
 // The clip mask of an entry: undefined, or (B, F) f32 on `device`.
 void check_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, int64_t F, Device device);

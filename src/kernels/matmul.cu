@@ -34,6 +34,13 @@ cublasHandle_t cublas_handle() {
   } else {
     GDNCP_CUBLAS_CHECK(cublasCreate(&h));
     GDNCP_CUBLAS_CHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+    // A workspace of its own, set once: cuBLAS then allocates nothing per
+    // call, which a captured CUDA graph needs (gdncp/graph.h). Never freed:
+    // it lives as long as the thread's handle.
+    void* workspace = nullptr;
+    const size_t workspace_bytes = size_t(32) << 20;
+    GDNCP_CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
+    GDNCP_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, workspace_bytes));
     handles.emplace(dev, h);
   }
   GDNCP_CUBLAS_CHECK(cublasSetStream(h, detail::stream()));

@@ -1,0 +1,165 @@
+// tests/mpi_test_cp_async.cpp — the asynchronous step and failure handling of
+// the MPI communicator (docs/design.md §10): a steady-state layer call makes
+// no blocking wait, the validation policies, ranks out of step (a rank whose
+// record changed alone, a rank in another entry) end in gdncp::Error on every
+// rank. (Lost and stopped ranks: tests/mpi_test_cp_watchdog.cpp.)
+// Tests that break a communicator make a fresh one (an aborted one stays so).
+// gdncp-mpi-np: 2 3
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "mpi_cp_fixtures.h"
+
+namespace gdncp {
+namespace test {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// One layer step (forward + backward) of this rank's block of a seeded global
+// input of F frames per rank; returns out and the gradients, flattened.
+std::vector<double> layer_step(cp::Communicator& c, int64_t F, uint64_t seed = 77, bool backward_too = true) {
+  const int64_t S = 2;
+  const LayerInputs l = local_block(make_layer_inputs(dims(1, 2, 4, F * c.size(), S), DType::f64, seed), F, c.rank());
+  std::vector<Tensor> x = {leaf(l.qkv),      leaf(l.beta), leaf(l.decay), leaf(l.q_norm_w),
+                           leaf(l.k_norm_w), l.rope_cos,   l.rope_sin};
+  Tensor out = cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, l.opt);
+  std::vector<double> v = out.to_vector();
+  if (!backward_too) return v;
+  backward(out, Tensor::randn(out.shape(), out.dtype(), Device::cpu, seed + 9));
+  for (size_t i = 0; i < 5; ++i)
+    for (double g : x[i].grad().to_vector()) v.push_back(g);
+  return v;
+}
+
+// Every rank must throw gdncp::Error from fn within `within` seconds, with a
+// message containing one of `what`.
+void expect_error_in_time(const std::function<void()>& fn, const std::vector<std::string>& what, double within) {
+  const auto t0 = Clock::now();
+  try {
+    fn();
+    ADD_FAILURE() << "rank " << rank() << ": no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    bool found = false;
+    for (const std::string& w : what) found |= msg.find(w) != std::string::npos;
+    EXPECT_TRUE(found) << "rank " << rank() << ": unexpected message: " << msg;
+  }
+  EXPECT_LT(since(t0), within) << "rank " << rank() << " raised too late";
+}
+
+TEST(MpiCommAsync, SteadyStateLayerCallMakesNoBlockingWait) {
+  auto c = cp::make_mpi_communicator(MPI_COMM_WORLD);
+  ASSERT_EQ(c->validation(), cp::Validation::on_change) << "on_change is the default";
+  const std::vector<double> first = layer_step(*c, 3);
+  EXPECT_EQ(c->stats().validations, 1) << "the first call validates";
+  c->reset_stats();
+  const std::vector<double> again = layer_step(*c, 3);
+  const cp::Communicator::Stats s = c->stats();
+  EXPECT_EQ(s.host_waits, 0) << "a steady-state call waited beyond the point of use";
+  EXPECT_EQ(s.validations, 0);
+  EXPECT_EQ(s.calls, nranks() > 1 ? 2 : 0) << "one all-gather in forward, one in backward";
+  EXPECT_EQ(first, again) << "the same inputs give the same bits";
+  // A host exchange is a blocking wait, and is counted as one.
+  int64_t mine = rank(), all[8] = {0};
+  c->all_gather_host(all, &mine, sizeof mine);
+  EXPECT_EQ(c->stats().host_waits, 1);
+  for (int r = 0; r < nranks(); ++r) EXPECT_EQ(all[r], r);
+}
+
+TEST(MpiCommAsync, ValidationPolicies) {
+  auto c = cp::make_mpi_communicator(MPI_COMM_WORLD);
+  c->set_validation(cp::Validation::every_call);
+  layer_step(*c, 2);
+  layer_step(*c, 2);
+  EXPECT_EQ(c->stats().validations, 2) << "every_call validates every call";
+
+  c->reset_stats();
+  c->set_validation(cp::Validation::on_change);
+  layer_step(*c, 2);  // the record every_call validated last: nothing new
+  EXPECT_EQ(c->stats().validations, 0);
+  layer_step(*c, 3);  // every rank changes F together: validated once
+  layer_step(*c, 3);
+  EXPECT_EQ(c->stats().validations, 1) << "on_change validates a changed record once";
+
+  c->reset_stats();
+  c->set_validation(cp::Validation::off);
+  layer_step(*c, 4);
+  EXPECT_EQ(c->stats().validations, 0) << "off never validates";
+  EXPECT_EQ(c->stats().host_waits, 0);
+
+  // A shape that differs between ranks from the start is named under every_call and on_change.
+  for (cp::Validation v : {cp::Validation::every_call, cp::Validation::on_change}) {
+    if (nranks() == 1) break;
+    auto fresh = cp::make_mpi_communicator(MPI_COMM_WORLD);
+    fresh->set_validation(v);
+    fresh->set_timeout_seconds(10);
+    expect_all_throw([&] { layer_step(*fresh, rank() == 1 ? 3 : 2); }, "F (frames per rank) differs");
+    EXPECT_FALSE(fresh->aborted()) << "a validation error leaves the communicator usable";
+    layer_step(*fresh, 2);  // and the next agreeing call is validated afresh and runs
+  }
+  EXPECT_THROW(c->set_timeout_seconds(-1), Error);
+  EXPECT_THROW(c->set_timeout_seconds(std::nan("")), Error);
+}
+
+// on_change: rank 1 changes its shape alone, so it validates while the others
+// go on to their data all-gather: every rank raises at once, out of step.
+TEST(MpiCommAsync, RankChangingShapeAloneFailsOnEveryRank) {
+  if (nranks() == 1) GTEST_SKIP() << "needs two ranks";
+  auto c = cp::make_mpi_communicator(MPI_COMM_WORLD);
+  c->set_timeout_seconds(5);
+  layer_step(*c, 2);
+  expect_error_in_time([&] { layer_step(*c, rank() == 1 ? 3 : 2); }, {"out of step", "did not complete within"}, 5 + 5);
+  EXPECT_TRUE(c->aborted());
+  // Every later call throws at once, naming the cause.
+  const auto t0 = Clock::now();
+  EXPECT_THROW(layer_step(*c, 2), Error);
+  EXPECT_LT(since(t0), 1.0);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// on_change: a bad argument on one rank in steady state. That rank names its
+// argument; the others, already in their data all-gather, say the ranks are
+// out of step. At once, not at the deadline.
+TEST(MpiCommAsync, BadArgumentOnOneRankInSteadyState) {
+  if (nranks() == 1) GTEST_SKIP() << "needs two ranks";
+  auto c = cp::make_mpi_communicator(MPI_COMM_WORLD);
+  c->set_timeout_seconds(5);
+  layer_step(*c, 2);
+  const LayerInputs l = local_block(make_layer_inputs(dims(1, 2, 4, 2 * nranks(), 2), DType::f64, 77), 2, rank());
+  const Tensor beta = rank() == 1 ? Tensor::zeros({3}, DType::f64) : l.beta;
+  expect_error_in_time(
+      [&] { cp::bigdn_cp(*c, l.qkv, beta, l.decay, l.q_norm_w, l.k_norm_w, l.rope_cos, l.rope_sin, 2, 2, l.opt); },
+      {rank() == 1 ? "beta" : "out of step"}, 5);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// One rank in bigdn_cp while the others are in all_reduce_grads (a
+// steady state that validates nothing): a gdncp::Error on every rank, never
+// MPI's fatal MPI_ERR_TRUNCATE.
+TEST(MpiCommAsync, RanksInDifferentEntriesRaiseNotAbort) {
+  if (nranks() == 1) GTEST_SKIP() << "needs two ranks";
+  auto c = cp::make_mpi_communicator(MPI_COMM_WORLD);
+  c->set_timeout_seconds(5);
+  Tensor w = Tensor::randn({40}, DType::f32, Device::cpu, 5);
+  w.requires_grad_(true);
+  auto grads_step = [&] {
+    backward(w, Tensor::full({40}, 1.0 + rank(), DType::f32));
+    cp::all_reduce_grads(*c, {w});
+  };
+  layer_step(*c, 2);
+  grads_step();
+  expect_error_in_time([&] { rank() == 0 ? (void)layer_step(*c, 2) : grads_step(); }, {"out of step"}, 5 + 5);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+}  // namespace
+}  // namespace test
+}  // namespace gdncp
+
+int main(int argc, char** argv) { return gdncp::test::run_mpi_tests(argc, argv); }
