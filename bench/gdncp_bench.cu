@@ -406,10 +406,10 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
   const std::function<void()> phases[] = {
       [&] { kernels::rms_stats(rstd, in.qkv, in.qw, in.kw, d, o.norm_eps); },
       [&] { kernels::phase_a_fwd(P, A, Pz, bz, in.qkv, rstd, in.kw, in.cs, in.sn, in.beta, d, o.k_scale, mode); },
-      [&] { kernels::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, d); },
+      [&] { kernels::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, Tensor(), d); },
       [&] { kernels::phase_c_fwd(out, den, in.qkv, rstd, in.qw, in.cs, in.sn, Ms, zs, d, o.eps, true, mode); },
       [&] { kernels::phase_c_bwd(dq, dMs, dzs, in.dout, Tensor(), in.qkv, rstd, in.qw, in.cs, in.sn, Ms, zs, d, o.eps, true, mode); },
-      [&] { kernels::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, d); },
+      [&] { kernels::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, Tensor(), d); },
       [&] { kernels::phase_a_bwd(dk, dqkv, dbeta, dP, dA, dPz, dbz, in.qkv, rstd, in.kw, in.cs, in.sn, in.beta, d, o.k_scale, mode); },
       [&] { kernels::rms_norm_bwd(dqkv, dqw, dkw, dq, dk, in.qkv, rstd, in.qw, in.kw, d); }};
   const char* names[] = {"rms_stats", "phase_a_fwd", "scan_bidi_fwd", "phase_c_fwd",
