@@ -1,18 +1,31 @@
 // gdncp/cp.h — context parallelism: communicators, the distributed frame scan
 // and the CP layers (SPEC §6-7).
 //
-// Rank r of a CP group of P ranks holds frames [r·F, (r+1)·F) of a global
-// sequence of P·F frames; every entry here is collective over the group and
-// returns what one rank holding the whole sequence would compute for this
-// rank's frames, forward and every gradient. Communication is O(P·D²),
-// independent of S and F: ONE all-gather of the per-rank composites in
-// forward and ONE in backward (plus one small all-gather of the sizes that
-// validates the call on every rank before anything else is sent).
+// Rank r of a CP group of P ranks holds the F_r ≥ 0 consecutive frames
+// [o_r, o_r + F_r) of a global sequence of F_total = Σ F_r frames, o_r =
+// Σ_{j<r} F_j (any split: 21 frames on 2 ranks = 11 + 10; balanced_split()
+// gives the even one). A rank with F_r = 0 still joins every collective and
+// returns empty outputs and gradients. Every entry here is collective over
+// the group and returns what one rank holding the whole sequence would
+// compute for this rank's frames, forward and every gradient. Communication
+// is O(P·D²), independent of S, F_r and the split: ONE all-gather of the
+// per-rank composites in forward and ONE in backward (plus one small
+// all-gather of the sizes that validates the call on every rank before
+// anything else is sent).
+//
+// Packed clips (SPEC §4a): the entries that take `clip_starts` accept a
+// per-rank mask (B, F_r), f32, on the inputs' device: 1 where frame f of row
+// b begins a clip, 0 elsewhere (other values: unspecified). No state crosses
+// a clip start in either direction, so out and every gradient equal running
+// each clip as its own row. Clips may cross rank boundaries and rows may pack
+// differently. Undefined = one clip per row. Global frame 0 starts a clip
+// whatever the mask says (nothing comes before it).
 //
 // Errors: every entry validates its arguments locally, then exchanges the
 // result with the other ranks, so a bad argument on any rank — or sizes that
-// differ between ranks (F, S, B, H, D, dtype, options) — raises gdncp::Error on
-// EVERY rank (naming the argument and the rank), never a hang or garbage.
+// must agree and differ between ranks (S, B, H, D, dtype, options), or every
+// rank holding 0 frames — raises gdncp::Error on EVERY rank (naming the
+// argument and the rank), never a hang or garbage. F_r may differ.
 //
 // Checkpointing (BigdnOptions::checkpoint, SPEC §7): `on` keeps only the
 // inputs and recomputes in backward. The recompute issues no collective: the
@@ -115,14 +128,29 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device);
 // The local rank on this node (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)).
 int local_rank(MPI_Comm comm = MPI_COMM_WORLD);
 
+// The balanced split of F_total frames over P ranks: the first F_total % P
+// ranks hold one frame more; offset = Σ_{j<r} frames_j (the rank's first
+// global frame: its RoPE rows and its slice of the data). F_total ≥ 0, P ≥ 1,
+// r in [0, P); anything else throws gdncp::Error.
+struct FrameSplit {
+  int64_t frames;
+  int64_t offset;
+};
+FrameSplit balanced_split(int64_t F_total, int P, int r);
+
 struct CpOptions {
   // State flows from rank P−1 to rank 0: the global sequence is the ranks'
   // frames concatenated in reverse rank order (each rank's own frames stay in
-  // their order). Used for anti-causal scans.
+  // their order). Used for anti-causal scans. A clip mask then marks clip
+  // starts in that global order.
   bool reverse_rank_order = false;
   // K > 0: global frames ≥ K get the identity transition (W = I, U = 0), so
   // the state freezes at frame K−1; the terminal state is returned on every
-  // rank. K in [1, P·F], forward rank order only; 0 = off.
+  // rank. K in [1, F_total], forward rank order only; 0 = off.
+  // With a clip mask: clip starts at frames < K cut the state as usual, those
+  // at frames ≥ K are ignored (the frozen frames neither update nor reset the
+  // state), so the terminal state is the state after frame K−1 of the clip
+  // that holds frame K−1, from that clip's start.
   int64_t truncate_to_active = 0;
 };
 
@@ -135,8 +163,11 @@ struct CpOptions {
 // kernels use — the same algorithm transposed, no adapter needed.
 //
 // P, A, Pz (B·H, F, D, D), bz (B·H, F, D): f32, or f64 (CPU oracle); decay
-// (B, H, F) any float dtype. All on comm.device(). Differentiable in P, A, Pz,
-// bz, decay (activation gradients; none accumulate).
+// (B, H, F) any float dtype; F = F_r, this rank's frames (may be 0);
+// clip_starts (B, F) f32 or undefined (header note on packed clips): a start
+// at frame f gives M_f = A_f, z_f = bz_f. All on comm.device().
+// Differentiable in P, A, Pz, bz, decay (activation gradients; none
+// accumulate).
 struct ScanResult {
   Tensor M;           // (B·H, F, D, D) inclusive states of this rank's frames
   Tensor z;           // (B·H, F, D)
@@ -144,28 +175,33 @@ struct ScanResult {
   Tensor terminal_z;  // (B·H, D)
 };
 ScanResult cp_scan(Communicator& comm, const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz,
-                   const Tensor& decay, const CpOptions& options = {});
+                   const Tensor& decay, const CpOptions& options = {}, const Tensor& clip_starts = Tensor());
 
 // The bidirectional scan of SPEC §4 over the global sequence: returns
 // {M + M̃, z + z̃} for this rank's frames, equal to ops::bidi_scan on the
 // gathered sequence. The anti-causal half is the rank-reversed scan of the
 // flipped frames shifted by one frame; both halves' composites travel in one
-// all-gather (and one in backward).
+// all-gather (and one in backward). With clip_starts (B, F) a start at frame
+// f also ends the strictly-later state of frame f−1 (M̃_{f−1} = 0), on this
+// rank or, for f the first frame of a later rank, on the nearest non-empty
+// rank before it.
 std::vector<Tensor> cp_bidi_scan(Communicator& comm, const Tensor& P, const Tensor& A, const Tensor& Pz,
-                                 const Tensor& bz, const Tensor& decay);
+                                 const Tensor& bz, const Tensor& decay, const Tensor& clip_starts = Tensor());
 
 // --- the CP layers -------------------------------------------------------------
 // Inputs as bigdn() (gdncp/bigdn.h), CP-local: qkv (B, N, 3, H, D) with N = F·S
-// the rank's tokens, beta (B, H, F, S), decay (B, H, F), norm weights (C) or
-// undefined, rope_cos/rope_sin this rank's (N, D) rows. options.checkpoint:
-// off | on | automatic. Gradients of the norm weights are partial per rank:
-// sum them with all_reduce_grads().
+// the rank's tokens (F = F_r ≥ 0, S the same on every rank), beta (B, H, F, S),
+// decay (B, H, F), norm weights (C) or undefined, rope_cos/rope_sin this rank's
+// (N, D) rows (rows [o_r·S, (o_r + F_r)·S) of the global table: rope_tables
+// with offset o_r·S), clip_starts (B, F) f32 or undefined (header note on
+// packed clips). options.checkpoint: off | on | automatic. Gradients of the
+// norm weights are partial per rank: sum them with all_reduce_grads().
 
 // The bidirectional CP layer: out = num/(den+eps) (B, N, H, D) in qkv's dtype,
 // equal to bigdn() on the gathered sequence, for this rank's frames.
 Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                 const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
-                const BigdnOptions& options = {});
+                const BigdnOptions& options = {}, const Tensor& clip_starts = Tensor());
 
 // Raw single direction (seed 002 cp_fused_gdn_chunkwise_raw_autograd): Prep
 // (RMSNorm + relu + k_scale + RoPE + phase A) → CP scan → Output (phase C),
@@ -179,7 +215,8 @@ struct RawResult {
 };
 RawResult cp_gdn_raw(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
                      const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
-                     int64_t F, int64_t S, const BigdnOptions& options = {}, const CpOptions& cp_options = {});
+                     int64_t F, int64_t S, const BigdnOptions& options = {}, const CpOptions& cp_options = {},
+                     const Tensor& clip_starts = Tensor());
 
 // Camera branch, numerator only (seed 002 cp_fused_cam_gdn_num_autograd).
 // q, k, v (B, H, D, N) already rotated; beta (B, H, F, S) or (B, H, F) (one
@@ -188,7 +225,7 @@ RawResult cp_gdn_raw(Communicator& comm, const Tensor& qkv, const Tensor& beta, 
 // form S_t = S_{t−1} W + U; here scanned as M = Sᵀ), out_s = S_t q_s.
 // Returns out (B, H, D, N) in q's dtype and, with truncate_to_active, the
 // terminal state (B·H, D, D) in the [key][value] convention. Gradients to q,
-// k, v, beta, decay.
+// k, v, beta, decay. F = F_r may differ between ranks (and be 0); no clip mask.
 struct CamResult {
   Tensor out;
   Tensor terminal_M;

@@ -175,6 +175,7 @@ dim3 tok_grid(const CamDims& d) {
 }  // namespace
 
 void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta, const CamDims& d) {
+  if (d.BH() * d.F == 0) return;  // a rank with no frame: nothing to launch
   const Geo g = geo_of(d);
   float* pc = f32_out(Pc, "Pc");
   float* ac = f32_out(Ac, "Ac");
@@ -188,6 +189,7 @@ void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, c
 
 void cam_phase_a_bwd(Tensor& dk, Tensor& dv, Tensor& dbeta, const Tensor& dPc, const Tensor& dAc, const Tensor& k,
                      const Tensor& v, const Tensor& beta, const CamDims& d) {
+  if (d.BH() * d.F == 0) return;  // a rank with no frame: nothing to launch
   TokArgs a;
   a.g = geo_of(d);
   a.M = f32_in(dPc, "dPc");
@@ -213,6 +215,7 @@ void cam_phase_a_bwd(Tensor& dk, Tensor& dv, Tensor& dbeta, const Tensor& dPc, c
 }
 
 void cam_out_fwd(Tensor& out, const Tensor& q, const Tensor& M, const CamDims& d) {
+  if (d.BH() * d.F == 0) return;  // a rank with no frame: nothing to launch
   TokArgs a;
   a.g = geo_of(d);
   a.M = f32_in(M, "M");
@@ -223,6 +226,7 @@ void cam_out_fwd(Tensor& out, const Tensor& q, const Tensor& M, const CamDims& d
 }
 
 void cam_out_bwd(Tensor& dq, Tensor& dM, const Tensor& dout, const Tensor& q, const Tensor& M, const CamDims& d) {
+  if (d.BH() * d.F == 0) return;  // a rank with no frame: nothing to launch
   TokArgs a;
   a.g = geo_of(d);
   a.M = f32_in(M, "M");

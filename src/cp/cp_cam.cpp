@@ -25,20 +25,21 @@ using detail::ScanJob;
 
 enum Input { kQ, kK, kV, kBeta, kDecay, kNumInputs };
 
-ScanJob cam_job(const Tensor& Pc, const Tensor& Ac, const CamDims& d, const CpOptions& o, int rank) {
+ScanJob cam_job(const Tensor& Pc, const Tensor& Ac, const CamDims& d, const CpOptions& o, int64_t offset) {
   ScanJob j;
   j.P = Pc;
   j.U = Ac;
   j.E = d.D;
   j.rank_reverse = o.reverse_rank_order;
   j.terminal = o.truncate_to_active > 0;
-  j.active = detail::active_frames(o.truncate_to_active, rank, d.F);
+  j.active = detail::active_frames(o.truncate_to_active, offset, d.F);
   return j;
 }
 
 class CamNode : public autograd::Node {
  public:
-  CamNode(Communicator& comm, const CamDims& d, const CpOptions& o) : comm_(comm), d_(d), opt_(o) {}
+  CamNode(Communicator& comm, const CamDims& d, const CpOptions& o, int64_t offset)
+      : comm_(comm), d_(d), opt_(o), offset_(offset) {}
   const char* name() const override { return "cp_cam_gdn_num"; }
 
   // Saved after the inputs: Pc, gathered, Y, X0.
@@ -60,8 +61,8 @@ class CamNode : public autograd::Node {
     Tensor dM = Tensor::empty({BH, F, D, D}, ct, dev);
     kern::cam_out_bwd(dq, dM, grads[0], q, Y, d);
 
-    ScanContext ctx{&comm_, BH, F, D, decay, gathered};
-    std::vector<ScanJob> jobs = {cam_job(Pc, Tensor(), d, opt_, comm_.rank())};
+    ScanContext ctx{&comm_, BH, F, D, decay, gathered, Tensor(), d.H};
+    std::vector<ScanJob> jobs = {cam_job(Pc, Tensor(), d, opt_, offset_)};
     jobs[0].Y = Y;
     jobs[0].X0 = X0;
     jobs[0].dY = dM;
@@ -88,18 +89,19 @@ class CamNode : public autograd::Node {
   Communicator& comm_;
   CamDims d_;
   CpOptions opt_;
+  int64_t offset_;  // this rank's first global frame
 };
 
 std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& in, const CamDims& d, const CpOptions& o,
-                                Tensor* keep) {
+                                int64_t offset, Tensor* keep) {
   const Tensor &q = in[kQ], &k = in[kK], &v = in[kV], &beta = in[kBeta], &decay = in[kDecay];
   const Device dev = q.device();
   const DType ct = compute_dtype(q.dtype());
   const int64_t BH = d.BH(), F = d.F, D = d.D;
   Tensor Pc = Tensor::empty({BH, F, D, D}, ct, dev), Ac = Tensor::empty({BH, F, D, D}, ct, dev);
   kern::cam_phase_a_fwd(Pc, Ac, k, v, beta, d);
-  ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor()};
-  std::vector<ScanJob> jobs = {cam_job(Pc, Ac, d, o, comm.rank())};
+  ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor(), Tensor(), d.H};
+  std::vector<ScanJob> jobs = {cam_job(Pc, Ac, d, o, offset)};
   detail::scan_forward(ctx, jobs);
   if (keep) *keep = ctx.gathered;
   Tensor out = Tensor::empty(q.shape(), q.dtype(), dev);
@@ -107,7 +109,7 @@ std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& i
   std::vector<Tensor> outputs = {out};
   if (o.truncate_to_active > 0) outputs.push_back(jobs[0].T);
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CamNode>(comm, d, o);
+    auto node = std::make_shared<CamNode>(comm, d, o, offset);
     node->save_state(in, Pc, ctx, jobs[0]);
     autograd::record(node, in, outputs);
   }
@@ -116,7 +118,7 @@ std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& i
 
 void check_cam_inputs(const char* entry, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta,
                       const Tensor& decay, int64_t F, int64_t S, CamDims& d, detail::CallRecord& rec) {
-  GDNCP_CHECK(F > 0, entry, ": F: must be > 0, got ", F);
+  GDNCP_CHECK(F >= 0, entry, ": F: must be >= 0 (frames of this rank), got ", F);
   GDNCP_CHECK(S > 0, entry, ": S: must be > 0, got ", S);
   GDNCP_CHECK(q.defined() && q.dim() == 4, entry, ": q: must be (B, H, D, N), got ",
               q.defined() ? q.str() : "undefined");
@@ -164,23 +166,25 @@ CamResult cp_cam_gdn_num(Communicator& comm, const Tensor& q, const Tensor& k, c
   const char* entry = "cp_cam_gdn_num";
   CamDims d;
   detail::CallRecord rec;
-  detail::validate_collective(comm, entry, rec, [&](detail::CallRecord& r) {
+  const detail::FrameLayout frames = detail::validate_collective(comm, entry, rec, [&](detail::CallRecord& r) {
     check_cam_inputs(entry, q, k, v, beta, decay, F, S, d, r);
-    detail::check_cp_options(entry, cp_options, comm.size(), F);
+    detail::check_cp_options(entry, cp_options);
     r.reverse = cp_options.reverse_rank_order;
     r.truncate = cp_options.truncate_to_active;
   });
+  detail::check_cp_options_global(entry, cp_options, frames);
+  const int64_t offset = frames.offset;
   const std::vector<Tensor> in = {q, k, v, beta, decay};
   std::vector<Tensor> out;
   if (autograd::resolve_checkpoint(checkpoint, in)) {
     auto keep = std::make_shared<Tensor>();
     Communicator* c = &comm;
-    const autograd::Function fn = [c, d, cp_options, keep](const std::vector<Tensor>& x) {
-      return cam_forward(*c, x, d, cp_options, keep.get());
+    const autograd::Function fn = [c, d, cp_options, offset, keep](const std::vector<Tensor>& x) {
+      return cam_forward(*c, x, d, cp_options, offset, keep.get());
     };
     out = autograd::checkpoint(fn, in, Checkpoint::on);
   } else {
-    out = cam_forward(comm, in, d, cp_options, nullptr);
+    out = cam_forward(comm, in, d, cp_options, offset, nullptr);
   }
   CamResult r;
   r.out = out[0];

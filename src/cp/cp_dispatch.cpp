@@ -36,13 +36,14 @@ bool on_cuda(const Tensor& t) {
 #endif
 
 void scan_sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Tensor& P, const Tensor& decay,
-                const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s) {
-  GDNCP_CP_DISPATCH(P, scan_sweep(out_before, out_after, final_state, P, decay, add_before, add_after, init, s));
+                const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s,
+                const Tensor& cuts) {
+  GDNCP_CP_DISPATCH(P, scan_sweep(out_before, out_after, final_state, P, decay, add_before, add_after, init, s, cuts));
 }
 
 void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const Tensor& R0, const Tensor& P,
-                     const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate) {
-  GDNCP_CP_DISPATCH(P, scan_grad_outer(dP, dg, L, R, R0, P, decay, s, shifted, accumulate));
+                     const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate, const Tensor& cuts) {
+  GDNCP_CP_DISPATCH(P, scan_grad_outer(dP, dg, L, R, R0, P, decay, s, shifted, accumulate, cuts));
 }
 
 void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int64_t m_stride, bool transpose,

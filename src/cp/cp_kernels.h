@@ -23,6 +23,17 @@
 // Anti-causal scan:    descending, steps 2, 3, 4 (out_before = strictly-later states M̃_t).
 // Their adjoints:      the reverse order with op = transpose and the state
 //                      gradient added before (forward) or after (anti) the step.
+//
+// Note [clip cuts]. A clip mask c (B, F) (SPEC §4a; c_t ≠ 0: frame t of row
+// bh / H begins a clip) cuts the sweep at its active frames: Y = 0 at the
+// start of step t (Cut::before, before step 1) or at its end (Cut::after,
+// after step 4, before step 5). Every sweep reads c_t of its own frame t:
+//   forward scan   (M_t = A_t at a start):         before;
+//   anti-causal    (M̃_{t−1} = 0: Y after step t):  after;
+//   their adjoints (the same cut, transposed):     after (forward), before (anti);
+// the sweeps from I (cumulative products) take the cut of the sweep they
+// accompany. A cut frame's transition is unused, so scan_grad_outer gives it no
+// gradient. Frozen frames ignore the mask.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +45,8 @@ namespace gdncp {
 namespace cp {
 
 enum class Init : uint8_t { zero, identity, given };
+// Where a sweep zeroes its state at a clip start, Note [clip cuts].
+enum class Cut : uint8_t { none, before, after };
 
 struct SweepSpec {
   int64_t BH = 0, F = 0, D = 0, E = 0;
@@ -41,6 +54,8 @@ struct SweepSpec {
   bool transpose = false;   // op(P) = Pᵀ
   Init init = Init::zero;   // identity needs E == D
   int64_t active = 0;       // frames t ≥ active are frozen (pass F for none)
+  Cut cut = Cut::none;      // with a mask: where it cuts
+  int64_t H = 1;            // heads: row b = bh / H of the clip mask
 };
 
 // One sweep of Note [scan step] and its tensors (P required; the rest may be undefined).
@@ -49,6 +64,7 @@ struct Sweep {
   Tensor P, add_before, add_after, init;
   SweepSpec spec;
   int64_t final_offset = 0;  // elements into final_state where the (BH, D, E) final states go (a pack buffer)
+  Tensor cuts;               // clip mask (B, F) f32, or undefined (no cut), Note [clip cuts]
 };
 
 // One source of a transition gradient: an adjoint sweep's L (its out_before) and the states R of the
@@ -59,11 +75,14 @@ struct OuterSource {
   int64_t active = 0;
 };
 // The transition gradient of one P from one or two sources (Gr = Σ_sources Gr_src), see scan_grad_outer.
+// Frames cut by the clip mask (B, F) f32 (row bh / H) get no transition gradient.
 struct OuterGroup {
   Tensor dP, dg, P;
   std::vector<OuterSource> sources;
   int64_t E = 0;
   bool accumulate_dP = false;
+  Tensor cuts;
+  int64_t H = 1;
 };
 
 // One correction, see scan_correct(): X_t += C_t · v for every frame.
@@ -92,17 +111,21 @@ struct CamDims {
   namespace NS {                                                                                                         \
   /* The sweep of Note [scan step]. P (BH, F, D, D) and the states compute dtype; decay (BH·F) any float dtype;         \
      add_before / add_after / out_before / out_after (BH, F, D, E); init / final_state (BH, D, E). Every tensor          \
-     argument except P and decay may be undefined (= absent). */                                                         \
+     argument except P and decay may be undefined (= absent). cuts: the clip mask (B, F) f32 (s.cut says where it     \
+     cuts, Note [clip cuts]) or undefined. */                                                                            \
   void scan_sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Tensor& P, const Tensor& decay,      \
-                  const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s);            \
+                  const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s,             \
+                  const Tensor& cuts = Tensor());                                                                        \
                                                                                                                          \
   /* Gradient of the per-frame transitions from an adjoint sweep. For each (bh, t): Gr = L_t R'_tᵀ with R'_t the       \
      state before step t: R_t when shifted (anti-causal layout), else R_{t−1} (R0 for t = 0; R0 undefined = 0).        \
      dP_t = −g_t Gr (overwritten, or += when accumulate_dP), dg_t += ⟨Gr, I − P_t⟩ (always accumulated: every    \
-     sweep of a layer shares the decay); frozen frames (t ≥ s.active) contribute 0. dP (BH, F, D, D), dg (BH, F),      \
-     L, R (BH, F, D, E), R0 (BH, D, E), all compute dtype. */                                                            \
+     sweep of a layer shares the decay); frozen frames (t ≥ s.active) and frames cut by the mask cuts (B, F) f32    \
+     (row bh / s.H; undefined = none) contribute 0. dP (BH, F, D, D), dg (BH, F), L, R (BH, F, D, E), R0 (BH, D, E), \
+     all compute dtype. */                                                                                               \
   void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const Tensor& R0, const Tensor& P,      \
-                       const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate_dP);                       \
+                       const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate_dP,                        \
+                       const Tensor& cuts = Tensor());                                                                   \
                                                                                                                          \
   /* Independent sweeps (none reads another's outputs) sharing decay, BH, F and D: one launch on CUDA. */                \
   void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay);                                                     \

@@ -16,7 +16,13 @@
 //
 // Gradients: qkv, beta, decay in their dtypes; the present norm weights in
 // theirs, partial per rank (all_reduce_grads sums them). All fresh tensors.
+//
+// A rank with no frame (F = 0) runs no Prep and no Output, only the scans'
+// collectives (its composites are the identity); its gradients are empty and
+// its norm weights' gradients zero. Clip starts go to the scans only: Prep and
+// Output are per frame.
 #include <memory>
+#include <utility>
 
 #include "autograd/tensor_internals.h"
 #include "cp/kv_z_scan.h"
@@ -65,8 +71,8 @@ class DeferredCollectives {
 class CpLayerNode : public autograd::Node {
  public:
   CpLayerNode(Communicator& comm, const Dims& d, const BigdnOptions& opt, const CpOptions& cpo, MathMode mode,
-              bool bidi)
-      : comm_(comm), d_(d), opt_(opt), cpo_(cpo), mode_(mode), bidi_(bidi) {}
+              bool bidi, int64_t offset, const Tensor& cuts)
+      : comm_(comm), d_(d), opt_(opt), cpo_(cpo), mode_(mode), bidi_(bidi), offset_(offset), cuts_(cuts) {}
   const char* name() const override { return bidi_ ? "bigdn_cp" : "cp_gdn_raw"; }
 
   // Saved after the inputs: rstd, P, Pz, gathered, M, z (what phase C read), then Y, X0 per job.
@@ -100,12 +106,18 @@ class CpLayerNode : public autograd::Node {
     Tensor dq_hat = Tensor::empty({B, N, H, D}, grad_hat_dtype(mode_, qkv.dtype()), dev);
     Tensor dM = Tensor::empty({BH, F, D, D}, ct, dev), dz = Tensor::empty({BH, F, D}, ct, dev);
     const Tensor &M = saved(kM), &z = saved(kZ);  // not used after release()
-    if (bidi_)
-      kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], Tensor(), qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, true, mode_);
-    else
-      kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], grads[1], qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, false, mode_);
-    PrepGrads g = prep_backward_q(dq_hat, qkv, rstd, qw, kw, beta, d, needs_input_grad(kQNormW),
-                                  needs_input_grad(kKNormW));
+    PrepGrads g;
+    if (F == 0) {
+      g = empty_rank_grads(qkv, beta, qw, kw);
+    } else {
+      if (bidi_)
+        kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], Tensor(), qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, true,
+                             mode_);
+      else
+        kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], grads[1], qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, false,
+                             mode_);
+      g = prep_backward_q(dq_hat, qkv, rstd, qw, kw, beta, d, needs_input_grad(kQNormW), needs_input_grad(kKNormW));
+    }
     dq_hat = Tensor();
 
     // CP scan backward (one all-gather); then the saved state goes (Note [early release]).
@@ -115,7 +127,7 @@ class CpLayerNode : public autograd::Node {
     release();
 
     // Prep (phase A + k's RMSNorm) backward.
-    prep_backward_k(g, s.dP, s.dA, s.dPz, s.dbz, qkv, rstd, kw, cs, sn, beta, d, opt_.k_scale, mode_);
+    if (F > 0) prep_backward_k(g, s.dP, s.dA, s.dPz, s.dbz, qkv, rstd, kw, cs, sn, beta, d, opt_.k_scale, mode_);
 
     std::vector<Tensor> out(kNumInputs);
     if (needs_input_grad(kQkv)) out[kQkv] = g.dqkv;
@@ -131,13 +143,24 @@ class CpLayerNode : public autograd::Node {
   // Slots of the saved list after the inputs (save_state's order).
   enum Saved : size_t { kRstd = kNumInputs, kP, kPz, kGathered, kM, kZ, kJobs };
 
+  // The gradients of a rank with no frame: empty, and zero for the norm weights
+  // asked for (every rank must hold the same set of gradients for all_reduce_grads).
+  PrepGrads empty_rank_grads(const Tensor& qkv, const Tensor& beta, const Tensor& qw, const Tensor& kw) const {
+    PrepGrads g;
+    g.dqkv = Tensor::zeros(qkv.shape(), qkv.dtype(), qkv.device());
+    g.dbeta = Tensor::zeros(beta.shape(), beta.dtype(), beta.device());
+    if (qw.defined() && needs_input_grad(kQNormW)) g.dq_norm_w = Tensor::zeros(qw.shape(), qw.dtype(), qw.device());
+    if (kw.defined() && needs_input_grad(kKNormW)) g.dk_norm_w = Tensor::zeros(kw.shape(), kw.dtype(), kw.device());
+    return g;
+  }
+
   // The CP scans' backward (one all-gather) over the saved state; its jobs,
   // with their adjoints and handles, go on return.
   detail::KvZGrads scan_backward(const std::vector<Tensor>& grads, const Tensor& dM, const Tensor& dz) const {
     const Dims& d = d_;
-    ScanContext ctx{&comm_, d.BH(), d.F, d.D, saved(kDecay), saved(kGathered)};
+    ScanContext ctx{&comm_, d.BH(), d.F, d.D, saved(kDecay), saved(kGathered), cuts_, d.H};
     std::vector<ScanJob> jobs =
-        detail::kv_z_jobs(saved(kP), Tensor(), saved(kPz), Tensor(), d.D, d.F, bidi_, cpo_, comm_.rank());
+        detail::kv_z_jobs(saved(kP), Tensor(), saved(kPz), Tensor(), d.D, d.F, bidi_, cpo_, offset_);
     for (size_t i = 0; i < jobs.size(); ++i) {
       jobs[i].Y = saved(kJobs + 2 * i);
       jobs[i].X0 = saved(kJobs + 2 * i + 1);
@@ -153,6 +176,8 @@ class CpLayerNode : public autograd::Node {
   CpOptions cpo_;
   MathMode mode_;
   bool bidi_;
+  int64_t offset_;  // this rank's first global frame
+  Tensor cuts_;     // the clip mask (B, F) or undefined (not differentiable)
 };
 
 // The fused forward on validated inputs; records one CpLayerNode when needed.
@@ -162,8 +187,8 @@ class CpLayerNode : public autograd::Node {
 // values are never read (Note [checkpoint recompute] in src/autograd/checkpoint.cpp);
 // terminal states are by-products of the scan and stay written.
 std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>& in, const Dims& d,
-                                  const BigdnOptions& opt, const CpOptions& cpo, bool bidi, Tensor* keep,
-                                  bool recompute) {
+                                  const BigdnOptions& opt, const CpOptions& cpo, bool bidi, int64_t offset,
+                                  const Tensor& cuts, Tensor* keep, bool recompute) {
   const Tensor &qkv = in[kQkv], &beta = in[kBeta], &decay = in[kDecay], &qw = in[kQNormW], &kw = in[kKNormW],
                &cs = in[kRopeCos], &sn = in[kRopeSin];
   const Device dev = qkv.device();
@@ -172,13 +197,22 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   const int64_t B = d.B, N = d.N(), H = d.H, D = d.D, F = d.F, BH = d.BH();
   DeferredCollectives deferred(comm);
 
-  // Prep: RMSNorm statistics and phase A, once for both directions.
-  const Prep prep = prep_forward(qkv, qw, kw, cs, sn, beta, d, opt, mode);
+  // Prep: RMSNorm statistics and phase A, once for both directions (a rank with no frame: empty).
+  Prep prep;
+  if (F > 0) {
+    prep = prep_forward(qkv, qw, kw, cs, sn, beta, d, opt, mode);
+  } else {
+    prep.rstd = Tensor::empty({B, 0, 2}, ct, dev);
+    prep.P = Tensor::empty({BH, 0, D, D}, ct, dev);
+    prep.A = Tensor::empty({BH, 0, D, D}, ct, dev);
+    prep.Pz = Tensor::empty({BH, 0, D, D}, ct, dev);
+    prep.bz = Tensor::empty({BH, 0, D}, ct, dev);
+  }
   const Tensor &rstd = prep.rstd, &P = prep.P, &A = prep.A, &Pz = prep.Pz, &bz = prep.bz;
 
   // The CP scans: every direction's composites in one all-gather.
-  ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor()};
-  std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi, cpo, comm.rank());
+  ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor(), cuts, H};
+  std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi, cpo, offset);
   detail::scan_forward(ctx, jobs);
   if (keep) *keep = ctx.gathered;
   const auto [M, z] = detail::kv_z_states(jobs, bidi);
@@ -187,15 +221,16 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   const auto output = [&](const Shape& shape, DType dtype) {
     return recompute ? gdncp::detail::shape_only(shape, dtype, dev) : Tensor::empty(shape, dtype, dev);
   };
+  const bool run_c = !recompute && F > 0;
   std::vector<Tensor> outputs;
   Tensor den = output({B, H, N}, ct);
   if (bidi) {
     Tensor out = output({B, N, H, D}, qkv.dtype());
-    if (!recompute) kernels::phase_c_fwd(out, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/true, mode);
+    if (run_c) kernels::phase_c_fwd(out, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/true, mode);
     outputs = {out};
   } else {
     Tensor num = output({B, N, H, D}, ct);
-    if (!recompute) kernels::phase_c_fwd(num, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/false, mode);
+    if (run_c) kernels::phase_c_fwd(num, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/false, mode);
     outputs = {num, den};
     if (cpo.truncate_to_active > 0) {
       outputs.push_back(jobs[0].T);
@@ -204,7 +239,7 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   }
 
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CpLayerNode>(comm, d, opt, cpo, mode, bidi);
+    auto node = std::make_shared<CpLayerNode>(comm, d, opt, cpo, mode, bidi, offset, cuts);
     node->save_state(in, rstd, P, Pz, ctx, M, z, jobs);
     autograd::record(node, in, outputs);
   }
@@ -212,15 +247,19 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   return outputs;
 }
 
-// Local and cross-rank validation of a layer call; returns this rank's dims.
-Dims validate_layer(Communicator& comm, const char* entry, const std::vector<Tensor>& in, int64_t F, int64_t S,
-                    const BigdnOptions& opt, const CpOptions& cpo) {
+// Local and cross-rank validation of a layer call; returns this rank's dims
+// and its place in the global sequence.
+std::pair<Dims, detail::FrameLayout> validate_layer(Communicator& comm, const char* entry,
+                                                    const std::vector<Tensor>& in, int64_t F, int64_t S,
+                                                    const BigdnOptions& opt, const CpOptions& cpo,
+                                                    const Tensor& clip_starts) {
   Dims d;
   detail::CallRecord rec;
-  detail::validate_collective(comm, entry, rec, [&](detail::CallRecord& r) {
+  const detail::FrameLayout frames = detail::validate_collective(comm, entry, rec, [&](detail::CallRecord& r) {
     d = validate_bigdn_inputs(entry, in[kQkv], in[kBeta], in[kDecay], in[kQNormW], in[kKNormW], in[kRopeCos],
-                              in[kRopeSin], F, S, opt);
-    detail::check_cp_options(entry, cpo, comm.size(), F);
+                              in[kRopeSin], F, S, opt, /*allow_empty=*/true);
+    detail::check_clip_starts(entry, clip_starts, d.B, d.F, in[kQkv].device());
+    detail::check_cp_options(entry, cpo);
     r.B = d.B;
     r.H = d.H;
     r.D = d.D;
@@ -236,19 +275,21 @@ Dims validate_layer(Communicator& comm, const char* entry, const std::vector<Ten
     r.norm_eps = opt.norm_eps;
     r.eps = opt.eps;
   });
-  return d;
+  detail::check_cp_options_global(entry, cpo, frames);
+  return {d, frames};
 }
 
 // Runs the layer forward directly or under a checkpoint whose recompute
 // reuses the gathered composites of the first run.
 std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in, const Dims& d, const BigdnOptions& opt,
-                              const CpOptions& cpo, bool bidi) {
+                              const CpOptions& cpo, bool bidi, int64_t offset, const Tensor& cuts) {
   if (!autograd::resolve_checkpoint(opt.checkpoint, in))
-    return layer_forward(comm, in, d, opt, cpo, bidi, nullptr, /*recompute=*/false);
+    return layer_forward(comm, in, d, opt, cpo, bidi, offset, cuts, nullptr, /*recompute=*/false);
   auto keep = std::make_shared<Tensor>();
   Communicator* c = &comm;
-  const autograd::RecomputeFunction fn = [c, d, opt, cpo, bidi, keep](const std::vector<Tensor>& x, bool recompute) {
-    return layer_forward(*c, x, d, opt, cpo, bidi, keep.get(), recompute);
+  const autograd::RecomputeFunction fn = [c, d, opt, cpo, bidi, offset, cuts, keep](const std::vector<Tensor>& x,
+                                                                                    bool recompute) {
+    return layer_forward(*c, x, d, opt, cpo, bidi, offset, cuts, keep.get(), recompute);
   };
   return autograd::checkpoint_layer(fn, in, Checkpoint::on);
 }
@@ -257,18 +298,19 @@ std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in,
 
 Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                 const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
-                const BigdnOptions& options) {
+                const BigdnOptions& options, const Tensor& clip_starts) {
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
-  const Dims d = validate_layer(comm, "bigdn_cp", in, F, S, options, CpOptions());
-  return run_layer(comm, in, d, options, CpOptions(), true).at(0);
+  const auto [d, frames] = validate_layer(comm, "bigdn_cp", in, F, S, options, CpOptions(), clip_starts);
+  return run_layer(comm, in, d, options, CpOptions(), true, frames.offset, clip_starts).at(0);
 }
 
 RawResult cp_gdn_raw(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
                      const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
-                     int64_t F, int64_t S, const BigdnOptions& options, const CpOptions& cp_options) {
+                     int64_t F, int64_t S, const BigdnOptions& options, const CpOptions& cp_options,
+                     const Tensor& clip_starts) {
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
-  const Dims d = validate_layer(comm, "cp_gdn_raw", in, F, S, options, cp_options);
-  const std::vector<Tensor> out = run_layer(comm, in, d, options, cp_options, false);
+  const auto [d, frames] = validate_layer(comm, "cp_gdn_raw", in, F, S, options, cp_options, clip_starts);
+  const std::vector<Tensor> out = run_layer(comm, in, d, options, cp_options, false, frames.offset, clip_starts);
   RawResult r;
   r.num = out[0];
   r.den = out[1];

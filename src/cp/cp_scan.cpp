@@ -23,11 +23,11 @@ using detail::ScanJob;
 enum Input { kP, kA, kPz, kBz, kDecay, kNumInputs };
 
 void check_scan_inputs(const char* entry, const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz,
-                       const Tensor& decay, detail::CallRecord& rec) {
+                       const Tensor& decay, const Tensor& clip_starts, detail::CallRecord& rec) {
   GDNCP_CHECK(P.defined() && P.dim() == 4 && P.size(2) == P.size(3), entry, ": P: must be (B·H, F, D, D), got ",
               P.defined() ? P.str() : "undefined");
   const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
-  GDNCP_CHECK(BH > 0 && F > 0 && D > 0, entry, ": P: sizes must be > 0, got ", P.str());
+  GDNCP_CHECK(BH > 0 && F >= 0 && D > 0, entry, ": P: B·H and D must be > 0 (F ≥ 0), got ", P.str());
   GDNCP_CHECK(D <= kMaxHeadDim, entry, ": P: D = ", D, " exceeds the supported maximum ", kMaxHeadDim);
   GDNCP_CHECK(P.dtype() == DType::f32 || P.dtype() == DType::f64, entry,
               ": P: must be f32 or f64 (compute dtype), got ", dtype_name(P.dtype()));
@@ -50,6 +50,7 @@ void check_scan_inputs(const char* entry, const Tensor& P, const Tensor& A, cons
   GDNCP_CHECK(decay.device() == P.device(), entry, ": decay: on ", device_name(decay.device()), ", P on ",
               device_name(P.device()));
   GDNCP_CHECK(decay.dtype() != DType::f64 || P.dtype() == DType::f64, entry, ": decay: f64 needs f64 P");
+  detail::check_clip_starts(entry, clip_starts, decay.size(0), F, P.device());
   rec.B = decay.size(0);
   rec.H = decay.size(1);
   rec.D = D;
@@ -61,7 +62,8 @@ void check_scan_inputs(const char* entry, const Tensor& P, const Tensor& A, cons
 
 class CpScanNode : public autograd::Node {
  public:
-  CpScanNode(Communicator& comm, bool bidi, const CpOptions& o) : comm_(comm), bidi_(bidi), opt_(o) {}
+  CpScanNode(Communicator& comm, bool bidi, const CpOptions& o, int64_t offset, const Tensor& cuts)
+      : comm_(comm), bidi_(bidi), opt_(o), offset_(offset), cuts_(cuts) {}
   const char* name() const override { return bidi_ ? "cp_bidi_scan" : "cp_scan"; }
 
   void save_state(const std::vector<Tensor>& in, const std::vector<ScanJob>& jobs, const ScanContext& ctx) {
@@ -77,8 +79,8 @@ class CpScanNode : public autograd::Node {
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
     const Tensor &P = saved(kP), &A = saved(kA), &Pz = saved(kPz), &bz = saved(kBz), &decay = saved(kDecay);
     const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
-    ScanContext ctx{&comm_, BH, F, D, decay, saved(kNumInputs)};
-    std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi_, opt_, comm_.rank());
+    ScanContext ctx{&comm_, BH, F, D, decay, saved(kNumInputs), cuts_, decay.size(1)};
+    std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi_, opt_, offset_);
     for (size_t i = 0; i < n_jobs_; ++i) {
       jobs[i].Y = saved(kNumInputs + 1 + 2 * i);
       jobs[i].X0 = saved(kNumInputs + 2 + 2 * i);
@@ -99,21 +101,25 @@ class CpScanNode : public autograd::Node {
   Communicator& comm_;
   bool bidi_;
   CpOptions opt_;
+  int64_t offset_;  // this rank's first global frame
+  Tensor cuts_;     // the clip mask (not differentiable)
   size_t n_jobs_ = 0;
 };
 
 std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor& P, const Tensor& A, const Tensor& Pz,
-                             const Tensor& bz, const Tensor& decay, bool bidi, const CpOptions& o) {
+                             const Tensor& bz, const Tensor& decay, bool bidi, const CpOptions& o,
+                             const Tensor& clip_starts) {
   detail::CallRecord rec;
-  detail::validate_collective(comm, entry, rec, [&](detail::CallRecord& r) {
-    check_scan_inputs(entry, P, A, Pz, bz, decay, r);
-    detail::check_cp_options(entry, o, comm.size(), P.size(1));
+  const detail::FrameLayout frames = detail::validate_collective(comm, entry, rec, [&](detail::CallRecord& r) {
+    check_scan_inputs(entry, P, A, Pz, bz, decay, clip_starts, r);
+    detail::check_cp_options(entry, o);
     r.reverse = o.reverse_rank_order;
     r.truncate = o.truncate_to_active;
   });
+  detail::check_cp_options_global(entry, o, frames);
   const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
-  ScanContext ctx{&comm, BH, F, D, decay, Tensor()};
-  std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi, o, comm.rank());
+  ScanContext ctx{&comm, BH, F, D, decay, Tensor(), clip_starts, decay.size(1)};
+  std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi, o, frames.offset);
   detail::scan_forward(ctx, jobs);
 
   const auto [M, z] = detail::kv_z_states(jobs, bidi);
@@ -124,7 +130,7 @@ std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor
   }
   const std::vector<Tensor> in = {P, A, Pz, bz, decay};
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CpScanNode>(comm, bidi, o);
+    auto node = std::make_shared<CpScanNode>(comm, bidi, o, frames.offset, clip_starts);
     node->save_state(in, jobs, ctx);
     autograd::record(node, in, outputs);
   }
@@ -134,8 +140,8 @@ std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor
 }  // namespace
 
 ScanResult cp_scan(Communicator& comm, const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz,
-                   const Tensor& decay, const CpOptions& options) {
-  const std::vector<Tensor> out = run_scan(comm, "cp_scan", P, A, Pz, bz, decay, false, options);
+                   const Tensor& decay, const CpOptions& options, const Tensor& clip_starts) {
+  const std::vector<Tensor> out = run_scan(comm, "cp_scan", P, A, Pz, bz, decay, false, options, clip_starts);
   ScanResult r;
   r.M = out[0];
   r.z = out[1];
@@ -147,8 +153,8 @@ ScanResult cp_scan(Communicator& comm, const Tensor& P, const Tensor& A, const T
 }
 
 std::vector<Tensor> cp_bidi_scan(Communicator& comm, const Tensor& P, const Tensor& A, const Tensor& Pz,
-                                 const Tensor& bz, const Tensor& decay) {
-  return run_scan(comm, "cp_bidi_scan", P, A, Pz, bz, decay, true, CpOptions());
+                                 const Tensor& bz, const Tensor& decay, const Tensor& clip_starts) {
+  return run_scan(comm, "cp_bidi_scan", P, A, Pz, bz, decay, true, CpOptions(), clip_starts);
 }
 
 }  // namespace cp

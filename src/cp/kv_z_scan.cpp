@@ -8,7 +8,7 @@ namespace cp {
 namespace detail {
 
 std::vector<ScanJob> kv_z_jobs(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz, int64_t D,
-                               int64_t F, bool bidi, const CpOptions& o, int rank) {
+                               int64_t F, bool bidi, const CpOptions& o, int64_t offset) {
   std::vector<ScanJob> jobs;
   auto add = [&](const Tensor& p, const Tensor& u, int64_t E, bool anti) {
     ScanJob j;
@@ -18,7 +18,7 @@ std::vector<ScanJob> kv_z_jobs(const Tensor& P, const Tensor& A, const Tensor& P
     j.anti = anti;
     j.rank_reverse = !anti && o.reverse_rank_order;
     j.terminal = !anti && o.truncate_to_active > 0;
-    j.active = anti ? F : active_frames(o.truncate_to_active, rank, F);
+    j.active = anti ? F : active_frames(o.truncate_to_active, offset, F);
     jobs.push_back(j);
   };
   add(P, A, D, false);

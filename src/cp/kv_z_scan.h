@@ -20,9 +20,10 @@ namespace gdncp {
 namespace cp {
 namespace detail {
 
-// The jobs over P, A, Pz, bz (BH, F, D, D) / (BH, F, D) of this rank.
+// The jobs over P, A, Pz, bz (BH, F, D, D) / (BH, F, D) of this rank, whose
+// frames start at global frame `offset`.
 std::vector<ScanJob> kv_z_jobs(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& bz, int64_t D,
-                               int64_t F, bool bidi, const CpOptions& o, int rank);
+                               int64_t F, bool bidi, const CpOptions& o, int64_t offset);
 
 // After scan_forward: M (BH, F, D, D) and z (BH, F, D), the forward states or,
 // bidirectional, fresh sums of both directions.

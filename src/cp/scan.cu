@@ -273,7 +273,8 @@ struct SweepArgs {
   const float* vb = nullptr;
   const float* ua = nullptr;
   const float* init = nullptr;
-  int D = 0, F = 0, E = 0, active = 0, init_kind = 0;
+  const float* cuts = nullptr;  // clip mask (B, F), row bh / H; null: no cut (Note [clip cuts])
+  int D = 0, F = 0, E = 0, active = 0, init_kind = 0, cut = 0, H = 1;
   bool descending = false, transpose = false, vec = false, vec_states = false;
   int tiles = 0, groups = 0, block0 = 0;  // slices per b·h, blocks per b·h, first block
 };
@@ -310,11 +311,23 @@ __global__ void __launch_bounds__(32 * kMaxWarps) sweep_kernel(const __grid_cons
   const bool pre_u = a.ua != nullptr, pre_v = a.vb != nullptr && !pre_u;
   float pre[RA][4], acc[RA][4];
   zero<RA>(pre);
-  if (pre_v) load_own<RA>(pre, at(a.vb, frame(0)), sl, live);
+  if (pre_v && F > 0) load_own<RA>(pre, at(a.vb, frame(0)), sl, live);
+  // Zeroes the warp's slice (the lane's own elements), Note [clip cuts].
+  auto clear = [&] {
+    if (live)
+#pragma unroll
+      for (int i = 0; i < RA; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (sl.ok(i, c)) ys[sl.sh(i, c)] = 0.f;
+    __syncwarp();
+  };
   for (int step = 0; step < F; ++step) {
     const int t = frame(step);
     const bool frozen = t >= a.active;  // uniform over the block
-    if (a.vb && live) {                 // 1. Y += Vb_t
+    const bool cut = a.cuts && !frozen && a.cuts[static_cast<int64_t>(bh / a.H) * F + t] != 0.f;  // uniform too
+    if (cut && a.cut == static_cast<int>(Cut::before)) clear();
+    if (a.vb && live) {  // 1. Y += Vb_t
       if (pre_v) {
 #pragma unroll
         for (int i = 0; i < RA; ++i)
@@ -351,6 +364,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) sweep_kernel(const __grid_cons
           }
     }
     __syncwarp();
+    if (cut && a.cut == static_cast<int>(Cut::after)) clear();
     if (a.oa) store_own<RA>(at(a.oa, t), ys, sl, live);  // 5. out_after
   }
   if (a.fin) store_own<RA>(a.fin + bh * DE, ys, sl, live);
@@ -431,7 +445,8 @@ struct OuterArgs {
   float* dg = nullptr;
   const float* P = nullptr;
   OuterSrc src[2];
-  int nsrc = 0, E = 0;
+  const float* cuts = nullptr;  // clip mask (B, F), row bh / H: a cut frame gets no gradient
+  int nsrc = 0, E = 0, H = 1;
   bool accumulate = false;
 };
 constexpr int kMaxGroups = 4;
@@ -459,7 +474,8 @@ __global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_const
 #pragma unroll
     for (int kb = 0; kb < 8; ++kb) sum[ia][kb] = 0.f;
   bool any = false;
-  for (int q = 0; q < a.nsrc; ++q) {
+  const bool cut = a.cuts && a.cuts[(bh / a.H) * F + t] != 0.f;  // the transition is unused
+  for (int q = 0; q < a.nsrc && !cut; ++q) {
     const OuterSrc& src = a.src[q];
     if (t >= src.active) continue;  // a frozen frame of this source: no gradient
     any = true;
@@ -628,6 +644,15 @@ void launch_tiles(void (*k7)(Batch), void (*k8)(Batch), Batch& batch, Job* jobs,
 
 }  // namespace
 
+// The clip mask of a sweep or outer group (B, F) f32 on the device, or null.
+const float* cuts_of(const Tensor& cuts, int64_t BH, int64_t H, int64_t F) {
+  if (!cuts.defined()) return nullptr;
+  GDNCP_CHECK(H >= 1 && BH % H == 0, "cp cuda scan: H = ", H, " does not divide B·H = ", BH);
+  GDNCP_CHECK(cuts.numel() == BH / H * F, "cp cuda scan: cuts: must be (B, F) = (", BH / H, ", ", F, "), got ",
+              cuts.str());
+  return f32_in(cuts, "cuts");
+}
+
 void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
   const In dc = decay_of(decay);
   for (size_t first = 0; first < sweeps.size(); first += kMaxSweeps) {
@@ -664,6 +689,9 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
       a.E = static_cast<int>(s.E);
       a.active = static_cast<int>(std::min(s.active, s.F));
       a.init_kind = static_cast<int>(s.init);
+      a.cuts = s.cut == Cut::none ? nullptr : cuts_of(w.cuts, s.BH, s.H, s.F);
+      a.cut = static_cast<int>(s.cut);
+      a.H = static_cast<int>(s.H);
       a.descending = s.descending;
       a.transpose = s.transpose;
       a.vec = s.D % 4 == 0 && aligned16(a.P);
@@ -677,9 +705,10 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
 }
 
 void scan_sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Tensor& P, const Tensor& decay,
-                const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s) {
+                const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s,
+                const Tensor& cuts) {
   std::vector<Sweep> one(1);
-  one[0] = Sweep{out_before, out_after, final_state, P, add_before, add_after, init, s};
+  one[0] = Sweep{out_before, out_after, final_state, P, add_before, add_after, init, s, 0, cuts};
   scan_sweeps(one, decay);
 }
 
@@ -700,6 +729,8 @@ void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int6
       a.P = f32_in(g.P, "P");
       a.E = static_cast<int>(g.E);
       a.accumulate = g.accumulate_dP;
+      a.cuts = cuts_of(g.cuts, BH, g.H, F);
+      a.H = static_cast<int>(g.H);
       a.nsrc = static_cast<int>(g.sources.size());
       for (size_t q = 0; q < g.sources.size(); ++q) {
         const OuterSource& src = g.sources[q];
@@ -717,7 +748,7 @@ void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int6
 }
 
 void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const Tensor& R0, const Tensor& P,
-                     const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate) {
+                     const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate, const Tensor& cuts) {
   check_dims(s);
   std::vector<OuterGroup> one(1);
   one[0].dP = dP;
@@ -725,6 +756,8 @@ void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, c
   one[0].P = P;
   one[0].E = s.E;
   one[0].accumulate_dP = accumulate;
+  one[0].cuts = cuts;
+  one[0].H = s.H;
   OuterSource src;
   src.L = L;
   src.R = R;

@@ -20,13 +20,17 @@ DType compute_dtype(const std::vector<ScanJob>& jobs) { return jobs.front().P.dt
 int logical(const ScanJob& j, int rank, int P) { return (j.anti || j.rank_reverse) ? P - 1 - rank : rank; }
 int physical(const ScanJob& j, int pos, int P) { return (j.anti || j.rank_reverse) ? P - 1 - pos : pos; }
 
-SweepSpec spec_of(const ScanContext& c, const ScanJob& j) {
+// adjoint: a sweep of the state adjoint (Note [clip cuts]: the forward scan
+// cuts before a step, the anti-causal one after it, their adjoints the other way).
+SweepSpec spec_of(const ScanContext& c, const ScanJob& j, bool adjoint) {
   SweepSpec s;
   s.BH = c.BH;
   s.F = c.F;
   s.D = c.D;
   s.E = j.E;
   s.active = j.active;
+  s.H = c.H;
+  if (c.cuts.defined()) s.cut = (j.anti != adjoint) ? Cut::after : Cut::before;
   return s;
 }
 
@@ -91,9 +95,9 @@ void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
 
 }  // namespace
 
-int64_t active_frames(int64_t K, int rank, int64_t F) {
+int64_t active_frames(int64_t K, int64_t offset, int64_t F) {
   if (K <= 0) return F;
-  return std::min<int64_t>(F, std::max<int64_t>(0, K - static_cast<int64_t>(rank) * F));
+  return std::min<int64_t>(F, std::max<int64_t>(0, K - offset));
 }
 
 void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
@@ -121,7 +125,8 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
     Sweep sh;
     sh.P = j.P;
     sh.add_after = j.U;
-    sh.spec = spec_of(ctx, j);
+    sh.cuts = ctx.cuts;
+    sh.spec = spec_of(ctx, j, false);
     sh.spec.descending = j.anti;
     sh.spec.init = Init::zero;
     (j.anti ? sh.out_before : sh.out_after) = j.Y;
@@ -213,7 +218,8 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     w.final_state = final_state;
     w.P = j.P;
     w.init = init;
-    w.spec = spec_of(ctx, j);
+    w.cuts = ctx.cuts;
+    w.spec = spec_of(ctx, j, true);
     w.spec.transpose = true;
     w.spec.init = init.defined() ? Init::given : Init::zero;
     w.spec.descending = !j.anti;
@@ -335,6 +341,8 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     g.P = j.P;
     g.E = j.E;
     g.accumulate_dP = j.dP_accumulate;
+    g.cuts = ctx.cuts;
+    g.H = ctx.H;
     g.dg = Tensor::zeros({BH, F}, dt, dev);
     g.sources.push_back(src);
     groups.push_back(g);

@@ -26,6 +26,15 @@
 //      seeded with a gives dU, and the outer products give dP and dg.
 // The gathered composites are kept in ScanContext: a checkpoint recompute that
 // passes them back in issues no collective.
+//
+// Uneven ownership: F is this rank's frame count and may differ between ranks
+// (the composites are (BH, D, D) whatever F); a rank with F = 0 sweeps
+// nothing and contributes h = 0, M = I. Clip starts (ctx.cuts) cut the sweeps
+// of Note [clip cuts] (cp_kernels.h): a start inside a rank cuts its
+// composite (M = 0 from there), and the anti-causal cut at the first frame of
+// a rank (M̃ of the frame before = 0) falls on that rank's own anti-causal
+// composite (h = M = 0), so it reaches the nearest non-empty rank before it
+// with no halo of mask bits.
 #pragma once
 
 #include <cstdint>
@@ -61,13 +70,16 @@ struct ScanJob {
 
 struct ScanContext {
   Communicator* comm = nullptr;
-  int64_t BH = 0, F = 0, D = 0;
+  int64_t BH = 0, F = 0, D = 0;  // F: this rank's frames (≥ 0)
   Tensor decay;     // (B, H, F), any float dtype
   Tensor gathered;  // (P · per-rank) composites; kept from the forward (set: no all-gather)
+  Tensor cuts;      // clip mask (B, F) f32 or undefined (Note [clip cuts])
+  int64_t H = 1;    // heads: row bh / H of cuts
 };
 
-// Frames of this rank that stay active under truncate_to_active = K (0 = off).
-int64_t active_frames(int64_t K, int rank, int64_t F);
+// Frames of this rank (F of them from global frame `offset`) that stay active
+// under truncate_to_active = K (0 = off).
+int64_t active_frames(int64_t K, int64_t offset, int64_t F);
 
 void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs);
 // dg (BH, F) compute dtype: the decay gradient, accumulated.

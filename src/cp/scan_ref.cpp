@@ -46,10 +46,21 @@ void transition(T* y, T* tmp, const T* P, T g, int64_t D, int64_t E, bool transp
   for (int64_t i = 0; i < D * E; ++i) y[i] = g * (y[i] - tmp[i]);
 }
 
+// The clip mask (B, F) f32 (Note [clip cuts]): checked, and its data or null.
+const float* cuts_of(const Tensor& cuts, int64_t BH, int64_t H, int64_t F, const char* what) {
+  if (!cuts.defined()) return nullptr;
+  GDNCP_CHECK(H >= 1 && BH % H == 0, what, ": H = ", H, " does not divide B·H = ", BH);
+  GDNCP_CHECK(cuts.dtype() == DType::f32 && cuts.numel() == BH / H * F, what, ": cuts: must be (B, F) = (", BH / H,
+              ", ", F, ") f32, got ", cuts.str());
+  return cuts.data_ptr<float>();
+}
+
 template <typename T>
 void sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Tensor& P, const Tensor& decay,
-           const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s) {
+           const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s,
+           const Tensor& cuts) {
   const int64_t D = s.D, E = s.E, F = s.F, DE = D * E, DD = D * D;
+  const float* c = s.cut == Cut::none ? nullptr : cuts_of(cuts, s.BH, s.H, F, "scan_sweep");
   GDNCP_CHECK(s.init != Init::identity || E == D, "scan_sweep: identity init needs E == D");
   GDNCP_CHECK(s.init != Init::given || init.defined(), "scan_sweep: init is undefined");
   const Tensor g_t = decay_as<T>(decay);
@@ -73,6 +84,8 @@ void sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Ten
       const int64_t t = s.descending ? F - 1 - step : step;
       const int64_t at = (bh * F + t) * DE;
       const bool frozen = t >= s.active;
+      const bool cut = c && !frozen && c[(bh / s.H) * F + t] != 0.f;
+      if (cut && s.cut == Cut::before) std::fill(y.begin(), y.end(), T(0));
       if (vb)
         for (int64_t i = 0; i < DE; ++i) y[i] += vb[at + i];
       if (ob) {
@@ -86,6 +99,7 @@ void sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Ten
         if (ua)
           for (int64_t i = 0; i < DE; ++i) y[i] += ua[at + i];
       }
+      if (cut && s.cut == Cut::after) std::fill(y.begin(), y.end(), T(0));
       if (oa) std::copy(y.begin(), y.end(), oa + at);
     }
     if (fin) std::copy(y.begin(), y.end(), fin + bh * DE);
@@ -94,8 +108,9 @@ void sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Ten
 
 template <typename T>
 void grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const Tensor& R0, const Tensor& P,
-                const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate) {
+                const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate, const Tensor& cuts) {
   const int64_t D = s.D, E = s.E, F = s.F, DE = D * E, DD = D * D;
+  const float* c = cuts_of(cuts, s.BH, s.H, F, "scan_grad_outer");
   const Tensor g_t = decay_as<T>(decay);
   const T* g = g_t.data_ptr<T>();
   const T* p = P.data_ptr<T>();
@@ -110,7 +125,7 @@ void grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const 
     for (int64_t t = 0; t < F; ++t) {
       T* dpt = dp + (bh * F + t) * DD;
       T& dgt = dgp[bh * F + t];
-      if (t >= s.active) {
+      if (t >= s.active || (c && c[(bh / s.H) * F + t] != 0.f)) {  // frozen or cut: the transition is unused
         if (!accumulate) std::fill(dpt, dpt + DD, T(0));
         continue;
       }
@@ -193,21 +208,22 @@ void check_compute(const Tensor& t, const char* what) {
 }  // namespace
 
 void scan_sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Tensor& P, const Tensor& decay,
-                const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s) {
+                const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s,
+                const Tensor& cuts) {
   check_compute(P, "scan_sweep: P");
   if (is_f64(P))
-    sweep<double>(out_before, out_after, final_state, P, decay, add_before, add_after, init, s);
+    sweep<double>(out_before, out_after, final_state, P, decay, add_before, add_after, init, s, cuts);
   else
-    sweep<float>(out_before, out_after, final_state, P, decay, add_before, add_after, init, s);
+    sweep<float>(out_before, out_after, final_state, P, decay, add_before, add_after, init, s, cuts);
 }
 
 void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const Tensor& R0, const Tensor& P,
-                     const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate) {
+                     const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate, const Tensor& cuts) {
   check_compute(P, "scan_grad_outer: P");
   if (is_f64(P))
-    grad_outer<double>(dP, dg, L, R, R0, P, decay, s, shifted, accumulate);
+    grad_outer<double>(dP, dg, L, R, R0, P, decay, s, shifted, accumulate, cuts);
   else
-    grad_outer<float>(dP, dg, L, R, R0, P, decay, s, shifted, accumulate);
+    grad_outer<float>(dP, dg, L, R, R0, P, decay, s, shifted, accumulate, cuts);
 }
 
 void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int64_t m_stride, bool transpose,
@@ -242,11 +258,12 @@ void add(Tensor& out, const Tensor& a, const Tensor& b) {
 void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
   for (Sweep& w : sweeps) {
     if (!w.final_state.defined() || w.final_offset == 0) {
-      scan_sweep(w.out_before, w.out_after, w.final_state, w.P, decay, w.add_before, w.add_after, w.init, w.spec);
+      scan_sweep(w.out_before, w.out_after, w.final_state, w.P, decay, w.add_before, w.add_after, w.init, w.spec,
+                 w.cuts);
       continue;
     }
     Tensor fin = Tensor::empty({w.spec.BH, w.spec.D, w.spec.E}, w.final_state.dtype());
-    scan_sweep(w.out_before, w.out_after, fin, w.P, decay, w.add_before, w.add_after, w.init, w.spec);
+    scan_sweep(w.out_before, w.out_after, fin, w.P, decay, w.add_before, w.add_after, w.init, w.spec, w.cuts);
     copy_region(w.final_state, w.final_offset, fin, 0, fin.numel());
   }
 }
@@ -261,7 +278,9 @@ void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int6
       s.D = D;
       s.E = g.E;
       s.active = src.active;
-      scan_grad_outer(g.dP, g.dg, src.L, src.R, src.R0, g.P, decay, s, src.shifted, i > 0 || g.accumulate_dP);
+      s.H = g.H;
+      scan_grad_outer(g.dP, g.dg, src.L, src.R, src.R0, g.P, decay, s, src.shifted, i > 0 || g.accumulate_dP,
+                      g.cuts);
     }
 }
 

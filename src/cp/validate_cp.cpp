@@ -34,7 +34,6 @@ const Field kFields[] = {
     {"B", &CallRecord::B},
     {"H", &CallRecord::H},
     {"D", &CallRecord::D},
-    {"F (frames per rank)", &CallRecord::F},
     {"S", &CallRecord::S},
     {"dtype", &CallRecord::dtype},
     {"device", &CallRecord::device},
@@ -53,8 +52,8 @@ std::string value_str(const Field& f, int64_t v) {
 
 }  // namespace
 
-void validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
-                         const std::function<void(CallRecord&)>& local) {
+FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
+                                const std::function<void(CallRecord&)>& local) {
   GDNCP_CHECK(!comm.aborted(), entry, ": comm: the communicator was aborted by an earlier error");
   Wire mine;
   mine.entry_hash = hash_of(entry);
@@ -97,15 +96,38 @@ void validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
     GDNCP_CHECK(x.k_scale == r0.k_scale && x.norm_eps == r0.norm_eps && x.eps == r0.eps, entry,
                 ": options (k_scale, norm_eps, eps) differ between rank 0 and rank ", r);
   }
+  // F may differ (uneven ownership); the ranks' frames make the global sequence.
+  FrameLayout f;
+  for (int r = 0; r < P; ++r) {
+    const int64_t Fr = all[static_cast<size_t>(r)].rec.F;
+    if (r < comm.rank()) f.offset += Fr;
+    f.total += Fr;
+  }
+  GDNCP_CHECK(f.total > 0, entry, ": F: every rank of the CP group holds 0 frames (the sequence is empty)");
+  return f;
 }
 
-void check_cp_options(const char* entry, const CpOptions& o, int P, int64_t F) {
+void check_clip_starts(const char* entry, const Tensor& c, int64_t B, int64_t F, Device device) {
+  if (!c.defined()) return;
+  GDNCP_CHECK(c.shape() == Shape({B, F}), entry, ": clip_starts: must be (B, F) = (", B, ", ", F,
+              ") (1 where a frame begins a clip), got ", c.str());
+  GDNCP_CHECK(c.dtype() == DType::f32, entry, ": clip_starts: must be f32, got ", dtype_name(c.dtype()));
+  GDNCP_CHECK(c.device() == device, entry, ": clip_starts: on ", device_name(c.device()), ", the inputs on ",
+              device_name(device));
+}
+
+void check_cp_options(const char* entry, const CpOptions& o) {
   const int64_t K = o.truncate_to_active;
   if (K == 0) return;
   GDNCP_CHECK(!o.reverse_rank_order, entry,
               ": truncate_to_active: cannot be combined with reverse_rank_order (the state would freeze before it "
               "starts)");
-  GDNCP_CHECK(K >= 1 && K <= P * F, entry, ": truncate_to_active: must be in [1, P·F] = [1, ", P * F, "], got ", K);
+  GDNCP_CHECK(K >= 1, entry, ": truncate_to_active: must be 0 (off) or in [1, F_total], got ", K);
+}
+
+void check_cp_options_global(const char* entry, const CpOptions& o, const FrameLayout& f) {
+  const int64_t K = o.truncate_to_active;
+  GDNCP_CHECK(K <= f.total, entry, ": truncate_to_active: must be in [1, F_total] = [1, ", f.total, "], got ", K);
 }
 
 }  // namespace detail

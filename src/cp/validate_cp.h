@@ -19,7 +19,8 @@ namespace gdncp {
 namespace cp {
 namespace detail {
 
-// The facts that must agree across ranks. -1 = unknown (local check failed first).
+// The facts of one rank's call. -1 = unknown (local check failed first).
+// Every field must agree across ranks except F (this rank's frames, F_r).
 struct CallRecord {
   int64_t B = -1, H = -1, D = -1, F = -1, S = -1;
   int64_t dtype = -1;  // DType of the data tensors
@@ -29,16 +30,29 @@ struct CallRecord {
   double k_scale = 0, norm_eps = 0, eps = 0;
 };
 
+// Where this rank's frames sit in the global sequence (from every rank's F).
+struct FrameLayout {
+  int64_t offset = 0;  // this rank's first global frame o_r = Σ_{j<r} F_j
+  int64_t total = 0;   // F_total = Σ_j F_j
+};
+
 // Runs local (which throws gdncp::Error on a bad argument of this rank; it
 // also fills rec), exchanges the outcome and rec with all ranks of comm, and
-// throws on every rank if any rank failed or the records differ. Also checks
-// the communicator: usable, and its device the tensors' device.
-void validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
-                         const std::function<void(CallRecord&)>& local);
+// throws on every rank if any rank failed, the records differ in a field that
+// must agree, or every rank holds 0 frames. Also checks the communicator:
+// usable, and its device the tensors' device. Returns this rank's place in
+// the global sequence.
+FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
+                                const std::function<void(CallRecord&)>& local);
 
-// truncate_to_active / reverse_rank_order checks shared by the entries
-// (local part; P·F is known locally since F must agree).
-void check_cp_options(const char* entry, const CpOptions& o, int P, int64_t F);
+// The clip mask of an entry: undefined, or (B, F) f32 on `device`.
+void check_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, int64_t F, Device device);
+
+// truncate_to_active / reverse_rank_order checks shared by the entries: the
+// local part (before the exchange) ...
+void check_cp_options(const char* entry, const CpOptions& o);
+// ... and the part that needs F_total (after it; the same verdict on every rank).
+void check_cp_options_global(const char* entry, const CpOptions& o, const FrameLayout& f);
 
 }  // namespace detail
 }  // namespace cp

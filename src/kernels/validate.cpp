@@ -51,8 +51,10 @@ void require_table_dtype(const Arg& a, const Tensor& t, bool f64) {
 
 Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
                            const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos,
-                           const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options) {
-  GDNCP_CHECK(F > 0, entry, ": F: frames per rank must be > 0, got ", F);
+                           const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options,
+                           bool allow_empty) {
+  GDNCP_CHECK(F > 0 || (allow_empty && F == 0), entry, ": F: frames per rank must be > 0", allow_empty ? " or 0" : "",
+              ", got ", F);
   GDNCP_CHECK(S > 0, entry, ": S: tokens per frame must be > 0, got ", S);
 
   // qkv fixes B, N, H, D.

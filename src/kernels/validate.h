@@ -19,7 +19,7 @@ namespace gdncp {
 void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, int64_t F, Device device);
 
 // Checks one rank's inputs of the bidirectional layer and returns their dims:
-//  - F, S > 0; qkv (B, N, 3, H, D) with B, H > 0, N = F·S, D even in 2..kMaxHeadDim;
+//  - F > 0 (F ≥ 0 with allow_empty: a CP rank may hold no frame), S > 0; qkv (B, N, 3, H, D) with B, H > 0, N = F·S, D even in 2..kMaxHeadDim;
 //  - beta (B, H, F, S), decay (B, H, F), rope_cos/rope_sin (N, D), norm weights (C) or undefined;
 //  - dtypes: either every floating input is f64 or none is; norm weights and rope
 //    are f32 (f64 with f64 inputs); qkv, beta, decay any of f32/bf16 (f64 with f64);
@@ -27,6 +27,7 @@ void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t 
 //  - k_scale finite, norm_eps and eps finite and >= 0.
 Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
                            const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos,
-                           const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options);
+                           const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options,
+                           bool allow_empty = false);
 
 }  // namespace gdncp
