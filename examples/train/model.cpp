@@ -65,7 +65,7 @@ Tensor forward(const Model& model, const Tensor& x_in, const ForwardContext& ctx
     const Tensor beta = gdncp::nn::sigmoid(beta_logit);
     const Tensor decay = gdncp::nn::sigmoid(gdncp::nn::frame_mean(gate_logit));  // (B, H, F)
     const Tensor out = ctx.dist->layer(qkv, beta, decay, p.q_norm, p.k_norm, ctx.rope_cos, ctx.rope_sin, F, S,
-                                       ctx.options);  // (B, N, H, D)
+                                       ctx.options, ctx.clip_starts);  // (B, N, H, D)
     x = gdncp::nn::add(x, gdncp::nn::matmul(out.reshape({B, N, C}), gdncp::nn::cast(p.w_out, ctx.dtype)));
   }
   return x;

@@ -49,6 +49,7 @@ struct ForwardContext {
   int64_t tokens = 0;                      // S
   gdncp::DType dtype = gdncp::DType::f32;  // activation dtype
   gdncp::Tensor rope_cos, rope_sin;        // (F·S, D) rows of this rank's tokens
+  gdncp::Tensor clip_starts;               // (B, F) f32, 1 where a frame begins a clip; undefined = one clip
   gdncp::BigdnOptions options;
 };
 
