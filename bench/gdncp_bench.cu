@@ -9,6 +9,8 @@
 // --profile runs one forward+backward of the first configuration and exits (to run under ncu).
 // --cp --emulate P: the CP benchmark on one GPU, each rank of P on stand-in peers (cp_bench.h);
 // --profile-row K then runs only row K's steps between cudaProfilerStart/Stop (for ncu).
+// With --cp, --frames is the video's global frame count (default 22), any count: the ranks hold
+// the balanced split (21 on 2 ranks = 11 + 10) and each rank's time is printed.
 //
 // Floor: max(bytes / copy bandwidth, flops / GEMM rate), where bytes count every
 // input read once and every output written once (intermediates free) and flops
@@ -46,6 +48,7 @@ struct Args {
   int64_t frames = 11, tokens = 920, heads = 20;
   int warmup = 5, iters = 30;
   bool cp = false;
+  bool frames_given = false;          // --cp: --frames is the global count (else 2 x the default)
   int emulate = 0, profile_row = -1;  // --cp on one GPU with stand-in peers (cp_bench.h)
   bool profile = false;  // one forward+backward of the first configuration, nothing else (for ncu)
 };
@@ -68,8 +71,11 @@ bool parse_args(int argc, char** argv, Args& a) {
     if (f == "--json") a.json = next();
     else if (f == "--batches") a.batches = parse_list(next());
     else if (f == "--dims") a.head_dims = parse_list(next());
-    else if (f == "--frames") a.frames = std::stoll(next());
-    else if (f == "--tokens") a.tokens = std::stoll(next());
+    else if (f == "--frames") {
+      a.frames = std::stoll(next());
+      a.frames_given = true;
+    } else if (f == "--tokens")
+      a.tokens = std::stoll(next());
     else if (f == "--heads") a.heads = std::stoll(next());
     else if (f == "--warmup") a.warmup = std::stoi(next());
     else if (f == "--iters") a.iters = std::stoi(next());
@@ -437,17 +443,17 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
   js << "]}";
 }
 
-// Extension point for the context-parallel helper (issue 4): `--cp` runs the CP layer benchmark.
-// --cp: the bidirectional CP layer under mpirun (bench/cp_bench.cpp): weak
-// scaling at --frames per rank, strong scaling over 2x that many frames.
+// --cp: the bidirectional CP layer under mpirun (bench/cp_bench.cpp): strong
+// scaling over the global --frames (balanced split over the ranks), weak
+// scaling at the largest rank's share per rank.
 int run_cp(const Args& a) {
   bench::CpBenchConfig c;
   c.batch = a.batches.at(0);
   c.tokens = a.tokens;
   c.heads = a.heads;
   c.head_dim = a.head_dims.at(0);
-  c.frames_per_rank = a.frames;
-  c.global_frames = 2 * a.frames;
+  c.global_frames = a.frames_given ? a.frames : 2 * a.frames;
+  c.frames_per_rank = 0;  // the largest share of the split
   c.warmup = a.warmup;
   c.iters = a.iters;
   c.json = a.json;
