@@ -61,6 +61,11 @@ std::vector<int64_t> parse_list(const std::string& s) {
   return v;
 }
 
+void set_frames(Args& a, const std::string& v) {
+  a.frames = std::stoll(v);
+  a.frames_given = true;
+}
+
 bool parse_args(int argc, char** argv, Args& a) {
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
@@ -71,11 +76,8 @@ bool parse_args(int argc, char** argv, Args& a) {
     if (f == "--json") a.json = next();
     else if (f == "--batches") a.batches = parse_list(next());
     else if (f == "--dims") a.head_dims = parse_list(next());
-    else if (f == "--frames") {
-      a.frames = std::stoll(next());
-      a.frames_given = true;
-    } else if (f == "--tokens")
-      a.tokens = std::stoll(next());
+    else if (f == "--frames") set_frames(a, next());
+    else if (f == "--tokens") a.tokens = std::stoll(next());
     else if (f == "--heads") a.heads = std::stoll(next());
     else if (f == "--warmup") a.warmup = std::stoi(next());
     else if (f == "--iters") a.iters = std::stoi(next());

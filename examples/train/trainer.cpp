@@ -521,15 +521,17 @@ Result train(const Config& cfg, MPI_Comm world) {
         << cfg.checkpointing << "\",\"seed\":" << cfg.seed << "}\n";
     log.flush();
   }
-  if (lead && cfg.print_every > 0)
+  if (lead && cfg.print_every > 0) {
+    const int64_t most = gdncp::cp::balanced_split(cfg.frames, dist.cp_size(), 0).frames,
+                  least = gdncp::cp::balanced_split(cfg.frames, dist.cp_size(), dist.cp_size() - 1).frames;
+    const std::string per_rank = std::to_string(most) + (most == least ? "" : " or " + std::to_string(least));
     std::printf(
         "gdncp_train: %d ranks = %d DP x %d CP on %s, %s; model L=%lld H=%lld D=%lld; video %lld frames x %lld "
-        "tokens (%lld..%lld frames per CP rank), batch %lld per DP group; steps %lld..%lld\n",
+        "tokens (%s frames per CP rank), batch %lld per DP group; steps %lld..%lld\n",
         dist.size(), dist.dp_size(), dist.cp_size(), cfg.device.c_str(), cfg.dtype.c_str(), (long long)cfg.layers,
-        (long long)cfg.heads, (long long)cfg.head_dim, (long long)cfg.frames, (long long)cfg.tokens,
-        (long long)gdncp::cp::balanced_split(cfg.frames, dist.cp_size(), dist.cp_size() - 1).frames,
-        (long long)gdncp::cp::balanced_split(cfg.frames, dist.cp_size(), 0).frames, (long long)cfg.batch,
-        (long long)start + 1, (long long)cfg.steps);
+        (long long)cfg.heads, (long long)cfg.head_dim, (long long)cfg.frames, (long long)cfg.tokens, per_rank.c_str(),
+        (long long)cfg.batch, (long long)start + 1, (long long)cfg.steps);
+  }
 
   Result res;
   res.first_step = start + 1;
