@@ -272,7 +272,6 @@ TEST(BadInput, ClipStartsWrongDtype) {
   expect_bad_clips(mask({kDims.B, kDims.F}, DType::bf16), "f32");
 }
 
-
 TEST(BadInput, ClipStartsOnAnotherDevice) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   expect_bad_clips(Tensor::zeros({kDims.B, kDims.F}, DType::f32, Device::cuda), "one device");

@@ -747,10 +747,10 @@ LayerRun run_packed(const LayerInputs& base, const Tensor& w, const Tensor& mask
     if (t->defined()) *t = t->clone().requires_grad_();
   LayerRun r;
   const Dims& d = in.d;
-  r.out = fused ? bigdn(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, d.F, d.S,
-                        in.opt, mask)
-                : bigdn_unfused(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, d.F,
-                                d.S, in.opt, mask);
+  r.out = fused ? bigdn(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, d.F, d.S, in.opt,
+                        mask)
+                : bigdn_unfused(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, d.F, d.S,
+                                in.opt, mask);
   backward(r.out, w.to(r.out.dtype()));
   for (const Tensor* t : {&in.qkv, &in.beta, &in.decay, &in.q_norm_w, &in.k_norm_w})
     r.grads.push_back(t->defined() ? t->grad() : Tensor());

@@ -184,7 +184,7 @@ TEST(CudaTwins, ScanBidi) {
     Tensor gdP = poisoned(mat, DType::f32), gdA = poisoned(mat, DType::f32), gdPz = poisoned(mat, DType::f32),
            gdbz = poisoned(vec, DType::f32), gddecay = poisoned(in.decay.shape(), in.decay.dtype());
     kernels::scan_bidi_bwd(gdP, gdA, gdPz, gdbz, gddecay, gpu(dMs), gpu(dzs), gpu(P), gpu(Pz), gpu(in.decay), gpu(Mf),
-                        gpu(Mr), gpu(zf), gpu(zr), Tensor(), d);
+                           gpu(Mr), gpu(zf), gpu(zr), Tensor(), d);
     expect_close(gdP, dP, 1e-5, "scan_bidi_bwd dP" + tag);
     expect_close(gdA, dA, 1e-5, "scan_bidi_bwd dA" + tag);
     expect_close(gdPz, dPz, 1e-5, "scan_bidi_bwd dPz" + tag);
@@ -222,8 +222,7 @@ TEST(CudaTwins, ScanBidiClips) {
     cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, mask, d);
     Tensor gMf = poisoned(mat, DType::f32), gMr = poisoned(mat, DType::f32), gMs = poisoned(mat, DType::f32);
     Tensor gzf = poisoned(vec, DType::f32), gzr = poisoned(vec, DType::f32), gzs = poisoned(vec, DType::f32);
-    kernels::scan_bidi_fwd(gMf, gMr, gMs, gzf, gzr, gzs, gpu(P), gpu(A), gpu(Pz), gpu(bz), gpu(in.decay), gpu(mask),
-                           d);
+    kernels::scan_bidi_fwd(gMf, gMr, gMs, gzf, gzr, gzs, gpu(P), gpu(A), gpu(Pz), gpu(bz), gpu(in.decay), gpu(mask), d);
     expect_close(gMf, Mf, tol::f32, "scan_bidi_fwd Mf" + tag);
     expect_close(gMr, Mr, tol::f32, "scan_bidi_fwd Mr" + tag);
     expect_close(gMs, Ms, tol::f32, "scan_bidi_fwd Msum" + tag);

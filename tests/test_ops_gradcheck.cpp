@@ -265,8 +265,8 @@ void check_scan_clips(const char* name, uint64_t seed, Scan scan) {
     const Tensor Pz = randn({BH, F, D, D}, ++seed, s), bz = randn({BH, F, D}, ++seed);
     const Tensor decay = uniform({d.B, d.H, F}, ++seed, 0.5, 0.99);
     const Tensor mask = Tensor::from_vector(c.mask, {d.B, F}, DType::f32);
-    const GradcheckResult r = gradcheck([&](const std::vector<Tensor>& x) { return scan(x, d, mask); },
-                                        {P, A, Pz, bz, decay}, 1e-6, 64);
+    const GradcheckResult r =
+        gradcheck([&](const std::vector<Tensor>& x) { return scan(x, d, mask); }, {P, A, Pz, bz, decay}, 1e-6, 64);
     std::printf("[gradcheck] %-48s max rel error %.3e\n", (std::string(name) + " " + dims_str(d)).c_str(),
                 r.max_rel_error);
     EXPECT_LE(r.max_rel_error, tol::gradcheck) << name << " " << dims_str(d) << "\n" << r.report;

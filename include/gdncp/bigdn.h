@@ -59,9 +59,9 @@ struct BigdnOptions {
 constexpr int64_t kMaxHeadDim = 128;
 
 // The layer, as fused kernels (one node, or a checkpoint node). Returns out.
-Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
-             const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
-             const BigdnOptions& options = {}, const Tensor& clip_starts = Tensor());
+Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w, const Tensor& k_norm_w,
+             const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options = {},
+             const Tensor& clip_starts = Tensor());
 
 // The same layer composed of the fine-grained ops of gdncp/ops.h, one node per
 // op (CPU). An independent coding of the math, used to check bigdn.

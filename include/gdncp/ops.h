@@ -38,8 +38,8 @@ std::vector<Tensor> phase_a(const Tensor& kr, const Tensor& kp, const Tensor& qk
 // clip_starts (B, F) f32, or undefined (one clip per row): at a frame f > 0 with a nonzero entry
 // T_f is cut in both directions, M_f = A_f and M̃_{f−1} = 0 (SPEC §4a); it gets no gradient.
 // Returns {M + M̃ (B·H, F, D, D), z + z̃ (B·H, F, D)}.
-std::vector<Tensor> bidi_scan(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& b,
-                              const Tensor& decay, const Tensor& clip_starts = Tensor());
+std::vector<Tensor> bidi_scan(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& b, const Tensor& decay,
+                              const Tensor& clip_starts = Tensor());
 
 // Phase C (SPEC §5): num (B, N, H, D) = qʳ M per token, den (B, H, N) = q⁺·z.
 std::vector<Tensor> phase_c(const Tensor& qr, const Tensor& qp, const Tensor& M, const Tensor& z, int64_t F,

@@ -175,8 +175,8 @@ Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const T
 Tensor bigdn_unfused(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                      const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
                      const BigdnOptions& options, const Tensor& clip_starts) {
-  const Dims d = validate_bigdn_inputs("bigdn_unfused", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F,
-                                       S, options);
+  const Dims d =
+      validate_bigdn_inputs("bigdn_unfused", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
   validate_clip_starts("bigdn_unfused", clip_starts, d.B, F, qkv.device());
   GDNCP_CHECK(!qkv.is_cuda(), "bigdn_unfused: qkv: the unfused ops run on the CPU only (use bigdn on CUDA)");
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};

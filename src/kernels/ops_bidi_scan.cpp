@@ -57,7 +57,8 @@ std::vector<char> clip_cuts(const Tensor& clip_starts, const Tensor& decay, cons
   GDNCP_CHECK(clip_starts.dtype() == DType::f32, op, ": clip_starts must be f32, got ", clip_starts.str());
   const std::vector<double> c = clip_starts.to_vector();
   for (int64_t bh = 0; bh < g.BH; ++bh)
-    for (int64_t f = 1; f < g.F; ++f) cut[static_cast<size_t>(bh * g.F + f)] = c[static_cast<size_t>(bh / H * g.F + f)] != 0;
+    for (int64_t f = 1; f < g.F; ++f)
+      cut[static_cast<size_t>(bh * g.F + f)] = c[static_cast<size_t>(bh / H * g.F + f)] != 0;
   return cut;
 }
 
@@ -95,7 +96,7 @@ void outer_add(T* out, const T* a, const T* x, int64_t D, int64_t m) {  // out +
 template <typename T>
 struct Chain {
   int64_t F, D, m;
-  const char* cut;  // F flags
+  const char* cut;             // F flags
   std::vector<T> trans, X, Y;  // F·D·D, F·D·m, F·D·m
 
   Chain(const T* P, const T* U, const T* g, const char* cut_, int64_t F_, int64_t D_, int64_t m_)
@@ -114,7 +115,8 @@ struct Chain {
     for (int64_t f = 0; f < F; ++f) {
       T* x = &X[static_cast<size_t>(f * Dm)];
       for (int64_t e = 0; e < Dm; ++e) x[e] = U[f * Dm + e];
-      if (f > 0 && !cut[f]) mul_add(x, &trans[static_cast<size_t>(f * DD)], &X[static_cast<size_t>((f - 1) * Dm)], D, m);
+      if (f > 0 && !cut[f])
+        mul_add(x, &trans[static_cast<size_t>(f * DD)], &X[static_cast<size_t>((f - 1) * Dm)], D, m);
     }
     for (int64_t f = F - 2; f >= 0; --f) {
       if (cut[f + 1]) continue;  // Y_f stays 0: frame f ends its clip
@@ -231,8 +233,8 @@ class BidiScanNode : public autograd::Node {
 
 }  // namespace
 
-std::vector<Tensor> bidi_scan(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& b,
-                              const Tensor& decay, const Tensor& clip_starts) {
+std::vector<Tensor> bidi_scan(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& b, const Tensor& decay,
+                              const Tensor& clip_starts) {
   std::vector<Tensor> out = P.dtype() == DType::f64 ? bidi_scan_forward<double>(P, A, Pz, b, decay, clip_starts)
                                                     : bidi_scan_forward<float>(P, A, Pz, b, decay, clip_starts);
   const std::vector<Tensor> inputs = {P, A, Pz, b, decay};

@@ -63,8 +63,7 @@ __global__ void __launch_bounds__(kScanThreads)
     scan_kernel(float* __restrict__ out0, float* __restrict__ out1, float* __restrict__ zout0,
                 float* __restrict__ zout1, float* __restrict__ msum, float* __restrict__ zsum,
                 const float* __restrict__ P, const float* __restrict__ U, const float* __restrict__ Pz,
-                const float* __restrict__ Uz, In decay, const float* __restrict__ clip, int H, int D, int F,
-                int ncb) {
+                const float* __restrict__ Uz, In decay, const float* __restrict__ clip, int H, int D, int F, int ncb) {
   extern __shared__ __align__(16) float smem[];
   const int ldp = D + 1;  // odd pitch: both P[i][k] (lanes over i) and P[k][i] are conflict-free
   float* Ps = smem;
@@ -208,12 +207,12 @@ __global__ void __launch_bounds__(kScanThreads)
 constexpr int kGradThreads = 256, kKc = 16, kLdT = 128 + 4;
 
 __global__ void __launch_bounds__(kGradThreads)
-    scan_grads_kernel(float* __restrict__ dP, float* __restrict__ dA, float* __restrict__ dPz,
-                      float* __restrict__ dbz, Out ddecay, const float* __restrict__ G,
-                      const float* __restrict__ Gt, const float* __restrict__ gz, const float* __restrict__ gzt,
-                      const float* __restrict__ P, const float* __restrict__ Pz, In decay,
-                      const float* __restrict__ Mf, const float* __restrict__ Mr, const float* __restrict__ zf,
-                      const float* __restrict__ zr, const float* __restrict__ clip, int H, int D, int F) {
+    scan_grads_kernel(float* __restrict__ dP, float* __restrict__ dA, float* __restrict__ dPz, float* __restrict__ dbz,
+                      Out ddecay, const float* __restrict__ G, const float* __restrict__ Gt,
+                      const float* __restrict__ gz, const float* __restrict__ gzt, const float* __restrict__ P,
+                      const float* __restrict__ Pz, In decay, const float* __restrict__ Mf,
+                      const float* __restrict__ Mr, const float* __restrict__ zf, const float* __restrict__ zr,
+                      const float* __restrict__ clip, int H, int D, int F) {
   __shared__ __align__(16) float At[kKc * kLdT];  // A chunk, [c][i]
   __shared__ __align__(16) float Bt[kKc * kLdT];  // B chunk, [c][j]
   __shared__ float red[kGradThreads / 32];
@@ -372,9 +371,8 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
   allow_smem(scan_kernel<false>, smem);
   const dim3 grid(2, static_cast<unsigned>(ncb + 1), static_cast<unsigned>(BH));
   scan_kernel<false><<<grid, kScanThreads, smem, stream()>>>(
-      f32_out(G, "G"), f32_out(Gt, "Gt"), f32_out(gz, "gz"), f32_out(gzt, "gzt"), nullptr, nullptr,
-      f32_or_null(P, "P"), f32_or_null(dMsum, "dMsum"), f32_or_null(Pz, "Pz"), f32_or_null(dzsum, "dzsum"), dec, clip,
-      H, D, F, ncb);
+      f32_out(G, "G"), f32_out(Gt, "Gt"), f32_out(gz, "gz"), f32_out(gzt, "gzt"), nullptr, nullptr, f32_or_null(P, "P"),
+      f32_or_null(dMsum, "dMsum"), f32_or_null(Pz, "Pz"), f32_or_null(dzsum, "dzsum"), dec, clip, H, D, F, ncb);
   GDNCP_CUDA_CHECK(cudaGetLastError());
   scan_grads_kernel<<<static_cast<unsigned>(BH * F), kGradThreads, 0, stream()>>>(
       f32_out(dP, "dP"), f32_out(dA, "dA"), f32_out(dPz, "dPz"), f32_out(dbz, "dbz"), out_of(ddecay, "ddecay"),

@@ -49,8 +49,8 @@ class ClipCuts {
 
 template <typename T>
 void scan_bidi_fwd_impl(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,
-                        const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Tensor& clip_starts,
-                        const Dims& d) {
+                        const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay,
+                        const Tensor& clip_starts, const Dims& d) {
   const int64_t D = d.D, F = d.F, DD = D * D;
   In<T> iP(P), iA(A), iPz(Pz), ib(bz), ig(decay);
   const ClipCuts cut(clip_starts, d);
