@@ -217,7 +217,9 @@ double validate(cp::Communicator& world, const CpBenchConfig& c, int64_t Fg) {
 // One GPU, stand-in peers (CpBenchConfig::emulate, loopback_comm.h).
 int run_emulated(const CpBenchConfig& c) {
   const int P = c.emulate;
-  GDNCP_CHECK(c.global_frames >= 1, "cp_bench: global_frames must be >= 1, got ", c.global_frames);
+  // Stand-in peers report this rank's sizes as every rank's, so an empty rank would see an empty group.
+  GDNCP_CHECK(c.global_frames >= P, "cp_bench: --emulate ", P, " needs at least ", P, " global frames, got ",
+              c.global_frames);
   const int64_t Fg = c.global_frames, F = cp::balanced_split(Fg, P, 0).frames;  // the largest share
   int dev = 0;
   cudaDeviceProp prop;
