@@ -54,6 +54,10 @@ struct ForwardContext {
 };
 
 // x (B, F·S, C) in ctx.dtype -> y (B, F·S, C). Collective over the CP group.
-gdncp::Tensor forward(const Model& model, const gdncp::Tensor& x, const ForwardContext& ctx);
+// A rank with F = 0 (more CP ranks than frames) only joins every layer's
+// collectives: y = x, and each layer's (empty) output is appended to
+// empty_outs, whose backward joins the layers' backward collectives.
+gdncp::Tensor forward(const Model& model, const gdncp::Tensor& x, const ForwardContext& ctx,
+                      std::vector<gdncp::Tensor>* empty_outs = nullptr);
 
 }  // namespace train

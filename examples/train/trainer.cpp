@@ -153,7 +153,7 @@ const std::vector<Flag>& flags() {
       int_flag("layers", "BiGDN layers", &Config::layers, 1, 1024),
       int_flag("heads", "heads H", &Config::heads, 1, 4096),
       int_flag("head-dim", "head dimension D (even, 2..128)", &Config::head_dim, 2, gdncp::kMaxHeadDim),
-      int_flag("frames", "frames per video, global (any count >= --cp, split over the CP group as evenly as it goes)",
+      int_flag("frames", "frames per video, global (any count, split over the CP group as evenly as it goes)",
                &Config::frames, 1, big),
       clips_flag(),
       int_flag("tokens", "tokens per frame S", &Config::tokens, 1, big),
@@ -197,10 +197,6 @@ void validate(const Config& c, int world_size) {
   if (world_size % c.cp != 0)
     throw UsageError("--cp " + std::to_string(c.cp) + " must divide the number of ranks (" +
                      std::to_string(world_size) + ")");
-  // The model's projections take no empty input, so every CP rank needs a frame.
-  if (c.frames < c.cp)
-    throw UsageError("--frames " + std::to_string(c.frames) + " is less than --cp " + std::to_string(c.cp) +
-                     ": every CP rank needs at least one frame");
   if (!c.clips.empty()) {
     int64_t total = 0;
     for (int64_t len : c.clips) total += len;
@@ -283,6 +279,7 @@ int64_t clip_start(const Config& c, int64_t g) {
 // position g·S + s, or with clips (g − clip_start(g))·S + s (Note [clips]).
 std::pair<Tensor, Tensor> rope_rows(const Config& c, int64_t F0, int64_t F, Device dev) {
   const int64_t S = c.tokens, D = c.head_dim;
+  if (F == 0) return {Tensor::empty({0, D}, DType::f32, dev), Tensor::empty({0, D}, DType::f32, dev)};
   if (c.clips.empty()) return gdncp::rope_tables(F * S, D, DType::f32, dev, F0 * S);
   const int64_t longest = *std::max_element(c.clips.begin(), c.clips.end());
   const auto table = gdncp::rope_tables(longest * S, D, DType::f32, Device::cpu);
@@ -468,7 +465,7 @@ Result train(const Config& cfg, MPI_Comm world) {
   Dist dist(world, static_cast<int>(cfg.cp), dev);
   const bool lead = dist.rank() == 0;
 
-  // This rank's frames [F0, F0 + F) of each video.
+  // This rank's frames [F0, F0 + F) of each video (none when frames < cp: see forward()).
   const gdncp::cp::FrameSplit split = gdncp::cp::balanced_split(cfg.frames, dist.cp_size(), dist.cp_rank());
   const int64_t F = split.frames, F0 = split.offset, S = cfg.tokens, C = cfg.heads * cfg.head_dim;
   const ModelShape shape{cfg.layers, cfg.heads, cfg.head_dim};
@@ -547,9 +544,20 @@ Result train(const Config& cfg, MPI_Comm world) {
     const double lr = cfg.warmup > 0 ? cfg.lr * std::min(1.0, static_cast<double>(step) / cfg.warmup) : cfg.lr;
     opt.options().lr = lr;
     opt.zero_grad();
-    Tensor loss = gdncp::nn::mse_loss(forward(student, inputs[k], ctx), targets[k], count);
-    const double local = loss.item();
-    gdncp::backward(loss);
+    std::vector<Tensor> empty_outs;
+    const Tensor pred = forward(student, inputs[k], ctx, &empty_outs);
+    double local = 0;
+    if (F > 0) {
+      Tensor loss = gdncp::nn::mse_loss(pred, targets[k], count);
+      local = loss.item();
+      gdncp::backward(loss);
+    } else {  // joins the layers' backward collectives; every parameter then gets a (zero) gradient
+      std::vector<Tensor> zero;
+      for (const Tensor& o : empty_outs) zero.push_back(Tensor::zeros(o.shape(), o.dtype(), dev));
+      if (!empty_outs.empty()) gdncp::backward(empty_outs, zero);
+      for (const Tensor& p : params)
+        if (!p.grad().defined()) p.meta().grad = Tensor::zeros(p.shape(), p.dtype(), dev);
+    }
     dist.reduce_grads(params);
     opt.step(1.0 / dist.dp_size());
     const double global = dist.sum(local) / dist.dp_size();  // Σ over CP = the group's mean; mean over DP

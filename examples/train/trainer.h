@@ -34,7 +34,7 @@ struct Config {
   int64_t layers = 2;
   int64_t heads = 2;      // H
   int64_t head_dim = 16;  // D (even, 2..128)
-  int64_t frames = 4;     // frames per video, global (any count >= cp, split over the CP group)
+  int64_t frames = 4;     // frames per video, global (any count >= 1, split over the CP group)
   int64_t tokens = 16;    // tokens per frame, S
   int64_t batch = 4;      // videos per step per data-parallel group
   int64_t pool = 8;       // distinct batches per data-parallel group (the data set)
