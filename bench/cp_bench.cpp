@@ -35,7 +35,7 @@ struct Layer {  // inputs of one rank (leaves) and the output gradient
   int64_t F = 0, S = 0;
 };
 
-// Rows [lo, hi) of axis `axis` of a CUDA tensor (a strided device copy).
+// Rows [lo, hi) of axis `axis` of a CUDA tensor (a strided device copy; empty when lo == hi).
 Tensor slice_rows(const Tensor& t, int axis, int64_t lo, int64_t hi) {
   const Shape& s = t.shape();
   int64_t outer = 1, inner = 1;
@@ -44,6 +44,7 @@ Tensor slice_rows(const Tensor& t, int axis, int64_t lo, int64_t hi) {
   Shape shape = s;
   shape[static_cast<size_t>(axis)] = hi - lo;
   Tensor out = Tensor::empty(shape, t.dtype(), t.device());
+  if (hi == lo) return out;
   const size_t es = dtype_size(t.dtype());
   const size_t row = static_cast<size_t>(s[static_cast<size_t>(axis)] * inner) * es;
   const size_t width = static_cast<size_t>((hi - lo) * inner) * es;
@@ -57,9 +58,9 @@ Tensor leaf(Tensor t) {
   return t;
 }
 
-// The global inputs of Fg frames (seeded: every rank makes the same), and the block of `rank`.
-Layer make_layer(const CpBenchConfig& c, int64_t Fg, int64_t F, int block, DType dt, uint64_t seed) {
-  const int64_t B = c.batch, H = c.heads, D = c.head_dim, S = c.tokens, Ng = Fg * S, N = F * S, C = H * D;
+// The global inputs of Fg frames (seeded: every rank makes the same), and the F frames from F0 on.
+Layer make_layer(const CpBenchConfig& c, int64_t Fg, int64_t F0, int64_t F, DType dt, uint64_t seed) {
+  const int64_t B = c.batch, H = c.heads, D = c.head_dim, S = c.tokens, Ng = Fg * S, N = F * S, N0 = F0 * S, C = H * D;
   const Device cu = Device::cuda;
   Layer g;
   g.qkv = Tensor::randn({B, Ng, 3, H, D}, dt, cu, seed + 1);
@@ -71,13 +72,13 @@ Layer make_layer(const CpBenchConfig& c, int64_t Fg, int64_t F, int block, DType
   Layer l;
   l.F = F;
   l.S = S;
-  l.qkv = leaf(slice_rows(g.qkv, 1, block * N, (block + 1) * N));
-  l.beta = leaf(slice_rows(g.beta, 2, block * F, (block + 1) * F));
-  l.decay = leaf(slice_rows(g.decay, 2, block * F, (block + 1) * F));
+  l.qkv = leaf(slice_rows(g.qkv, 1, N0, N0 + N));
+  l.beta = leaf(slice_rows(g.beta, 2, F0, F0 + F));
+  l.decay = leaf(slice_rows(g.decay, 2, F0, F0 + F));
   l.qw = leaf(g.qw);
   l.kw = leaf(g.kw);
-  l.cos = slice_rows(rope.first, 0, block * N, (block + 1) * N);
-  l.sin = slice_rows(rope.second, 0, block * N, (block + 1) * N);
+  l.cos = slice_rows(rope.first, 0, N0, N0 + N);
+  l.sin = slice_rows(rope.second, 0, N0, N0 + N);
   l.gout = Tensor::randn({B, N, H, D}, dt, cu, seed + 6);
   return l;
 }
@@ -110,10 +111,12 @@ void fwd_bwd(cp::Communicator* comm, Layer& l, const BigdnOptions& o) {
 struct Row {
   std::string name;
   int P = 1;
-  int64_t F = 0;  // frames per rank
+  int64_t F = 0;  // frames of this rank (rank 0's in the printed table)
   Checkpoint ck = Checkpoint::off;
   double ms = 0, comm_ms = 0, comm_calls = 0;
   double peak_mib = 0, held_mib = 0;  // peak above the inputs during fwd+bwd; held after the forward
+  std::vector<double> rank_ms;        // each rank's own median (ms is their max)
+  std::vector<int64_t> rank_F;        // each rank's frames
 };
 
 double max_over_ranks(double v) {
@@ -149,7 +152,17 @@ Row measure(const std::string& name, cp::Communicator* comm, Layer& l, Checkpoin
   synchronize();
   GDNCP_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
   if (comm) comm->reset_stats();
-  row.ms = max_over_ranks(time_ms(step, /*warmup=*/0, c.iters));
+  const double mine = time_ms(step, /*warmup=*/0, c.iters);
+  row.ms = max_over_ranks(mine);
+  int P = 1;
+  GDNCP_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &P));
+  row.rank_ms.resize(static_cast<size_t>(P));
+  row.rank_F.resize(static_cast<size_t>(P));
+  GDNCP_MPI_CHECK(MPI_Allgather(&mine, 1, MPI_DOUBLE, row.rank_ms.data(), 1, MPI_DOUBLE, MPI_COMM_WORLD));
+  const long long F = l.F;
+  std::vector<long long> Fs(static_cast<size_t>(P));
+  GDNCP_MPI_CHECK(MPI_Allgather(&F, 1, MPI_LONG_LONG, Fs.data(), 1, MPI_LONG_LONG, MPI_COMM_WORLD));
+  for (int i = 0; i < P; ++i) row.rank_F[static_cast<size_t>(i)] = Fs[static_cast<size_t>(i)];
   if (comm) {
     row.comm_ms = max_over_ranks(comm->stats().seconds * 1e3 / c.iters);
     row.comm_calls = static_cast<double>(comm->stats().calls) / c.iters;
@@ -182,14 +195,15 @@ double stack_peak_mib(cp::Communicator* comm, Layer& l, Checkpoint ck, const CpB
   return max_over_ranks(static_cast<double>(cuda_memory_stats().peak_allocated - base) / (1 << 20));
 }
 
-// bigdn_cp on P GPUs (F = Fg/P each) against bigdn on one GPU over the Fg frames.
+// bigdn_cp on P GPUs (the balanced split) against bigdn on one GPU over the Fg frames.
 double validate(cp::Communicator& world, const CpBenchConfig& c, int64_t Fg) {
   const int P = world.size(), r = world.rank();
-  const int64_t F = Fg / P, N = F * c.tokens;
-  Layer one = make_layer(c, Fg, Fg, 0, DType::bf16, 77);
-  Layer mine = make_layer(c, Fg, F, r, DType::bf16, 77);
+  const cp::FrameSplit sp = cp::balanced_split(Fg, P, r);
+  const int64_t N0 = sp.offset * c.tokens, N = sp.frames * c.tokens;
+  Layer one = make_layer(c, Fg, 0, Fg, DType::bf16, 77);
+  Layer mine = make_layer(c, Fg, sp.offset, sp.frames, DType::bf16, 77);
   NoGradGuard no_grad;
-  const Tensor ref = slice_rows(forward(nullptr, one, options(c, Checkpoint::off)), 1, r * N, (r + 1) * N);
+  const Tensor ref = slice_rows(forward(nullptr, one, options(c, Checkpoint::off)), 1, N0, N0 + N);
   const Tensor out = forward(&world, mine, options(c, Checkpoint::off));
   const std::vector<double> a = out.to(Device::cpu).to_vector(), b = ref.to(Device::cpu).to_vector();
   double num = 0, den = 0;
@@ -203,8 +217,10 @@ double validate(cp::Communicator& world, const CpBenchConfig& c, int64_t Fg) {
 // One GPU, stand-in peers (CpBenchConfig::emulate, loopback_comm.h).
 int run_emulated(const CpBenchConfig& c) {
   const int P = c.emulate;
-  GDNCP_CHECK(c.global_frames % P == 0, "cp_bench: global_frames ", c.global_frames, " is not divisible by ", P);
-  const int64_t Fg = c.global_frames, F = Fg / P;
+  // Stand-in peers report this rank's sizes as every rank's, so an empty rank would see an empty group.
+  GDNCP_CHECK(c.global_frames >= P, "cp_bench: --emulate ", P, " needs at least ", P, " global frames, got ",
+              c.global_frames);
+  const int64_t Fg = c.global_frames, F = cp::balanced_split(Fg, P, 0).frames;  // the largest share
   int dev = 0;
   cudaDeviceProp prop;
   GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
@@ -217,7 +233,7 @@ int run_emulated(const CpBenchConfig& c) {
     std::string name;
     cp::Communicator* comm;  // nullptr: bigdn
     int64_t frames;          // this rank's
-    int block;               // which rank's frames of the Fg
+    int64_t offset;          // its first frame of the Fg
     Checkpoint ck;
   };
   std::vector<Spec> specs;
@@ -225,15 +241,18 @@ int run_emulated(const CpBenchConfig& c) {
     const std::string cks = ck == Checkpoint::on ? " ckpt" : "";
     specs.push_back({"bigdn 1 GPU" + cks, nullptr, Fg, 0, ck});
     specs.push_back({"bigdn_cp P=1" + cks, one.get(), Fg, 0, ck});
-    specs.push_back({"bigdn_cp P=1 F/P" + cks, one.get(), F, 0, ck});
-    for (int r = 0; r < P; ++r)
-      specs.push_back({"bigdn_cp rank " + std::to_string(r) + "/" + std::to_string(P) + cks, peers[r].get(), F, r, ck});
+    specs.push_back({"bigdn_cp P=1 F_0" + cks, one.get(), F, 0, ck});
+    for (int r = 0; r < P; ++r) {
+      const cp::FrameSplit sp = cp::balanced_split(Fg, P, r);
+      specs.push_back({"bigdn_cp rank " + std::to_string(r) + "/" + std::to_string(P) + cks, peers[r].get(), sp.frames,
+                       sp.offset, ck});
+    }
   }
   if (c.profile_row >= 0) {  // one row, its steps bracketed for ncu
     GDNCP_CHECK(c.profile_row < static_cast<int>(specs.size()), "cp_bench: --profile-row ", c.profile_row, " of ",
                 specs.size());
     const Spec& s = specs[static_cast<size_t>(c.profile_row)];
-    Layer l = make_layer(c, Fg, s.frames, s.block, DType::bf16, 5);
+    Layer l = make_layer(c, Fg, s.offset, s.frames, DType::bf16, 5);
     const BigdnOptions o = options(c, s.ck);
     for (int i = 0; i < c.warmup; ++i) fwd_bwd(s.comm, l, o);
     synchronize();
@@ -251,7 +270,7 @@ int run_emulated(const CpBenchConfig& c) {
       static_cast<long long>(c.head_dim), static_cast<long long>(Fg));
   std::vector<Row> rows;
   for (const Spec& s : specs) {
-    Layer l = make_layer(c, Fg, s.frames, s.block, DType::bf16, 5);
+    Layer l = make_layer(c, Fg, s.offset, s.frames, DType::bf16, 5);
     rows.push_back(measure(s.name, s.comm, l, s.ck, c));
   }
   std::printf("\n  %-28s %4s %10s %10s %10s\n", "config", "F/rk", "fwd+bwd ms", "peak MiB", "held MiB");
@@ -264,14 +283,14 @@ int run_emulated(const CpBenchConfig& c) {
     double worst = 0;
     for (int r = 0; r < P; ++r) worst = std::max(worst, rows[k * per_ck + 3 + static_cast<size_t>(r)].ms);
     std::printf(
-        "  %s: slowest rank %.3f ms; its CP-only compute (vs one GPU on F/P frames) %.3f ms; strong scaling "
+        "  %s: slowest rank %.3f ms; its CP-only compute (vs one GPU on the largest share) %.3f ms; strong scaling "
         "without the collectives' time and skew (an upper bound): %.1f%%\n",
         k ? "ckpt" : "off ", worst, worst - t1f.ms, 100.0 * t1.ms / (P * worst));
   }
   // Memory of a deep model (as in run()): stacks of layer calls as rank 0 of P.
   std::vector<std::pair<int, std::pair<double, double>>> stacks;
   {
-    Layer l = make_layer(c, Fg, F, 0, DType::bf16, 5);
+    Layer l = make_layer(c, Fg, 0, F, DType::bf16, 5);
     for (const int L : {1, 8, 20}) {
       const double off = stack_peak_mib(peers[0].get(), l, Checkpoint::off, c, L);
       const double on = stack_peak_mib(peers[0].get(), l, Checkpoint::on, c, L);
@@ -308,7 +327,9 @@ int run(const CpBenchConfig& c) {
   GDNCP_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &P));
   GDNCP_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &r));
   GDNCP_CHECK(cuda_device_count() >= 1, "cp_bench: no CUDA device");
-  GDNCP_CHECK(c.global_frames % P == 0, "cp_bench: global_frames ", c.global_frames, " is not divisible by ", P);
+  GDNCP_CHECK(c.global_frames >= 1, "cp_bench: global_frames must be >= 1, got ", c.global_frames);
+  const cp::FrameSplit split = cp::balanced_split(c.global_frames, P, r);
+  const int64_t weak_F = c.frames_per_rank > 0 ? c.frames_per_rank : cp::balanced_split(c.global_frames, P, 0).frames;
   std::shared_ptr<cp::Communicator> world = cp::make_nccl_communicator(MPI_COMM_WORLD);
   int dev = 0;
   cudaDeviceProp prop;
@@ -331,19 +352,19 @@ int run(const CpBenchConfig& c) {
   for (const Checkpoint ck : {Checkpoint::off, Checkpoint::on}) {
     const char* cks = ck == Checkpoint::on ? "ckpt" : "";
     {  // strong scaling: the global frames, on 1 GPU (bigdn, bigdn_cp) and on P GPUs
-      Layer g1 = make_layer(c, c.global_frames, c.global_frames, 0, DType::bf16, 5);
+      Layer g1 = make_layer(c, c.global_frames, 0, c.global_frames, DType::bf16, 5);
       rows.push_back(measure(std::string("bigdn 1 GPU ") + cks, nullptr, g1, ck, c));
       rows.push_back(measure(std::string("bigdn_cp P=1 ") + cks, one.get(), g1, ck, c));
     }
     if (P > 1) {
-      Layer gp = make_layer(c, c.global_frames, c.global_frames / P, r, DType::bf16, 5);
+      Layer gp = make_layer(c, c.global_frames, split.offset, split.frames, DType::bf16, 5);
       rows.push_back(measure("bigdn_cp P=" + std::to_string(P) + " strong " + cks, world.get(), gp, ck, c));
     }
     {  // weak scaling: frames_per_rank on each GPU
-      Layer w1 = make_layer(c, c.frames_per_rank, c.frames_per_rank, 0, DType::bf16, 6);
+      Layer w1 = make_layer(c, weak_F, 0, weak_F, DType::bf16, 6);
       rows.push_back(measure(std::string("bigdn_cp P=1 weak ") + cks, one.get(), w1, ck, c));
       if (P > 1) {
-        Layer wp = make_layer(c, c.frames_per_rank * P, c.frames_per_rank, r, DType::bf16, 6);
+        Layer wp = make_layer(c, weak_F * P, r * weak_F, weak_F, DType::bf16, 6);
         rows.push_back(measure("bigdn_cp P=" + std::to_string(P) + " weak " + cks, world.get(), wp, ck, c));
       }
     }
@@ -352,9 +373,16 @@ int run(const CpBenchConfig& c) {
   if (r == 0) {
     std::printf("\n  %-28s %2s %4s %10s %10s %6s %10s %10s\n", "config", "P", "F/rk", "fwd+bwd ms", "comm ms", "colls",
                 "peak MiB", "held MiB");
-    for (const Row& x : rows)
+    for (const Row& x : rows) {
       std::printf("  %-28s %2d %4lld %10.3f %10.3f %6.1f %10.1f %10.1f\n", x.name.c_str(), x.P,
                   static_cast<long long>(x.F), x.ms, x.comm_ms, x.comm_calls, x.peak_mib, x.held_mib);
+      if (x.P > 1) {  // each rank's own time: the split may be uneven
+        std::printf("  %-28s", "  per rank (F: ms)");
+        for (size_t i = 0; i < x.rank_ms.size(); ++i)
+          std::printf(" r%zu %lld: %.3f", i, static_cast<long long>(x.rank_F[i]), x.rank_ms[i]);
+        std::printf("\n");
+      }
+    }
     auto find = [&](const std::string& n) -> const Row* {
       for (const Row& x : rows)
         if (x.name == n) return &x;
@@ -393,7 +421,7 @@ int run(const CpBenchConfig& c) {
   constexpr size_t kNumDepths = sizeof(kDepths) / sizeof(kDepths[0]);
   double stack_mib[kNumDepths][2] = {};
   {
-    Layer gp = make_layer(c, c.global_frames, c.global_frames / P, r, DType::bf16, 5);
+    Layer gp = make_layer(c, c.global_frames, split.offset, split.frames, DType::bf16, 5);
     for (size_t i = 0; i < kNumDepths; ++i)
       for (const Checkpoint ck : {Checkpoint::off, Checkpoint::on})
         stack_mib[i][ck == Checkpoint::on] = stack_peak_mib(world.get(), gp, ck, c, kDepths[i]);
@@ -436,7 +464,10 @@ int run(const CpBenchConfig& c) {
         js << (i ? ",\n" : "") << "{\"name\": \"" << x.name << "\", \"P\": " << x.P << ", \"frames_per_rank\": " << x.F
            << ", \"checkpoint\": \"" << checkpoint_name(x.ck) << "\", \"ms\": " << x.ms
            << ", \"comm_ms\": " << x.comm_ms << ", \"collectives\": " << x.comm_calls
-           << ", \"peak_mib\": " << x.peak_mib << ", \"held_mib\": " << x.held_mib << "}";
+           << ", \"peak_mib\": " << x.peak_mib << ", \"held_mib\": " << x.held_mib << ", \"rank_ms\": [";
+        for (size_t k = 0; k < x.rank_ms.size(); ++k)
+          js << (k ? ", " : "") << "{\"frames\": " << x.rank_F[k] << ", \"ms\": " << x.rank_ms[k] << "}";
+        js << "]}";
       }
       js << "\n]\n}\n";
       std::ofstream(c.json) << js.str();

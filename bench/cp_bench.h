@@ -19,8 +19,8 @@ namespace bench {
 
 struct CpBenchConfig {
   int64_t batch = 1, tokens = 920, heads = 20, head_dim = 112;
-  int64_t frames_per_rank = 11;  // weak scaling
-  int64_t global_frames = 22;    // strong scaling (split over the ranks)
+  int64_t frames_per_rank = 11;  // weak scaling; <= 0: the largest share of global_frames over the ranks
+  int64_t global_frames = 22;    // strong scaling: any count >= 1, balanced split over the ranks
   int warmup = 5, iters = 20;
   std::string json;  // write the results here (rank 0) when set
   // > 0: one GPU, no mpirun: each rank r of `emulate` ranks runs on stand-in
@@ -34,9 +34,12 @@ struct CpBenchConfig {
 // Initialises MPI if the caller has not (and finalises it then). Returns a
 // process exit code (0 = validated and timed).
 //
+// Ranks hold the balanced split of global_frames (gdncp::cp::balanced_split:
+// 21 on 2 ranks = 11 + 10); the strong-scaling rows print each rank's time.
+//
 // With emulate = P (one process, one GPU): bigdn and bigdn_cp on one GPU over
-// global_frames, bigdn_cp on one GPU over one rank's frames (global_frames/P),
-// and bigdn_cp as each rank r of P on stand-in peers — that rank's kernels, the
+// global_frames, bigdn_cp on one GPU over the largest rank's frames,
+// and bigdn_cp as each rank r of P (its F_r frames) on stand-in peers — that rank's kernels, the
 // collectives replaced by device copies — with checkpointing off and on. The
 // rank rows are the compute of a P-GPU run; the real run adds the collectives'
 // time and the ranks' skew, so what it prints are bounds, not the scaling itself.

@@ -9,6 +9,8 @@
 // --profile runs one forward+backward of the first configuration and exits (to run under ncu).
 // --cp --emulate P: the CP benchmark on one GPU, each rank of P on stand-in peers (cp_bench.h);
 // --profile-row K then runs only row K's steps between cudaProfilerStart/Stop (for ncu).
+// With --cp, --frames is the video's global frame count (default 22), any count: the ranks hold
+// the balanced split (21 on 2 ranks = 11 + 10) and each rank's time is printed.
 //
 // Floor: max(bytes / copy bandwidth, flops / GEMM rate), where bytes count every
 // input read once and every output written once (intermediates free) and flops
@@ -47,6 +49,7 @@ struct Args {
   int64_t frames = 11, tokens = 920, heads = 20;
   int warmup = 5, iters = 30;
   bool cp = false;
+  bool frames_given = false;          // --cp: --frames is the global count (else 2 x the default)
   int emulate = 0, profile_row = -1;  // --cp on one GPU with stand-in peers (cp_bench.h)
   bool profile = false;  // one forward+backward of the first configuration, nothing else (for ncu)
 };
@@ -59,6 +62,11 @@ std::vector<int64_t> parse_list(const std::string& s) {
   return v;
 }
 
+void set_frames(Args& a, const std::string& v) {
+  a.frames = std::stoll(v);
+  a.frames_given = true;
+}
+
 bool parse_args(int argc, char** argv, Args& a) {
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
@@ -69,7 +77,7 @@ bool parse_args(int argc, char** argv, Args& a) {
     if (f == "--json") a.json = next();
     else if (f == "--batches") a.batches = parse_list(next());
     else if (f == "--dims") a.head_dims = parse_list(next());
-    else if (f == "--frames") a.frames = std::stoll(next());
+    else if (f == "--frames") set_frames(a, next());
     else if (f == "--tokens") a.tokens = std::stoll(next());
     else if (f == "--heads") a.heads = std::stoll(next());
     else if (f == "--warmup") a.warmup = std::stoi(next());
@@ -397,10 +405,10 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
   const std::function<void()> phases[] = {
       [&] { kernels::rms_stats(rstd, in.qkv, in.qw, in.kw, d, o.norm_eps); },
       [&] { kernels::phase_a_fwd(P, A, Pz, bz, in.qkv, rstd, in.kw, in.cs, in.sn, in.beta, d, o.k_scale, mode); },
-      [&] { kernels::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, d); },
+      [&] { kernels::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, Tensor(), d); },
       [&] { kernels::phase_c_fwd(out, den, in.qkv, rstd, in.qw, in.cs, in.sn, Ms, zs, d, o.eps, true, mode); },
       [&] { kernels::phase_c_bwd(dq, dMs, dzs, in.dout, Tensor(), in.qkv, rstd, in.qw, in.cs, in.sn, Ms, zs, d, o.eps, true, mode); },
-      [&] { kernels::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, d); },
+      [&] { kernels::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, Tensor(), d); },
       [&] { kernels::phase_a_bwd(dk, dqkv, dbeta, dP, dA, dPz, dbz, in.qkv, rstd, in.kw, in.cs, in.sn, in.beta, d, o.k_scale, mode); },
       [&] { kernels::rms_norm_bwd(dqkv, dqw, dkw, dq, dk, in.qkv, rstd, in.qw, in.kw, d); }};
   const char* names[] = {"rms_stats", "phase_a_fwd", "scan_bidi_fwd", "phase_c_fwd",
@@ -428,16 +436,17 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
   js << "]}";
 }
 
-// --cp: the bidirectional CP layer under mpirun (bench/cp_bench.cpp): weak
-// scaling at --frames per rank, strong scaling over 2x that many frames.
+// --cp: the bidirectional CP layer under mpirun (bench/cp_bench.cpp): strong
+// scaling over the global --frames (balanced split over the ranks), weak
+// scaling at the largest rank's share per rank.
 int run_cp(const Args& a) {
   bench::CpBenchConfig c;
   c.batch = a.batches.at(0);
   c.tokens = a.tokens;
   c.heads = a.heads;
   c.head_dim = a.head_dims.at(0);
-  c.frames_per_rank = a.frames;
-  c.global_frames = 2 * a.frames;
+  c.global_frames = a.frames_given ? a.frames : 2 * a.frames;
+  c.frames_per_rank = 0;  // the largest share of the split
   c.warmup = a.warmup;
   c.iters = a.iters;
   c.json = a.json;

@@ -5,6 +5,8 @@
 //   - DP=2 × CP=2 on 4 ranks equals one rank with the whole global batch, and keeps
 //     the parameters bitwise identical on every rank;
 //   - save at step 10 + resume to 20 equals 20 uninterrupted steps bitwise;
+//   - uneven splits (5 frames on CP=2, 3 frames on CP=4 with an empty rank) and
+//     packed clips (--clips, a clip spanning two ranks) train, and equal one rank;
 //   - bad checkpoints and flags give UsageError on every rank, no hang.
 // Pass/fail is reduced over all ranks.
 // gdncp-mpi-np: 4
@@ -16,6 +18,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -153,6 +156,90 @@ TEST_F(TrainTest, CpTwoMatchesCpOneForTheFirstFiveSteps) {
   // prefix merge, the split loss and gradient sums): tol::f32 relative.
   for (size_t i = 0; i < 5; ++i)
     EXPECT_LE(rel(cp2[i], cp1[i]), gdncp::test::tol::f32) << "step " << i + 1 << ": " << cp2[i] << " vs " << cp1[i];
+}
+
+TEST_F(TrainTest, UnevenFramesAndPackedClipsTrainOnTwoRanks) {
+  NEEDS_FOUR_RANKS();
+  // Ranks {0,1}: CP=2 over 5 frames (3 + 2); ranks {2,3}: the same videos as clips 2,2,1
+  // (the clip of frames 2..3 spans the two ranks). Both are 2-rank CPU trainings.
+  const int color = world_rank() / 2;
+  SubGroup g(color);
+  train::Config c = small();
+  c.steps = 30;
+  c.cp = 2;
+  c.frames = 5;
+  if (color == 1) c.clips = {2, 2, 1};
+  const train::Result r = run(c, g.comm());
+  ASSERT_EQ(r.losses.size(), 30u);
+  double tail = 0;
+  for (size_t i = 25; i < 30; ++i) tail += r.losses[i] / 5;
+  EXPECT_LE(tail, 0.5 * r.losses[0]) << (color ? "clips" : "uneven") << ": loss " << r.losses[0] << " -> " << tail;
+  for (double l : r.losses) EXPECT_TRUE(std::isfinite(l));
+}
+
+// One run of base (changed by setup) per color on the ranks of that color (none for color < 0);
+// returns, on every rank, the losses of the runs whose first ranks are `roots`.
+std::vector<std::vector<double>> losses_by_color(const train::Config& base, int color, const std::vector<int>& roots,
+                                                 const std::function<void(train::Config&, int)>& setup) {
+  SubGroup g(color);
+  std::vector<double> mine;
+  if (g.member()) {
+    train::Config c = base;
+    setup(c, color);
+    mine = run(c, g.comm()).losses;
+  }
+  std::vector<std::vector<double>> out;
+  for (int root : roots) out.push_back(from_rank(root, mine));
+  return out;
+}
+
+TEST_F(TrainTest, UnevenSplitMatchesOneRank) {
+  NEEDS_FOUR_RANKS();
+  // Ranks {0,1}: CP=2 over 5 frames (3 + 2); rank 2: the same videos on one rank; rank 3 idles.
+  const int r = world_rank();
+  train::Config base = small();
+  base.steps = 5;
+  base.frames = 5;
+  const auto l = losses_by_color(base,
+                                 r < 2    ? 0
+                                 : r == 2 ? 1
+                                          : -1,
+                                 {0, 2}, [](train::Config& c, int color) { c.cp = color == 0 ? 2 : 1; });
+  ASSERT_EQ(l[0].size(), 5u);
+  ASSERT_EQ(l[1].size(), 5u);
+  for (size_t i = 0; i < 5; ++i)
+    EXPECT_LE(rel(l[0][i], l[1][i]), 1e-5) << "step " << i + 1 << ": " << l[0][i] << " vs " << l[1][i];
+
+  // 3 frames on CP=4 (1 + 1 + 1 + 0: rank 3 holds no frame but joins every collective) against rank 0 alone.
+  base.frames = 3;
+  base.batch = 2;
+  train::Config c4 = base;
+  c4.cp = 4;
+  const train::Result all = run(c4, MPI_COMM_WORLD);
+  const auto one = losses_by_color(base, r == 0 ? 0 : -1, {0}, [](train::Config& c, int) { c.cp = 1; });
+  ASSERT_EQ(all.losses.size(), 5u);
+  ASSERT_EQ(one[0].size(), 5u);
+  for (size_t i = 0; i < 5; ++i)
+    EXPECT_LE(rel(all.losses[i], one[0][i]), 1e-5)
+        << "CP=4, step " << i + 1 << ": " << all.losses[i] << " vs " << one[0][i];
+}
+
+TEST_F(TrainTest, PackedClipsCpMatchesCpOne) {
+  NEEDS_FOUR_RANKS();
+  // Ranks {0,1}: CP=2 over clips 2,2,1 (a clip spans the ranks); rank 2: the same on one rank;
+  // rank 3: the same videos as one clip, which must train differently.
+  const int r = world_rank();
+  train::Config base = small();
+  base.steps = 5;
+  base.frames = 5;
+  const auto l = losses_by_color(base, r < 2 ? 0 : r, {0, 2, 3}, [](train::Config& c, int color) {
+    c.cp = color == 0 ? 2 : 1;
+    if (color != 3) c.clips = {2, 2, 1};
+  });
+  for (const auto& v : l) ASSERT_EQ(v.size(), 5u);
+  for (size_t i = 0; i < 5; ++i)
+    EXPECT_LE(rel(l[0][i], l[1][i]), 1e-5) << "step " << i + 1 << ": " << l[0][i] << " vs " << l[1][i];
+  EXPECT_GT(rel(l[1][0], l[2][0]), 1e-3) << "clips 2,2,1 trained like one clip: " << l[1][0] << " vs " << l[2][0];
 }
 
 TEST_F(TrainTest, DataTimesContextParallelMatchesOneRankAndKeepsParametersIdentical) {
@@ -364,6 +451,8 @@ TEST_F(TrainTest, BadFlagsAreUsageErrors) {
   expect_usage({"--device", "tpu"}, "cpu | cuda");
   expect_usage({"--checkpointing", "maybe"}, "on | off | auto");
   expect_usage({"steps"}, "unexpected argument");
+  expect_usage({"--clips", "3,,2"}, "expected an integer");
+  expect_usage({"--clips", "0,3"}, "out of range");
   // Checks against the world, raised by train() before any work.
   SubGroup g(world_rank() < 2 ? 0 : 1);
   train::Config c = small();
@@ -371,7 +460,8 @@ TEST_F(TrainTest, BadFlagsAreUsageErrors) {
   EXPECT_THROW(train::train(c, g.comm()), train::UsageError);  // 3 does not divide 2 ranks
   c.cp = 2;
   c.frames = 5;
-  EXPECT_THROW(train::train(c, g.comm()), train::UsageError);  // 5 frames over 2 CP ranks
+  c.clips = {2, 2};
+  EXPECT_THROW(train::train(c, g.comm()), train::UsageError);  // clips of 4 frames in videos of 5
   c = small();
   c.head_dim = 15;
   EXPECT_THROW(train::train(c, g.comm()), train::UsageError);

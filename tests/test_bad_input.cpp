@@ -244,7 +244,53 @@ TEST(BadInput, UnfusedBetaWrongShape) {
   expect_bad(in, "beta", "", kKeep, kKeep, /*fused=*/false);
 }
 
-// --- devices (needs a GPU) -----------------------------------------------------------------------
+// --- the clip-start mask (docs/design.md §4a) ----------------------------------------------------------------
+
+// bigdn and bigdn_unfused with a bad mask: gdncp::Error naming clip_starts, nothing recorded.
+void expect_bad_clips(const Tensor& mask, const std::string& why) {
+  const LayerInputs in = good();
+  for (bool fused : {true, false}) {
+    const std::string entry = fused ? "bigdn" : "bigdn_unfused";
+    const size_t tape_before = autograd::tape_size(), saved_before = autograd::saved_bytes();
+    try {
+      if (fused)
+        bigdn(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, in.d.F, in.d.S, in.opt,
+              mask);
+      else
+        bigdn_unfused(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, in.d.F, in.d.S,
+                      in.opt, mask);
+      ADD_FAILURE() << entry << ": no error for a bad clip_starts (" << why << ")";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(entry + ": clip_starts:"), std::string::npos) << "message does not name clip_starts: " << msg;
+      EXPECT_NE(msg.find(why), std::string::npos) << "message does not say '" << why << "': " << msg;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << entry << ": bad clip_starts threw a non-gdncp exception: " << e.what();
+    }
+    EXPECT_EQ(autograd::tape_size(), tape_before) << "work was recorded before the error";
+    EXPECT_EQ(autograd::saved_bytes(), saved_before);
+  }
+}
+
+Tensor mask(const Shape& s, DType dt = DType::f32) { return Tensor::zeros(s, dt); }
+
+TEST(BadInput, ClipStartsWrongShape) {
+  const int64_t B = kDims.B, F = kDims.F, H = kDims.H;
+  expect_bad_clips(mask({F}), "(B, F)");
+  expect_bad_clips(mask({B, F + 1}), "(B, F)");
+  expect_bad_clips(mask({F, B}), "(B, F)");
+  expect_bad_clips(mask({B, H, F}), "(B, F)");
+}
+
+TEST(BadInput, ClipStartsWrongDtype) {
+  expect_bad_clips(mask({kDims.B, kDims.F}, DType::f64), "f32");
+  expect_bad_clips(mask({kDims.B, kDims.F}, DType::bf16), "f32");
+}
+
+TEST(BadInput, ClipStartsOnAnotherDevice) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  expect_bad_clips(Tensor::zeros({kDims.B, kDims.F}, DType::f32, Device::cuda), "one device");
+}
 
 TEST(BadInput, DeviceMismatchAndF64OnCuda) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";

@@ -14,6 +14,7 @@
 #include "bigdn_fixtures.h"
 #include "kernels/kernels.h"
 #include "util/test_util.h"
+#include "util/tolerance.h"
 
 namespace gdncp {
 namespace test {
@@ -444,7 +445,7 @@ TEST(BigdnTwins, OverwriteEveryPoisonedOutput) {
 
     Tensor Mf = poisoned({BH, F, D, D}, ct), Mr = poisoned({BH, F, D, D}, ct), Ms = poisoned({BH, F, D, D}, ct);
     Tensor zf = poisoned({BH, F, D}, ct), zr = poisoned({BH, F, D}, ct), zs = poisoned({BH, F, D}, ct);
-    cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, d);
+    cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, Tensor(), d);
     for (const Tensor* t : {&Mf, &Mr, &Ms, &zf, &zr, &zs}) EXPECT_FALSE(has_nonfinite(*t)) << what;
 
     for (bool divide : {true, false}) {
@@ -469,7 +470,7 @@ TEST(BigdnTwins, OverwriteEveryPoisonedOutput) {
 
     Tensor dP = poisoned({BH, F, D, D}, ct), dA = poisoned({BH, F, D, D}, ct), dPz = poisoned({BH, F, D, D}, ct),
            dbz = poisoned({BH, F, D}, ct), ddecay = poisoned(in.decay.shape(), dt);
-    cpu::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dM, dz, P, Pz, in.decay, Mf, Mr, zf, zr, d);
+    cpu::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dM, dz, P, Pz, in.decay, Mf, Mr, zf, zr, Tensor(), d);
     for (const Tensor* t : {&dP, &dA, &dPz, &dbz, &ddecay}) EXPECT_FALSE(has_nonfinite(*t)) << what;
 
     // phase_a_bwd writes only the v channel of dqkv; rms_norm_bwd then writes q and k.
@@ -536,7 +537,7 @@ TEST(BigdnTwins, Bf16GradHatIsTheComputeResultRounded) {
       cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, ks, mode);
       Tensor Mf = Tensor::empty(mat, ct), Mr = Mf.clone(), Ms = Mf.clone();
       Tensor zf = Tensor::empty(vec, ct), zr = zf.clone(), zs = zf.clone();
-      cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, d);
+      cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, Tensor(), d);
 
       // phase C backward: dq_hat in the compute dtype, then in bf16.
       const Tensor dout = Tensor::randn(tok, divide ? dt : ct, kCpu, ++seed);
@@ -687,6 +688,214 @@ TEST(RopeTables, PairLayoutWithSignedSin) {
   EXPECT_EQ(f.first.dtype(), DType::f32);
   EXPECT_THROW(rope_tables(N, 7, DType::f32, kCpu), Error);
   EXPECT_THROW(rope_tables(N, D, DType::bf16, kCpu), Error);
+}
+
+// --- packed clips (docs/design.md §4a) -------------------------------------------------------------------
+
+using Clips = std::vector<std::vector<int64_t>>;  // clip lengths of each row, summing to F
+
+// The clip-start mask (B, F) f32 of the packing: 1 at the first frame of every clip.
+Tensor clip_mask(const Clips& rows, int64_t F) {
+  std::vector<double> m(rows.size() * static_cast<size_t>(F), 0.0);
+  for (size_t b = 0; b < rows.size(); ++b) {
+    int64_t f = 0;
+    for (int64_t len : rows[b]) {
+      m[b * static_cast<size_t>(F) + static_cast<size_t>(f)] = 1.0;
+      f += len;
+    }
+    EXPECT_EQ(f, F) << "row " << b << ": clip lengths must sum to F";
+  }
+  return Tensor::from_vector(m, {static_cast<int64_t>(rows.size()), F}, DType::f32);
+}
+
+// Flat indices into a tensor of `shape` of its block [lo, hi) along `axis`, in row b
+// (dim 0) when axis > 0, in row-major order of the block.
+std::vector<size_t> block_index(const Shape& shape, int64_t b, size_t axis, int64_t lo, int64_t hi) {
+  int64_t outer = 1, inner = 1;
+  for (size_t i = 1; i < axis; ++i) outer *= shape[i];
+  for (size_t i = axis + 1; i < shape.size(); ++i) inner *= shape[i];
+  const int64_t n = shape[axis], row = axis > 0 ? b : 0;
+  std::vector<size_t> idx;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = lo; i < hi; ++i)
+      for (int64_t k = 0; k < inner; ++k) idx.push_back(static_cast<size_t>(((row * outer + o) * n + i) * inner + k));
+  return idx;
+}
+
+// The block as a tensor of t's dtype (dim 0 of size 1 when axis > 0).
+Tensor take_block(const Tensor& t, int64_t b, size_t axis, int64_t lo, int64_t hi) {
+  const std::vector<double> v = t.to_vector();
+  std::vector<double> out;
+  for (size_t e : block_index(t.shape(), b, axis, lo, hi)) out.push_back(v[e]);
+  Shape s = t.shape();
+  if (axis > 0) s[0] = 1;
+  s[axis] = hi - lo;
+  return Tensor::from_vector(out, s, t.dtype());
+}
+
+// Writes (or adds) src, a block's values, into the flat buffer of a tensor of `shape`.
+void put_block(std::vector<double>& dst, const Shape& shape, const Tensor& src, int64_t b, size_t axis, int64_t lo,
+               int64_t hi) {
+  const std::vector<double> v = src.to_vector();
+  const std::vector<size_t> idx = block_index(shape, b, axis, lo, hi);
+  ASSERT_EQ(idx.size(), v.size());
+  for (size_t k = 0; k < idx.size(); ++k) dst[idx[k]] = v[k];
+}
+
+// Forward + backward of the packed layer, L = Σ w·out.
+LayerRun run_packed(const LayerInputs& base, const Tensor& w, const Tensor& mask, bool fused = true) {
+  LayerInputs in = base;
+  for (Tensor* t : {&in.qkv, &in.beta, &in.decay, &in.q_norm_w, &in.k_norm_w})
+    if (t->defined()) *t = t->clone().requires_grad_();
+  LayerRun r;
+  const Dims& d = in.d;
+  r.out = fused ? bigdn(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, d.F, d.S, in.opt,
+                        mask)
+                : bigdn_unfused(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, d.F, d.S,
+                                in.opt, mask);
+  backward(r.out, w.to(r.out.dtype()));
+  for (const Tensor* t : {&in.qkv, &in.beta, &in.decay, &in.q_norm_w, &in.k_norm_w})
+    r.grads.push_back(t->defined() ? t->grad() : Tensor());
+  return r;
+}
+
+// Every clip run as its own row (B = 1, no mask), assembled into the packed layout:
+// out, dqkv, dbeta, ddecay in place, the norm weights' gradients summed over the clips.
+LayerRun run_separate(const LayerInputs& in, const Tensor& w, const Clips& rows) {
+  const Dims& d = in.d;
+  const int64_t S = d.S;
+  std::vector<double> out(static_cast<size_t>(w.numel()), 0.0);
+  std::vector<std::vector<double>> g(5);
+  const Tensor* full[5] = {&in.qkv, &in.beta, &in.decay, &in.q_norm_w, &in.k_norm_w};
+  for (size_t i = 0; i < 5; ++i)
+    if (full[i]->defined()) g[i].assign(static_cast<size_t>(full[i]->numel()), 0.0);
+  for (size_t b = 0; b < rows.size(); ++b) {
+    int64_t f0 = 0;
+    for (int64_t len : rows[b]) {
+      const int64_t f1 = f0 + len, bb = static_cast<int64_t>(b);
+      LayerInputs c = in;
+      c.d.B = 1;
+      c.d.F = len;
+      c.qkv = take_block(in.qkv, bb, 1, f0 * S, f1 * S);
+      c.beta = take_block(in.beta, bb, 2, f0, f1);
+      c.decay = take_block(in.decay, bb, 2, f0, f1);
+      c.rope_cos = take_block(in.rope_cos, 0, 0, f0 * S, f1 * S);
+      c.rope_sin = take_block(in.rope_sin, 0, 0, f0 * S, f1 * S);
+      const LayerRun r = run_layer(c, take_block(w, bb, 1, f0 * S, f1 * S));
+      put_block(out, w.shape(), r.out, bb, 1, f0 * S, f1 * S);
+      put_block(g[0], in.qkv.shape(), r.grads[0], bb, 1, f0 * S, f1 * S);
+      put_block(g[1], in.beta.shape(), r.grads[1], bb, 2, f0, f1);
+      put_block(g[2], in.decay.shape(), r.grads[2], bb, 2, f0, f1);
+      for (size_t i = 3; i < 5; ++i)
+        if (r.grads[i].defined()) {
+          const std::vector<double> v = r.grads[i].to_vector();
+          for (size_t e = 0; e < v.size(); ++e) g[i][e] += v[e];
+        }
+      f0 = f1;
+    }
+  }
+  LayerRun r;
+  r.out = Tensor::from_vector(out, w.shape(), in.qkv.dtype());
+  for (size_t i = 0; i < 5; ++i)
+    r.grads.push_back(full[i]->defined() ? Tensor::from_vector(g[i], full[i]->shape(), full[i]->dtype()) : Tensor());
+  return r;
+}
+
+void expect_runs_close(const LayerRun& a, const LayerRun& b, double tol, const std::string& what) {
+  EXPECT_TRUE(close_rel(a.out, b.out, tol, "out " + what));
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (size_t i = 0; i < a.grads.size(); ++i) {
+    ASSERT_EQ(a.grads[i].defined(), b.grads[i].defined()) << kGradNames[i] << " " << what;
+    if (a.grads[i].defined()) {
+      EXPECT_TRUE(close_rel(a.grads[i], b.grads[i], tol, kGradNames[i] + (" " + what)));
+    }
+  }
+}
+
+// Packs `rows` into one call and compares it with every clip run as its own row, fp64.
+void check_packed_equals_separate(const Dims& d, const Clips& rows, uint64_t seed, bool norm = true) {
+  const LayerInputs in = make_layer_inputs(d, DType::f64, seed, norm, norm);
+  const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, DType::f64, kCpu, seed + 100);
+  const Tensor mask = clip_mask(rows, d.F);
+  const LayerRun packed = run_packed(in, w, mask), separate = run_separate(in, w, rows);
+  std::string what = dims_str(d) + " clips";
+  for (const auto& row : rows) {
+    what += " |";
+    for (int64_t len : row) what += " " + std::to_string(len);
+  }
+  expect_runs_close(packed, separate, tol::f64, what);
+  // The clips do change the result: the same inputs as one clip per row differ.
+  EXPECT_GT(rel_l2(run_layer(in, w).out, separate.out), 1e-3) << what;
+}
+
+TEST(BigdnClip, PackedEqualsSeparateClips) {
+  check_packed_equals_separate(dims(1, 2, 8, 8, 3), {{3, 1, 4}}, 2000);
+  check_packed_equals_separate(dims(1, 1, 12, 8, 2), {{3, 1, 4}}, 2001, /*norm=*/false);
+}
+
+TEST(BigdnClip, OneFrameClips) {
+  check_packed_equals_separate(dims(1, 2, 8, 5, 3), {{1, 1, 1, 1, 1}}, 2010);
+  check_packed_equals_separate(dims(1, 2, 8, 6, 2), {{2, 1, 1, 2}}, 2011);
+}
+
+TEST(BigdnClip, RowsPackedDifferently) {
+  check_packed_equals_separate(dims(3, 2, 8, 8, 2), {{3, 1, 4}, {8}, {1, 1, 5, 1}}, 2020);
+}
+
+// Frame 0 starts a clip whatever the mask says there.
+TEST(BigdnClip, FrameZeroAlwaysStarts) {
+  const Dims d = dims(2, 2, 8, 5, 2);
+  const LayerInputs in = make_layer_inputs(d, DType::f64, 2030);
+  const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, DType::f64, kCpu, 2031);
+  const Tensor with = Tensor::from_vector({1, 0, 1, 0, 0, 1, 0, 0, 1, 1}, {2, 5}, DType::f32);
+  const Tensor without = Tensor::from_vector({0, 0, 1, 0, 0, 0, 0, 0, 1, 1}, {2, 5}, DType::f32);
+  const LayerRun a = run_packed(in, w, with), b = run_packed(in, w, without);
+  EXPECT_TRUE(bitwise_equal(a.out, b.out));
+  for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_TRUE(bitwise_equal(a.grads[i], b.grads[i])) << kGradNames[i];
+  // An all-zero mask is one clip per row.
+  const LayerRun none = run_packed(in, w, Tensor::zeros({2, 5}, DType::f32)), plain = run_layer(in, w);
+  EXPECT_TRUE(bitwise_equal(none.out, plain.out));
+  for (size_t i = 0; i < none.grads.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(none.grads[i], plain.grads[i])) << kGradNames[i];
+}
+
+// The fused twins and the fine-grained ops, each with the mask, agree (fp64).
+TEST(BigdnClip, FusedUnfusedAgree) {
+  const Dims d = dims(2, 2, 8, 7, 2);
+  const Clips rows = {{2, 1, 4}, {1, 1, 1, 3, 1}};
+  const LayerInputs in = make_layer_inputs(d, DType::f64, 2040);
+  const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, DType::f64, kCpu, 2041);
+  const Tensor mask = clip_mask(rows, d.F);
+  expect_runs_close(run_packed(in, w, mask, true), run_packed(in, w, mask, false), tol::f64, "fused vs unfused");
+}
+
+// The f32 twin with a mask against the f64 one on the same values.
+TEST(BigdnClip, F32AgainstF64) {
+  const Dims d = dims(2, 2, 16, 8, 4);
+  const Clips rows = {{3, 1, 4}, {1, 7}};
+  const LayerInputs hi = make_layer_inputs(d, DType::f64, 2050), lo = convert(hi, DType::f32);
+  const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, DType::f64, kCpu, 2051);
+  const Tensor mask = clip_mask(rows, d.F);
+  const LayerRun a = run_packed(lo, w, mask), b = run_packed(hi, w, mask);
+  EXPECT_TRUE(close_rel(a.out, b.out, tol::f32, "out"));
+  for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_TRUE(close_rel(a.grads[i], b.grads[i], tol::f32, kGradNames[i]));
+}
+
+// Checkpointing on gives bitwise the gradients of off, with a mask.
+TEST(BigdnClip, CheckpointBitwiseEqual) {
+  for (DType dt : {DType::f32, DType::f64}) {
+    const Dims d = dims(2, 2, 8, 6, 3);
+    LayerInputs in = make_layer_inputs(d, dt, 2060);
+    const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, dt, kCpu, 2061);
+    const Tensor mask = clip_mask({{2, 3, 1}, {1, 1, 4}}, d.F);
+    in.opt.checkpoint = Checkpoint::off;
+    const LayerRun off = run_packed(in, w, mask);
+    in.opt.checkpoint = Checkpoint::on;
+    const LayerRun on = run_packed(in, w, mask);
+    EXPECT_TRUE(bitwise_equal(on.out, off.out)) << dtype_name(dt);
+    for (size_t i = 0; i < on.grads.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(on.grads[i], off.grads[i])) << kGradNames[i] << " " << dtype_name(dt);
+  }
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "bigdn_fixtures.h"
 #include "kernels/kernels.h"
 #include "util/test_util.h"
+#include "util/tolerance.h"
 
 namespace gdncp {
 namespace test {
@@ -176,16 +177,16 @@ std::vector<Tensor> twin_phase_a(const std::vector<Tensor>& x, const Dims& d, co
   });
 }
 
-std::vector<Tensor> twin_scan(const std::vector<Tensor>& x, const Dims& d) {
+std::vector<Tensor> twin_scan(const std::vector<Tensor>& x, const Dims& d, const Tensor& clip_starts = Tensor()) {
   const Tensor P = x[0].detach(), A = x[1].detach(), Pz = x[2].detach(), bz = x[3].detach(), decay = x[4].detach();
   const int64_t BH = d.BH(), F = d.F, D = d.D;
   Tensor Mf = empty({BH, F, D, D}), Mr = empty({BH, F, D, D}), Ms = empty({BH, F, D, D});
   Tensor zf = empty({BH, F, D}), zr = empty({BH, F, D}), zs = empty({BH, F, D});
-  cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, decay, d);
+  cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, decay, clip_starts, d);
   return with_backward("twin_scan", x, {Ms, zs}, [=](const std::vector<Tensor>& g) {
     Tensor dP = empty({BH, F, D, D}), dA = empty({BH, F, D, D}), dPz = empty({BH, F, D, D}), dbz = empty({BH, F, D});
     Tensor ddecay = empty(decay.shape());
-    cpu::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, g[0], g[1], P, Pz, decay, Mf, Mr, zf, zr, d);
+    cpu::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, g[0], g[1], P, Pz, decay, Mf, Mr, zf, zr, clip_starts, d);
     return std::vector<Tensor>{dP, dA, dPz, dbz, ddecay};
   });
 }
@@ -239,6 +240,49 @@ TEST(TwinGradcheck, ScanBidi) {
     expect_gradcheck("twin scan_bidi " + dims_str(d), [d](const std::vector<Tensor>& x) { return twin_scan(x, d); },
                      {P, A, Pz, bz, decay});
   }
+}
+
+// Packed clips (docs/design.md §4a): rows with clip starts at different frames, 1-frame clips among them.
+// Small D keeps the loss, and with it the central differences' rounding (~1e-16·|L|/step), low
+// enough for tol::gradcheck.
+struct ClipCase {
+  Dims d;
+  std::vector<double> mask;  // (B, F)
+};
+std::vector<ClipCase> clip_cases() {
+  return {{dims(2, 1, 8, 6, 1), {1, 0, 0, 1, 1, 0, /*row 1*/ 1, 1, 0, 0, 0, 1}},
+          {dims(1, 2, 8, 5, 1), {1, 1, 1, 1, 1}},
+          {dims(2, 2, 4, 4, 1), {0, 0, 1, 0, /*row 1*/ 1, 0, 0, 1}}};
+}
+
+template <typename Scan>
+void check_scan_clips(const char* name, uint64_t seed, Scan scan) {
+  for (const ClipCase& c : clip_cases()) {
+    const Dims& d = c.d;
+    const int64_t BH = d.BH(), F = d.F, D = d.D;
+    const double s = 1.0 / D;
+    const Tensor P = randn({BH, F, D, D}, ++seed, s), A = randn({BH, F, D, D}, ++seed);
+    const Tensor Pz = randn({BH, F, D, D}, ++seed, s), bz = randn({BH, F, D}, ++seed);
+    const Tensor decay = uniform({d.B, d.H, F}, ++seed, 0.5, 0.99);
+    const Tensor mask = Tensor::from_vector(c.mask, {d.B, F}, DType::f32);
+    const GradcheckResult r =
+        gradcheck([&](const std::vector<Tensor>& x) { return scan(x, d, mask); }, {P, A, Pz, bz, decay}, 1e-6, 64);
+    std::printf("[gradcheck] %-48s max rel error %.3e\n", (std::string(name) + " " + dims_str(d)).c_str(),
+                r.max_rel_error);
+    EXPECT_LE(r.max_rel_error, tol::gradcheck) << name << " " << dims_str(d) << "\n" << r.report;
+  }
+}
+
+TEST(OpsGradcheck, BidiScanClips) {
+  check_scan_clips("ops::bidi_scan clips", 450, [](const std::vector<Tensor>& x, const Dims&, const Tensor& mask) {
+    return ops::bidi_scan(x[0], x[1], x[2], x[3], x[4], mask);
+  });
+}
+
+TEST(TwinGradcheck, ScanBidiClips) {
+  check_scan_clips("twin scan_bidi clips", 850, [](const std::vector<Tensor>& x, const Dims& d, const Tensor& mask) {
+    return twin_scan(x, d, mask);
+  });
 }
 
 TEST(TwinGradcheck, PrepPhaseC) {

@@ -49,9 +49,23 @@ Model init_model(const ModelShape& shape, uint64_t seed, gdncp::Device device, b
   return m;
 }
 
-Tensor forward(const Model& model, const Tensor& x_in, const ForwardContext& ctx) {
+Tensor forward(const Model& model, const Tensor& x_in, const ForwardContext& ctx, std::vector<Tensor>* empty_outs) {
   const int64_t B = x_in.size(0), H = model.shape.heads, D = model.shape.head_dim, C = model.shape.channels();
   const int64_t F = ctx.frames, S = ctx.tokens, N = F * S;
+  if (F == 0) {  // no token to project (the projections take no empty input): the layers' collectives only
+    const gdncp::Device dev = x_in.device();
+    for (const LayerParams& p : model.layers) {
+      const auto leaf = [&](const gdncp::Shape& s) {
+        Tensor t = Tensor::empty(s, ctx.dtype, dev);
+        if (gdncp::autograd::grad_enabled()) t.requires_grad_();
+        return t;
+      };
+      const Tensor out = ctx.dist->layer(leaf({B, 0, 3, H, D}), leaf({B, H, 0, S}), leaf({B, H, 0}), p.q_norm, p.k_norm,
+                                         ctx.rope_cos, ctx.rope_sin, 0, S, ctx.options, ctx.clip_starts);
+      if (empty_outs && out.requires_grad()) empty_outs->push_back(out);
+    }
+    return x_in;
+  }
   Tensor x = x_in;
   for (const LayerParams& p : model.layers) {
     // Projections in the activation dtype (bf16 runs cast the f32 master weights;
@@ -65,7 +79,7 @@ Tensor forward(const Model& model, const Tensor& x_in, const ForwardContext& ctx
     const Tensor beta = gdncp::nn::sigmoid(beta_logit);
     const Tensor decay = gdncp::nn::sigmoid(gdncp::nn::frame_mean(gate_logit));  // (B, H, F)
     const Tensor out = ctx.dist->layer(qkv, beta, decay, p.q_norm, p.k_norm, ctx.rope_cos, ctx.rope_sin, F, S,
-                                       ctx.options);  // (B, N, H, D)
+                                       ctx.options, ctx.clip_starts);  // (B, N, H, D)
     x = gdncp::nn::add(x, gdncp::nn::matmul(out.reshape({B, N, C}), gdncp::nn::cast(p.w_out, ctx.dtype)));
   }
   return x;

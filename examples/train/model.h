@@ -49,10 +49,15 @@ struct ForwardContext {
   int64_t tokens = 0;                      // S
   gdncp::DType dtype = gdncp::DType::f32;  // activation dtype
   gdncp::Tensor rope_cos, rope_sin;        // (F·S, D) rows of this rank's tokens
+  gdncp::Tensor clip_starts;               // (B, F) f32, 1 where a frame begins a clip; undefined = one clip
   gdncp::BigdnOptions options;
 };
 
 // x (B, F·S, C) in ctx.dtype -> y (B, F·S, C). Collective over the CP group.
-gdncp::Tensor forward(const Model& model, const gdncp::Tensor& x, const ForwardContext& ctx);
+// A rank with F = 0 (more CP ranks than frames) only joins every layer's
+// collectives: y = x, and each layer's (empty) output is appended to
+// empty_outs, whose backward joins the layers' backward collectives.
+gdncp::Tensor forward(const Model& model, const gdncp::Tensor& x, const ForwardContext& ctx,
+                      std::vector<gdncp::Tensor>* empty_outs = nullptr);
 
 }  // namespace train

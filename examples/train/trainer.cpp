@@ -9,6 +9,12 @@
 // one batch index from the run's RNG (the same on every rank); the RNG state is
 // part of the checkpoint, so a resumed run draws what the uninterrupted run
 // would have drawn.
+//
+// Note [clips]: with --clips L1,L2,... every video is those clips back to back
+// (the same packing in every video). The layer gets the clip-start mask, so no
+// state crosses a clip start, and each clip's RoPE positions start at 0, as if
+// it were a video of its own. The split over the CP group ignores the clips: a
+// clip may span ranks.
 #include "trainer.h"
 
 #include <gdncp/gdncp.h>
@@ -102,6 +108,31 @@ Flag real_flag(const std::string& name, const std::string& help, double Config::
           }};
 }
 
+std::string join(const std::vector<int64_t>& v) {
+  std::string s;
+  for (int64_t x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
+}
+
+// --clips L1,L2,...: positive lengths; '' = one clip per video.
+Flag clips_flag() {
+  return {"clips",
+          "lengths of the clips packed in each video, comma-separated, summing to --frames (e.g. 7,7,7; 1,1,1 for "
+          "still images); '' = one clip",
+          [](Config& c, const std::string& v) {
+            c.clips.clear();
+            if (v.empty()) return;
+            size_t at = 0;
+            while (true) {
+              const size_t comma = v.find(',', at);
+              c.clips.push_back(parse_int("clips", v.substr(at, comma - at), 1, int64_t(1) << 40));
+              if (comma == std::string::npos) break;
+              at = comma + 1;
+            }
+          },
+          [](const Config& c) { return "'" + join(c.clips) + "'"; }};
+}
+
 Flag text_flag(const std::string& name, const std::string& help, std::string Config::*field,
                const std::vector<std::string>& choices = {}) {
   std::string list;
@@ -122,8 +153,9 @@ const std::vector<Flag>& flags() {
       int_flag("layers", "BiGDN layers", &Config::layers, 1, 1024),
       int_flag("heads", "heads H", &Config::heads, 1, 4096),
       int_flag("head-dim", "head dimension D (even, 2..128)", &Config::head_dim, 2, gdncp::kMaxHeadDim),
-      int_flag("frames", "frames per video, global (split over the CP group: a multiple of --cp)", &Config::frames, 1,
-               big),
+      int_flag("frames", "frames per video, global (any count, split over the CP group as evenly as it goes)",
+               &Config::frames, 1, big),
+      clips_flag(),
       int_flag("tokens", "tokens per frame S", &Config::tokens, 1, big),
       int_flag("batch", "videos per step per data-parallel group", &Config::batch, 1, big),
       int_flag("pool", "distinct batches per data-parallel group (the data set)", &Config::pool, 1, 1 << 20),
@@ -168,9 +200,13 @@ void validate(const Config& c, int world_size) {
   if (world_size % c.cp != 0)
     throw UsageError("--cp " + std::to_string(c.cp) + " must divide the number of ranks (" +
                      std::to_string(world_size) + ")");
-  if (c.frames % c.cp != 0)
-    throw UsageError("--frames " + std::to_string(c.frames) + " must be a multiple of --cp " + std::to_string(c.cp) +
-                     " (each CP rank holds frames/cp frames)");
+  if (!c.clips.empty()) {
+    int64_t total = 0;
+    for (int64_t len : c.clips) total += len;
+    if (total != c.frames)
+      throw UsageError("--clips " + join(c.clips) + ": the lengths sum to " + std::to_string(total) +
+                       ", but --frames is " + std::to_string(c.frames));
+  }
   if (c.device == "cuda" && !gdncp::cuda_available())
     throw UsageError("--device cuda: no CUDA device is visible (or gdncp was built without CUDA)");
 }
@@ -216,20 +252,58 @@ std::string default_plot_path(const Config& c) {
 // --- data ------------------------------------------------------------------------------
 
 // Batch k of this rank: (B, F·S, C) latents of videos (k·DP + dp_rank)·B + b,
-// frames [cp_rank·F, (cp_rank+1)·F). See Note [data].
-Tensor make_latents(const Config& c, const Dist& dist, int64_t k, int64_t F, Device dev, DType dt) {
+// global frames [F0, F0 + F). See Note [data].
+Tensor make_latents(const Config& c, const Dist& dist, int64_t k, int64_t F0, int64_t F, Device dev, DType dt) {
   const int64_t B = c.batch, S = c.tokens, C = c.heads * c.head_dim, N = F * S;
   Tensor host = Tensor::empty({B, N, C}, DType::f32);
   float* dst = host.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
     const uint64_t video = static_cast<uint64_t>((k * dist.dp_size() + dist.dp_rank()) * B + b);
     for (int64_t f = 0; f < F; ++f) {
-      const uint64_t global_frame = static_cast<uint64_t>(dist.cp_rank() * F + f);
+      const uint64_t global_frame = static_cast<uint64_t>(F0 + f);
       const Tensor frame = Tensor::randn({S, C}, DType::f32, Device::cpu, mix(c.seed, video, global_frame));
       std::memcpy(dst + (b * N + f * S) * C, frame.data(), frame.nbytes());
     }
   }
   return host.to(dt).to(dev);
+}
+
+// The first global frame of the clip holding global frame g (Note [clips]).
+int64_t clip_start(const Config& c, int64_t g) {
+  int64_t start = 0;
+  for (int64_t len : c.clips) {
+    if (g < start + len) return start;
+    start += len;
+  }
+  return 0;  // one clip
+}
+
+// RoPE rows (F·S, D) f32 of global frames [F0, F0 + F): token s of frame g sits at
+// position g·S + s, or with clips (g − clip_start(g))·S + s (Note [clips]).
+std::pair<Tensor, Tensor> rope_rows(const Config& c, int64_t F0, int64_t F, Device dev) {
+  const int64_t S = c.tokens, D = c.head_dim;
+  if (F == 0) return {Tensor::empty({0, D}, DType::f32, dev), Tensor::empty({0, D}, DType::f32, dev)};
+  if (c.clips.empty()) return gdncp::rope_tables(F * S, D, DType::f32, dev, F0 * S);
+  const int64_t longest = *std::max_element(c.clips.begin(), c.clips.end());
+  const auto table = gdncp::rope_tables(longest * S, D, DType::f32, Device::cpu);
+  const std::vector<double> cs = table.first.to_vector(), sn = table.second.to_vector();
+  std::vector<double> rc, rs;
+  for (int64_t g = F0; g < F0 + F; ++g) {
+    const auto row0 = static_cast<std::ptrdiff_t>((g - clip_start(c, g)) * S * D),
+               rows = static_cast<std::ptrdiff_t>(S * D);
+    rc.insert(rc.end(), cs.begin() + row0, cs.begin() + row0 + rows);
+    rs.insert(rs.end(), sn.begin() + row0, sn.begin() + row0 + rows);
+  }
+  return {Tensor::from_vector(rc, {F * S, D}, DType::f32, dev), Tensor::from_vector(rs, {F * S, D}, DType::f32, dev)};
+}
+
+// The clip-start mask (B, F) f32 of global frames [F0, F0 + F); undefined without clips.
+Tensor clip_mask(const Config& c, int64_t F0, int64_t F, Device dev) {
+  if (c.clips.empty()) return Tensor();
+  std::vector<double> m(static_cast<size_t>(c.batch * F), 0.0);
+  for (int64_t b = 0; b < c.batch; ++b)
+    for (int64_t f = 0; f < F; ++f) m[static_cast<size_t>(b * F + f)] = clip_start(c, F0 + f) == F0 + f ? 1.0 : 0.0;
+  return Tensor::from_vector(m, {c.batch, F}, DType::f32, dev);
 }
 
 // --- checkpoints -----------------------------------------------------------------------
@@ -238,7 +312,7 @@ std::vector<std::pair<std::string, std::string>> run_identity(const Config& c, c
   return {{"layers", std::to_string(c.layers)},
           {"heads", std::to_string(c.heads)},
           {"head-dim", std::to_string(c.head_dim)},
-          {"frames", std::to_string(c.frames)},
+          {"frames", std::to_string(c.frames) + (c.clips.empty() ? "" : " = " + join(c.clips))},
           {"tokens", std::to_string(c.tokens)},
           {"batch", std::to_string(c.batch)},
           {"pool", std::to_string(c.pool)},
@@ -394,7 +468,9 @@ Result train(const Config& cfg, MPI_Comm world) {
   Dist dist(world, static_cast<int>(cfg.cp), dev, cfg.timeout);
   const bool lead = dist.rank() == 0;
 
-  const int64_t F = cfg.frames / cfg.cp, S = cfg.tokens, N = F * S, C = cfg.heads * cfg.head_dim;
+  // This rank's frames [F0, F0 + F) of each video (none when frames < cp: see forward()).
+  const gdncp::cp::FrameSplit split = gdncp::cp::balanced_split(cfg.frames, dist.cp_size(), dist.cp_rank());
+  const int64_t F = split.frames, F0 = split.offset, S = cfg.tokens, C = cfg.heads * cfg.head_dim;
   const ModelShape shape{cfg.layers, cfg.heads, cfg.head_dim};
   Model student = init_model(shape, cfg.seed, dev, /*teacher=*/false, /*trainable=*/true);
   const Model teacher = init_model(shape, kTeacherSeed, dev, /*teacher=*/true, /*trainable=*/false);
@@ -404,7 +480,8 @@ Result train(const Config& cfg, MPI_Comm world) {
   ctx.frames = F;
   ctx.tokens = S;
   ctx.dtype = dt;
-  std::tie(ctx.rope_cos, ctx.rope_sin) = gdncp::rope_tables(N, cfg.head_dim, DType::f32, dev, dist.cp_rank() * N);
+  std::tie(ctx.rope_cos, ctx.rope_sin) = rope_rows(cfg, F0, F, dev);
+  ctx.clip_starts = clip_mask(cfg, F0, F, dev);
   ctx.options.k_scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim * S));  // Sana: D^-½·S^-½
   ctx.options.checkpoint = cfg.checkpointing == "on"    ? gdncp::Checkpoint::on
                            : cfg.checkpointing == "off" ? gdncp::Checkpoint::off
@@ -413,7 +490,7 @@ Result train(const Config& cfg, MPI_Comm world) {
   // The data set and the teacher's answers (Note [data]).
   std::vector<Tensor> inputs, targets;
   for (int64_t k = 0; k < cfg.pool; ++k) {
-    inputs.push_back(make_latents(cfg, dist, k, F, dev, dt));
+    inputs.push_back(make_latents(cfg, dist, k, F0, F, dev, dt));
     gdncp::NoGradGuard no_grad;
     targets.push_back(forward(teacher, inputs.back(), ctx));
   }
@@ -444,13 +521,17 @@ Result train(const Config& cfg, MPI_Comm world) {
         << cfg.checkpointing << "\",\"seed\":" << cfg.seed << "}\n";
     log.flush();
   }
-  if (lead && cfg.print_every > 0)
+  if (lead && cfg.print_every > 0) {
+    const int64_t most = gdncp::cp::balanced_split(cfg.frames, dist.cp_size(), 0).frames,
+                  least = gdncp::cp::balanced_split(cfg.frames, dist.cp_size(), dist.cp_size() - 1).frames;
+    const std::string per_rank = std::to_string(most) + (most == least ? "" : " or " + std::to_string(least));
     std::printf(
         "gdncp_train: %d ranks = %d DP x %d CP on %s, %s; model L=%lld H=%lld D=%lld; video %lld frames x %lld "
-        "tokens (%lld frames per CP rank), batch %lld per DP group; steps %lld..%lld\n",
+        "tokens (%s frames per CP rank), batch %lld per DP group; steps %lld..%lld\n",
         dist.size(), dist.dp_size(), dist.cp_size(), cfg.device.c_str(), cfg.dtype.c_str(), (long long)cfg.layers,
-        (long long)cfg.heads, (long long)cfg.head_dim, (long long)cfg.frames, (long long)cfg.tokens, (long long)F,
+        (long long)cfg.heads, (long long)cfg.head_dim, (long long)cfg.frames, (long long)cfg.tokens, per_rank.c_str(),
         (long long)cfg.batch, (long long)start + 1, (long long)cfg.steps);
+  }
 
   Result res;
   res.first_step = start + 1;
@@ -466,9 +547,20 @@ Result train(const Config& cfg, MPI_Comm world) {
     const double lr = cfg.warmup > 0 ? cfg.lr * std::min(1.0, static_cast<double>(step) / cfg.warmup) : cfg.lr;
     opt.options().lr = lr;
     opt.zero_grad();
-    Tensor loss = gdncp::nn::mse_loss(forward(student, inputs[k], ctx), targets[k], count);
-    const double local = loss.item();
-    gdncp::backward(loss);
+    std::vector<Tensor> empty_outs;
+    const Tensor pred = forward(student, inputs[k], ctx, &empty_outs);
+    double local = 0;
+    if (F > 0) {
+      Tensor loss = gdncp::nn::mse_loss(pred, targets[k], count);
+      local = loss.item();
+      gdncp::backward(loss);
+    } else {  // joins the layers' backward collectives; every parameter then gets a (zero) gradient
+      std::vector<Tensor> zero;
+      for (const Tensor& o : empty_outs) zero.push_back(Tensor::zeros(o.shape(), o.dtype(), dev));
+      if (!empty_outs.empty()) gdncp::backward(empty_outs, zero);
+      for (const Tensor& p : params)
+        if (!p.grad().defined()) p.meta().grad = Tensor::zeros(p.shape(), p.dtype(), dev);
+    }
     dist.reduce_grads(params);
     opt.step(1.0 / dist.dp_size());
     const double global = dist.sum(local) / dist.dp_size();  // Σ over CP = the group's mean; mean over DP

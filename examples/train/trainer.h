@@ -6,12 +6,15 @@
 //   beta  = sigmoid(x · w_β)                       per head and token (B, H, F, S)
 //   decay = sigmoid(per-frame mean of x · w_g)     per head and frame (B, H, F)
 //   out   = BiGDN(qkv, beta, decay, q_norm_w, k_norm_w)   (CP over the frames)
+//           with --clips, each video is several clips packed back to back: no
+//           state crosses a clip start, and RoPE positions restart at each clip
 //   x     ← x + out · W_o
 // Loss: mean squared error against a fixed-seed teacher of the same
 // architecture on the same inputs.
 //
 // Ranks: world = DP × CP. Consecutive ranks form a CP group (frames split
-// inside it); the groups are the data-parallel replicas (different videos).
+// inside it as evenly as it goes, gdncp::cp::balanced_split); the groups are
+// the data-parallel replicas (different videos).
 // Gradients are summed over the world and divided by DP (= summed over CP,
 // averaged over DP); every rank ends a step with bitwise-identical parameters,
 // which is checked every check_every steps with an all-gathered hash.
@@ -31,10 +34,12 @@ struct Config {
   int64_t layers = 2;
   int64_t heads = 2;      // H
   int64_t head_dim = 16;  // D (even, 2..128)
-  int64_t frames = 4;     // frames per video, global (split over the CP group)
+  int64_t frames = 4;     // frames per video, global (any count >= 1, split over the CP group)
   int64_t tokens = 16;    // tokens per frame, S
   int64_t batch = 4;      // videos per step per data-parallel group
   int64_t pool = 8;       // distinct batches per data-parallel group (the data set)
+  // Lengths of the clips packed back to back in each video, summing to frames; empty = one clip.
+  std::vector<int64_t> clips;
   double lr = 2e-2;
   int64_t warmup = 5;  // linear learning-rate warm-up steps
   double weight_decay = 0.01;

@@ -15,9 +15,16 @@
 //         weight means that stream is not normalised at all and gets no gradient
 //   rope_cos, rope_sin (N, D) f32 (f64 with f64 inputs); sin carries the sign:
 //         rope(x)[d] = x[d]·cos[d] + x[d^1]·sin[d]
+//   clip_starts (B, F)     f32 whatever qkv is, optional: 1 where frame f of row b begins a clip, 0 elsewhere
+//         (other values: unspecified). Undefined = one clip per row.
 //   out   (B, N, H, D)     qkv's dtype
 // Either every floating input is f64 (the CPU oracle) or none is. All tensors
 // on one device. D even, 2..128; f64 is CPU-only.
+//
+// Packed clips (docs/design.md §4a): at a clip start f no state crosses the boundary in
+// either direction, M_f = A_f and M̃_{f−1} = 0 (z likewise); frame 0 always
+// starts one. Out and every gradient equal running each clip as its own row
+// (the decay of a clip's first frame then gets gradient 0, as it does alone).
 //
 // Gradients flow to qkv, beta, decay and the present norm weights.
 // Throws gdncp::Error naming the argument for any bad input (docs/design.md §9).
@@ -55,15 +62,15 @@ struct BigdnOptions {
 constexpr int64_t kMaxHeadDim = 128;
 
 // The layer, as fused kernels (one node, or a checkpoint node). Returns out.
-Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
-             const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
-             const BigdnOptions& options = {});
+Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w, const Tensor& k_norm_w,
+             const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options = {},
+             const Tensor& clip_starts = Tensor());
 
 // The same layer composed of the fine-grained ops of gdncp/ops.h, one node per
 // op (CPU). An independent coding of the math, used to check bigdn.
 Tensor bigdn_unfused(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                      const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
-                     const BigdnOptions& options = {});
+                     const BigdnOptions& options = {}, const Tensor& clip_starts = Tensor());
 
 // Standard RoPE tables for the pair layout of docs/design.md §2 (sin carries the sign),
 // position of token n = n + offset, frequency base^(-2i/D) for pair i.

@@ -13,7 +13,7 @@
 // exchange of the sizes, when the Validation policy calls for it, that
 // validates the call on every rank before anything else is sent).
 //
-// Packed clips (SPEC §4a): the entries that take `clip_starts` accept a
+// Packed clips (docs/design.md §4a): the entries that take `clip_starts` accept a
 // per-rank mask (B, F_r), f32, on the inputs' device: 1 where frame f of row
 // b begins a clip, 0 elsewhere (other values: unspecified). No state crosses
 // a clip start in either direction, so out and every gradient equal running

@@ -35,9 +35,11 @@ std::vector<Tensor> phase_a(const Tensor& kr, const Tensor& kp, const Tensor& qk
 // Bidirectional frame scan (docs/design.md §4) with T_f = g_f (I − P_f):
 //   M_f = T_f M_{f−1} + A_f (causal),  M̃_f = T_{f+1} M̃_{f+1} + A_{f+1} (strictly later; z likewise with Pz, b).
 // P, A, Pz (B·H, F, D, D), b (B·H, F, D), decay g (B, H, F).
+// clip_starts (B, F) f32, or undefined (one clip per row): at a frame f > 0 with a nonzero entry
+// T_f is cut in both directions, M_f = A_f and M̃_{f−1} = 0 (docs/design.md §4a); it gets no gradient.
 // Returns {M + M̃ (B·H, F, D, D), z + z̃ (B·H, F, D)}.
-std::vector<Tensor> bidi_scan(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& b,
-                              const Tensor& decay);
+std::vector<Tensor> bidi_scan(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& b, const Tensor& decay,
+                              const Tensor& clip_starts = Tensor());
 
 // Phase C (docs/design.md §5): num (B, N, H, D) = qʳ M per token, den (B, H, N) = q⁺·z.
 std::vector<Tensor> phase_c(const Tensor& qr, const Tensor& qp, const Tensor& M, const Tensor& z, int64_t F,

@@ -6,6 +6,8 @@
 // With checkpointing on, autograd::checkpoint keeps only the inputs and
 // re-runs the forward in backward. bigdn_unfused() composes the fine ops of
 // gdncp/ops.h instead (one node per op), an independent check of the math.
+// An optional clip-start mask (docs/design.md §4a) only changes the scan; it is not
+// differentiable and rides along in the node and the checkpoint's closure.
 //
 // Gradients: qkv, beta, decay in their own dtypes, present norm weights in
 // theirs; the rope tables and absent weights get none. The node returns fresh
@@ -47,7 +49,8 @@ struct Intermediates {
 
 class BigdnNode : public autograd::Node {
  public:
-  BigdnNode(const Dims& d, const BigdnOptions& opt, MathMode mode) : d_(d), opt_(opt), mode_(mode) {}
+  BigdnNode(const Dims& d, const BigdnOptions& opt, MathMode mode, Tensor clip_starts)
+      : d_(d), opt_(opt), mode_(mode), clip_starts_(std::move(clip_starts)) {}
   const char* name() const override { return "bigdn"; }
 
   // Saves the inputs (an absent weight is saved as undefined) and the intermediates.
@@ -79,7 +82,7 @@ class BigdnNode : public autograd::Node {
     Tensor dP = Tensor::empty({BH, F, D, D}, ct, dev), dA = Tensor::empty({BH, F, D, D}, ct, dev);
     Tensor dPz = Tensor::empty({BH, F, D, D}, ct, dev), dbz = Tensor::empty({BH, F, D}, ct, dev);
     Tensor ddecay = Tensor::empty(decay.shape(), decay.dtype(), dev);
-    kernels::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, d);
+    kernels::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, clip_starts_, d);
 
     prep_backward_k(g, dP, dA, dPz, dbz, qkv, rstd, kw, cs, sn, beta, d, opt_.k_scale, mode_);
 
@@ -96,12 +99,14 @@ class BigdnNode : public autograd::Node {
   Dims d_;
   BigdnOptions opt_;
   MathMode mode_;
+  Tensor clip_starts_;
 };
 
 // The fused forward on validated inputs; records one BigdnNode when needed.
 // write_out false: the checkpoint's re-run in backward, which skips phase C
 // and returns out shape-only (Note [checkpoint recompute] in src/autograd/checkpoint.cpp).
-Tensor bigdn_fused(const std::vector<Tensor>& in, const Dims& d, const BigdnOptions& opt, bool write_out) {
+Tensor bigdn_fused(const std::vector<Tensor>& in, const Dims& d, const BigdnOptions& opt, const Tensor& clip_starts,
+                   bool write_out) {
   const Tensor &qkv = in[kQkv], &beta = in[kBeta], &decay = in[kDecay], &qw = in[kQNormW], &kw = in[kKNormW],
                &cs = in[kRopeCos], &sn = in[kRopeSin];
   const Device dev = qkv.device();
@@ -122,7 +127,7 @@ Tensor bigdn_fused(const std::vector<Tensor>& in, const Dims& d, const BigdnOpti
   m.zf = Tensor::empty({BH, F, D}, ct, dev);
   m.zr = Tensor::empty({BH, F, D}, ct, dev);
   m.zsum = Tensor::empty({BH, F, D}, ct, dev);
-  kernels::scan_bidi_fwd(m.Mf, m.Mr, m.Msum, m.zf, m.zr, m.zsum, m.P, A, m.Pz, bz, decay, d);
+  kernels::scan_bidi_fwd(m.Mf, m.Mr, m.Msum, m.zf, m.zr, m.zsum, m.P, A, m.Pz, bz, decay, clip_starts, d);
 
   // The checkpoint's re-run returns out shape-only (Note [checkpoint recompute]).
   Tensor out =
@@ -133,19 +138,20 @@ Tensor bigdn_fused(const std::vector<Tensor>& in, const Dims& d, const BigdnOpti
   }
 
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<BigdnNode>(d, opt, mode);
+    auto node = std::make_shared<BigdnNode>(d, opt, mode, clip_starts);
     node->save_all(in, m);
     autograd::record(node, in, {out});
   }
   return out;
 }
 
-Tensor unfused_forward(const std::vector<Tensor>& in, int64_t F, int64_t S, const BigdnOptions& opt) {
+Tensor unfused_forward(const std::vector<Tensor>& in, int64_t F, int64_t S, const BigdnOptions& opt,
+                       const Tensor& clip_starts) {
   const Tensor qkv_hat = ops::rms_norm(in[kQkv], in[kQNormW], in[kKNormW], opt.norm_eps);
   const std::vector<Tensor> prep = ops::relu_rope(qkv_hat, in[kRopeCos], in[kRopeSin], opt.k_scale);
   const Tensor &qp = prep[0], &kp = prep[1], &qr = prep[2], &kr = prep[3];
   const std::vector<Tensor> a = ops::phase_a(kr, kp, qkv_hat, in[kBeta], F, S);
-  const std::vector<Tensor> scan = ops::bidi_scan(a[0], a[1], a[2], a[3], in[kDecay]);
+  const std::vector<Tensor> scan = ops::bidi_scan(a[0], a[1], a[2], a[3], in[kDecay], clip_starts);
   const std::vector<Tensor> c = ops::phase_c(qr, qp, scan[0], scan[1], F, S);
   return ops::output_divide(c[0], c[1], opt.eps, in[kQkv].dtype());
 }
@@ -153,25 +159,29 @@ Tensor unfused_forward(const std::vector<Tensor>& in, int64_t F, int64_t S, cons
 }  // namespace
 
 Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w, const Tensor& k_norm_w,
-             const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options) {
+             const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options,
+             const Tensor& clip_starts) {
   const Dims d =
       validate_bigdn_inputs("bigdn", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
+  validate_clip_starts("bigdn", clip_starts, d.B, F, qkv.device());
   // Per stream, as docs/design.md §1 says ("absent ⇒ no RMSNorm"): the Python reference normalises both when either weight is given.
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
-  const autograd::RecomputeFunction fn = [d, options](const std::vector<Tensor>& x, bool recompute) {
-    return std::vector<Tensor>{bigdn_fused(x, d, options, /*write_out=*/!recompute)};
+  const autograd::RecomputeFunction fn = [d, options, clip_starts](const std::vector<Tensor>& x, bool recompute) {
+    return std::vector<Tensor>{bigdn_fused(x, d, options, clip_starts, /*write_out=*/!recompute)};
   };
   return autograd::checkpoint_layer(fn, in, options.checkpoint).at(0);
 }
 
 Tensor bigdn_unfused(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                      const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
-                     const BigdnOptions& options) {
-  validate_bigdn_inputs("bigdn_unfused", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
+                     const BigdnOptions& options, const Tensor& clip_starts) {
+  const Dims d =
+      validate_bigdn_inputs("bigdn_unfused", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
+  validate_clip_starts("bigdn_unfused", clip_starts, d.B, F, qkv.device());
   GDNCP_CHECK(!qkv.is_cuda(), "bigdn_unfused: qkv: the unfused ops run on the CPU only (use bigdn on CUDA)");
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
-  const autograd::Function fn = [F, S, options](const std::vector<Tensor>& x) {
-    return std::vector<Tensor>{unfused_forward(x, F, S, options)};
+  const autograd::Function fn = [F, S, options, clip_starts](const std::vector<Tensor>& x) {
+    return std::vector<Tensor>{unfused_forward(x, F, S, options, clip_starts)};
   };
   return autograd::checkpoint(fn, in, options.checkpoint).at(0);
 }

@@ -65,14 +65,16 @@ void phase_a_bwd(Tensor& dk_hat, Tensor& dqkv, Tensor& dbeta, const Tensor& dP, 
 }
 
 void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,
-                   const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Dims& d) {
-  GDNCP_DISPATCH(scan_bidi_fwd, P, Mf, Mr, Msum, zf, zr, zsum, P, A, Pz, bz, decay, d);
+                   const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Tensor& clip_starts,
+                   const Dims& d) {
+  GDNCP_DISPATCH(scan_bidi_fwd, P, Mf, Mr, Msum, zf, zr, zsum, P, A, Pz, bz, decay, clip_starts, d);
 }
 
 void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& ddecay, const Tensor& dMsum,
                    const Tensor& dzsum, const Tensor& P, const Tensor& Pz, const Tensor& decay, const Tensor& Mf,
-                   const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Dims& d) {
-  GDNCP_DISPATCH(scan_bidi_bwd, P, dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, d);
+                   const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Tensor& clip_starts, const Dims& d) {
+  GDNCP_DISPATCH(scan_bidi_bwd, P, dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, clip_starts,
+                 d);
 }
 
 void phase_c_fwd(Tensor& out, Tensor& den, const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w,

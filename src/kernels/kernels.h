@@ -74,15 +74,19 @@ inline DType grad_hat_dtype(MathMode mode, DType qkv_dtype) {
                    const Dims& d, double k_scale, MathMode mode);                                                   \
                                                                                                                     \
   /* Bidirectional scan (docs/design.md §4). Overwrites Mf (forward inclusive states), Mr (reverse, strictly later),          \
-     Msum = Mf + Mr, all (BH, F, D, D); zf, zr, zsum (BH, F, D). decay (B, H, F) any float dtype. */                 \
+     Msum = Mf + Mr, all (BH, F, D, D); zf, zr, zsum (BH, F, D). decay (B, H, F) any float dtype.                   \
+     clip_starts (B, F) f32 on the data's device, or undefined (one clip per row): at a frame f > 0 with            \
+     clip_starts[b, f] != 0 the transition from f − 1 is cut (§4a): Mf_f = A_f, Mr_{f−1} = 0, z likewise. */        \
   void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,    \
-                     const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Dims& d);       \
+                     const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay,                       \
+                     const Tensor& clip_starts, const Dims& d);                                                     \
                                                                                                                     \
-  /* Backward of scan_bidi_fwd given dMsum, dzsum. Overwrites dP, dA, dPz (BH, F, D, D), dbz (BH, F, D) and        \
-     ddecay (B, H, F, decay dtype). */                                                                              \
+  /* Backward of scan_bidi_fwd given dMsum, dzsum (the same clip_starts). Overwrites dP, dA, dPz (BH, F, D, D),    \
+     dbz (BH, F, D) and ddecay (B, H, F, decay dtype); a cut frame's dP, dPz and ddecay are 0. */                    \
   void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& ddecay, const Tensor& dMsum,         \
                      const Tensor& dzsum, const Tensor& P, const Tensor& Pz, const Tensor& decay, const Tensor& Mf,  \
-                     const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Dims& d);                           \
+                     const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Tensor& clip_starts,                \
+                     const Dims& d);                                                                                \
                                                                                                                     \
   /* Phase C with the q prep fused into the load (q̂ = q·r·w, q⁺ = relu(q̂), qʳ = rope(q⁺)).                         \
      num_s = qʳ_s M_f, den_s = q⁺_s·z_f. M (BH, F, D, D), z (BH, F, D) compute dtype.                              \

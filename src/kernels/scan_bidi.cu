@@ -13,6 +13,11 @@
 //   dA_f = G_f + G̃'_f,  dP_f = −g_f Z_f,  dg_f = tr Z_f − ⟨P_f, Z_f⟩  (+ the same terms of z).
 // Gradient rule: dP, dA, dPz, dbz, ddecay are overwritten.
 //
+// Packed clips (§4a): a clip start p > 0 cuts frame p's transition. The steps
+// that multiply by it (Mf_p, G_{p−1}, G̃_p) use g = 0, which leaves the injected
+// term alone; the reverse step that produces Mr_{p−1} writes 0 instead. The
+// gradient kernel drops both Z terms and G̃'_p at a cut frame.
+//
 // Note [column blocks]: a state step X ← g (X − P X) + U acts on every column
 // of X alone, so one block owns 16 columns of one direction of one (b, h) and
 // walks the frames with its slice on chip (the z vector is one more block).
@@ -52,7 +57,7 @@ __global__ void __launch_bounds__(kScanThreads)
     scan_kernel(float* __restrict__ out0, float* __restrict__ out1, float* __restrict__ zout0,
                 float* __restrict__ zout1, float* __restrict__ msum, float* __restrict__ zsum,
                 const float* __restrict__ P, const float* __restrict__ U, const float* __restrict__ Pz,
-                const float* __restrict__ Uz, In decay, int D, int F, int ncb) {
+                const float* __restrict__ Uz, In decay, const float* __restrict__ clip, int H, int D, int F, int ncb) {
   extern __shared__ __align__(16) float smem[];
   const int ldp = D + 1;  // odd pitch: both P[i][k] (lanes over i) and P[k][i] are conflict-free
   float* Ps = smem;
@@ -112,7 +117,9 @@ __global__ void __launch_bounds__(kScanThreads)
       const int i = slice_row(e), c = slice_col(e);
       if (c < nc) cp_async4(Us + i * kCols + c, Um + at(u, i, c));
     }
-    const float gp = decay[static_cast<int64_t>(bh) * F + p];
+    const bool cut = clip != nullptr && p > 0 && __ldg(clip + static_cast<int64_t>(bh / H) * F + p) != 0.f;
+    const float gp = cut ? 0.f : decay[static_cast<int64_t>(bh) * F + p];
+    const bool drop = FWD && cut && dir == 1;  // Mr_{p−1} = 0: frame p − 1 ends its clip
     cp_async_wait_all();
     __syncthreads();  // P_p, U_u and X visible
     if (pending >= 0) copy_out(pending);
@@ -139,7 +146,7 @@ __global__ void __launch_bounds__(kScanThreads)
     const float4 u1 = *reinterpret_cast<const float4*>(Us + rw * kCols + ch + 4);
     const float uu[kHalf] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
 #pragma unroll
-    for (int c = 0; c < kHalf; ++c) x[c] = gp * (x[c] - y[c]) + (ch + c < nc ? uu[c] : 0.f);
+    for (int c = 0; c < kHalf; ++c) x[c] = drop ? 0.f : gp * (x[c] - y[c]) + (ch + c < nc ? uu[c] : 0.f);
     __syncthreads();  // everyone is done reading P_p, U_u and X
     publish();
     pending = fstore;
@@ -194,12 +201,12 @@ __global__ void __launch_bounds__(kScanThreads)
 constexpr int kGradThreads = 256, kKc = 16, kLdT = 128 + 4;
 
 __global__ void __launch_bounds__(kGradThreads)
-    scan_grads_kernel(float* __restrict__ dP, float* __restrict__ dA, float* __restrict__ dPz,
-                      float* __restrict__ dbz, Out ddecay, const float* __restrict__ G,
-                      const float* __restrict__ Gt, const float* __restrict__ gz, const float* __restrict__ gzt,
-                      const float* __restrict__ P, const float* __restrict__ Pz, In decay,
-                      const float* __restrict__ Mf, const float* __restrict__ Mr, const float* __restrict__ zf,
-                      const float* __restrict__ zr, int D, int F) {
+    scan_grads_kernel(float* __restrict__ dP, float* __restrict__ dA, float* __restrict__ dPz, float* __restrict__ dbz,
+                      Out ddecay, const float* __restrict__ G, const float* __restrict__ Gt,
+                      const float* __restrict__ gz, const float* __restrict__ gzt, const float* __restrict__ P,
+                      const float* __restrict__ Pz, In decay, const float* __restrict__ Mf,
+                      const float* __restrict__ Mr, const float* __restrict__ zf, const float* __restrict__ zr,
+                      const float* __restrict__ clip, int H, int D, int F) {
   __shared__ __align__(16) float At[kKc * kLdT];  // A chunk, [c][i]
   __shared__ __align__(16) float Bt[kKc * kLdT];  // B chunk, [c][j]
   __shared__ float red[kGradThreads / 32];
@@ -209,6 +216,8 @@ __global__ void __launch_bounds__(kGradThreads)
   const int64_t DD = static_cast<int64_t>(D) * D, m0 = static_cast<int64_t>(bhf) * DD;
   const int ty = tid / 16, tx = tid % 16;
   const float gf = decay[bhf];
+  // A clip start: Mf_f = A_f and Mr_{f−1} = 0, so f's transition gets nothing and dA_f = G_f.
+  const bool cut = clip != nullptr && f > 0 && __ldg(clip + static_cast<int64_t>(bhf / F / H) * F + f) != 0.f;
 
   float acc[8][8];
 #pragma unroll
@@ -219,7 +228,7 @@ __global__ void __launch_bounds__(kGradThreads)
   for (int half = 0; half < 2; ++half) {
     const float* Aop = (half ? Gt : G) + m0;
     const float* Bop = half ? Mr + m0 : (f > 0 ? Mf + m0 - DD : nullptr);
-    if (!Bop) continue;  // Mf_{−1} = 0
+    if (!Bop || cut) continue;  // Mf_{−1} = 0, or a cut transition
     for (int k0 = 0; k0 < D; k0 += kKc) {
       __syncthreads();
       {  // thread: row i = tid / 2, 8 consecutive columns
@@ -271,14 +280,14 @@ __global__ void __launch_bounds__(kGradThreads)
     }
   }
   // dA = G + G̃'
-  for (int64_t e = tid; e < DD; e += kGradThreads) dA[m0 + e] = G[m0 + e] + Gt[m0 + e];
+  for (int64_t e = tid; e < DD; e += kGradThreads) dA[m0 + e] = cut ? G[m0 + e] : G[m0 + e] + Gt[m0 + e];
   // z: Zz = gz z_{f−1}ᵀ + g̃z' zr_fᵀ (rank two)
   const int64_t v0 = static_cast<int64_t>(bhf) * D;
   if (tid < 128) {
     const bool in = tid < D;
     zv[0][tid] = in ? gz[v0 + tid] : 0.f;
-    zv[1][tid] = in ? gzt[v0 + tid] : 0.f;
-    zv[2][tid] = (in && f > 0) ? zf[v0 - D + tid] : 0.f;
+    zv[1][tid] = (in && !cut) ? gzt[v0 + tid] : 0.f;
+    zv[2][tid] = (in && f > 0 && !cut) ? zf[v0 - D + tid] : 0.f;
     zv[3][tid] = in ? zr[v0 + tid] : 0.f;
   }
   __syncthreads();
@@ -312,7 +321,8 @@ void check_dims(const Dims& d) {
 // launchers
 // ---------------------------------------------------------------------------
 void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,
-                   const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Dims& d) {
+                   const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Tensor& clip_starts,
+                   const Dims& d) {
   check_dims(d);
   const int D = static_cast<int>(d.D), F = static_cast<int>(d.F), ncb = (D + kCols - 1) / kCols;
   const size_t smem = scan_smem_bytes(D);
@@ -332,13 +342,14 @@ void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr,
   GDNCP_CUDA_CHECK(cudaLaunchKernelEx(&cfg, scan_kernel<true>, f32_out(Mf, "Mf"), f32_out(Mr, "Mr"), f32_out(zf, "zf"),
                                       f32_out(zr, "zr"), f32_out(Msum, "Msum"), f32_out(zsum, "zsum"),
                                       f32_or_null(P, "P"), f32_or_null(A, "A"), f32_or_null(Pz, "Pz"),
-                                      f32_or_null(bz, "bz"), in_of(decay, "decay"), D, F, ncb));
+                                      f32_or_null(bz, "bz"), in_of(decay, "decay"),
+                                      f32_or_null(clip_starts, "clip_starts"), static_cast<int>(d.H), D, F, ncb));
   GDNCP_CUDA_CHECK_LAUNCH("scan_kernel<true>");
 }
 
 void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& ddecay, const Tensor& dMsum,
                    const Tensor& dzsum, const Tensor& P, const Tensor& Pz, const Tensor& decay, const Tensor& Mf,
-                   const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Dims& d) {
+                   const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Tensor& clip_starts, const Dims& d) {
   check_dims(d);
   const int D = static_cast<int>(d.D), F = static_cast<int>(d.F), ncb = (D + kCols - 1) / kCols;
   const int64_t BH = d.BH();
@@ -348,19 +359,20 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
   Tensor gz = Tensor::empty({BH, d.F, d.D}, DType::f32, Device::cuda);
   Tensor gzt = Tensor::empty({BH, d.F, d.D}, DType::f32, Device::cuda);
   const In dec = in_of(decay, "decay");
+  const float* clip = f32_or_null(clip_starts, "clip_starts");
+  const int H = static_cast<int>(d.H);
   const size_t smem = scan_smem_bytes(D);
   allow_smem(scan_kernel<false>, smem);
   const dim3 grid(2, static_cast<unsigned>(ncb + 1), static_cast<unsigned>(BH));
   scan_kernel<false><<<grid, kScanThreads, smem, stream()>>>(
-      f32_out(G, "G"), f32_out(Gt, "Gt"), f32_out(gz, "gz"), f32_out(gzt, "gzt"), nullptr, nullptr,
-      f32_or_null(P, "P"), f32_or_null(dMsum, "dMsum"), f32_or_null(Pz, "Pz"), f32_or_null(dzsum, "dzsum"), dec, D,
-      F, ncb);
+      f32_out(G, "G"), f32_out(Gt, "Gt"), f32_out(gz, "gz"), f32_out(gzt, "gzt"), nullptr, nullptr, f32_or_null(P, "P"),
+      f32_or_null(dMsum, "dMsum"), f32_or_null(Pz, "Pz"), f32_or_null(dzsum, "dzsum"), dec, clip, H, D, F, ncb);
   GDNCP_CUDA_CHECK_LAUNCH("scan_kernel<false>");
   scan_grads_kernel<<<static_cast<unsigned>(BH * F), kGradThreads, 0, stream()>>>(
       f32_out(dP, "dP"), f32_out(dA, "dA"), f32_out(dPz, "dPz"), f32_out(dbz, "dbz"), out_of(ddecay, "ddecay"),
       static_cast<const float*>(G.data()), static_cast<const float*>(Gt.data()), static_cast<const float*>(gz.data()),
       static_cast<const float*>(gzt.data()), f32_or_null(P, "P"), f32_or_null(Pz, "Pz"), dec, f32_or_null(Mf, "Mf"),
-      f32_or_null(Mr, "Mr"), f32_or_null(zf, "zf"), f32_or_null(zr, "zr"), D, F);
+      f32_or_null(Mr, "Mr"), f32_or_null(zf, "zf"), f32_or_null(zr, "zr"), clip, H, D, F);
   GDNCP_CUDA_CHECK_LAUNCH("scan_grads_kernel");
 }
 

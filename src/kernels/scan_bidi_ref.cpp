@@ -9,6 +9,9 @@
 //   dU += G,  dP += −g G X_prevᵀ,  dg += ⟨(I − P)ᵀ G, X_prev⟩,  dL/dX_prev += g (I − P)ᵀ G.
 // The forward chain is walked from the last frame back, the reverse chain from
 // the first frame on; frame f's transition feeds Mf_f and Mr_{f−1}.
+// Packed clips (§4a): at a clip start f > 0 the transition of frame f is cut in
+// both chains — Mf_f = A_f and Mr_{f−1} = 0 — so f's P and g get no gradient and
+// no adjoint crosses the boundary.
 // Gradient rule: dP, dA, dPz, dbz, ddecay are overwritten. The decay gradient
 // (a sum of D² terms of both signs) accumulates in a wider type.
 #include "kernels/cpu_common.h"
@@ -33,11 +36,24 @@ void step_vec(T* x, const T* P, const T* x_prev, const T* u, T g, int64_t D, T* 
   for (int64_t i = 0; i < D; ++i) x[i] = g * (x_prev[i] - tmp[i]) + u[i];
 }
 
+// cut(bh, f): frame f > 0 of row bh / H begins a clip. An undefined mask cuts nothing.
+class ClipCuts {
+ public:
+  ClipCuts(const Tensor& clip_starts, const Dims& d) : mask_(clip_starts), H_(d.H), F_(d.F) {}
+  bool operator()(int64_t bh, int64_t f) const { return f > 0 && mask_.defined() && mask_[(bh / H_) * F_ + f] != 0; }
+
+ private:
+  In<float> mask_;
+  int64_t H_, F_;
+};
+
 template <typename T>
 void scan_bidi_fwd_impl(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,
-                        const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Dims& d) {
+                        const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay,
+                        const Tensor& clip_starts, const Dims& d) {
   const int64_t D = d.D, F = d.F, DD = D * D;
   In<T> iP(P), iA(A), iPz(Pz), ib(bz), ig(decay);
+  const ClipCuts cut(clip_starts, d);
   Out<T> oMf(Mf), oMr(Mr), oMs(Msum), ozf(zf), ozr(zr), ozs(zsum);
   std::vector<T> tmp(static_cast<size_t>(DD));
 
@@ -49,6 +65,11 @@ void scan_bidi_fwd_impl(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor
     std::copy(mat(iA, 0), mat(iA, 0) + DD, mat(oMf, 0));
     std::copy(vec(ib, 0), vec(ib, 0) + D, vec(ozf, 0));
     for (int64_t f = 1; f < F; ++f) {
+      if (cut(bh, f)) {  // Mf_f = A_f
+        std::copy(mat(iA, f), mat(iA, f) + DD, mat(oMf, f));
+        std::copy(vec(ib, f), vec(ib, f) + D, vec(ozf, f));
+        continue;
+      }
       step_mat(mat(oMf, f), mat(iP, f), mat(oMf, f - 1), mat(iA, f), g(f), D, tmp.data());
       step_vec(vec(ozf, f), mat(iPz, f), vec(ozf, f - 1), vec(ib, f), g(f), D, tmp.data());
     }
@@ -56,6 +77,11 @@ void scan_bidi_fwd_impl(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor
     std::fill(mat(oMr, F - 1), mat(oMr, F - 1) + DD, T(0));
     std::fill(vec(ozr, F - 1), vec(ozr, F - 1) + D, T(0));
     for (int64_t f = F - 2; f >= 0; --f) {
+      if (cut(bh, f + 1)) {  // frame f ends its clip: Mr_f = 0
+        std::fill(mat(oMr, f), mat(oMr, f) + DD, T(0));
+        std::fill(vec(ozr, f), vec(ozr, f) + D, T(0));
+        continue;
+      }
       step_mat(mat(oMr, f), mat(iP, f + 1), mat(oMr, f + 1), mat(iA, f + 1), g(f + 1), D, tmp.data());
       step_vec(vec(ozr, f), mat(iPz, f + 1), vec(ozr, f + 1), vec(ib, f + 1), g(f + 1), D, tmp.data());
     }
@@ -100,8 +126,10 @@ T step_vec_bwd(T* du, T* dP, T* w, const T* G, const T* P, const T* x_prev, T g,
 template <typename T>
 void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& ddecay, const Tensor& dMsum,
                         const Tensor& dzsum, const Tensor& P, const Tensor& Pz, const Tensor& decay, const Tensor& Mf,
-                        const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Dims& d) {
+                        const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Tensor& clip_starts,
+                        const Dims& d) {
   const int64_t D = d.D, F = d.F, DD = D * D;
+  const ClipCuts cut(clip_starts, d);
   In<T> gM(dMsum), gz(dzsum), iP(P), iPz(Pz), ig(decay), iMf(Mf), iMr(Mr), izf(zf), izr(zr);
   Out<T> odP(dP), odA(dA), odPz(dPz), odb(dbz), odg(ddecay);
   const auto buf = [](int64_t n) { return std::vector<T>(static_cast<size_t>(n)); };
@@ -122,6 +150,13 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
     std::copy(mat(gM, F - 1), mat(gM, F - 1) + DD, G.begin());
     std::copy(vec(gz, F - 1), vec(gz, F - 1) + D, Gz.begin());
     for (int64_t f = F - 1; f >= 1; --f) {
+      if (cut(bh, f)) {  // Mf_f = A_f: the adjoint stops here
+        for (int64_t i = 0; i < DD; ++i) mat(odA, f)[i] += G[i];
+        for (int64_t i = 0; i < D; ++i) vec(odb, f)[i] += Gz[i];
+        std::copy(mat(gM, f - 1), mat(gM, f - 1) + DD, G.begin());
+        std::copy(vec(gz, f - 1), vec(gz, f - 1) + D, Gz.begin());
+        continue;
+      }
       odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMf, f - 1), g(f),
                                       D, tmp.data(), tmp2.data());
       odg[bh * F + f] += step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f), vec(izf, f - 1),
@@ -135,6 +170,13 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
     std::copy(mat(gM, 0), mat(gM, 0) + DD, G.begin());
     std::copy(vec(gz, 0), vec(gz, 0) + D, Gz.begin());
     for (int64_t f = 1; f < F; ++f) {
+      if (cut(bh, f)) {  // Mr_{f−1} = 0 depends on nothing: restart from dL/dMr_f = dMsum_f
+        if (f + 1 < F) {
+          std::copy(mat(gM, f), mat(gM, f) + DD, G.begin());
+          std::copy(vec(gz, f), vec(gz, f) + D, Gz.begin());
+        }
+        continue;
+      }
       odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMr, f), g(f), D,
                                       tmp.data(), tmp2.data());
       odg[bh * F + f] +=
@@ -155,7 +197,8 @@ void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor
 }  // namespace
 
 void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,
-                   const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Dims& d) {
+                   const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Tensor& clip_starts,
+                   const Dims& d) {
   const char* op = "cpu::scan_bidi_fwd";
   const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
   for (const Tensor* t : std::initializer_list<const Tensor*>{&Mf, &Mr, &Msum, &P, &A, &Pz})
@@ -163,15 +206,16 @@ void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr,
   for (const Tensor* t : std::initializer_list<const Tensor*>{&zf, &zr, &zsum, &bz})
     check_shape(*t, vec_s, op, "a (BH, F, D) tensor");
   check_shape(decay, {d.B, d.H, d.F}, op, "decay");
+  check_shape_if_defined(clip_starts, {d.B, d.F}, op, "clip_starts");
   if (P.dtype() == DType::f64)
-    scan_bidi_fwd_impl<double>(Mf, Mr, Msum, zf, zr, zsum, P, A, Pz, bz, decay, d);
+    scan_bidi_fwd_impl<double>(Mf, Mr, Msum, zf, zr, zsum, P, A, Pz, bz, decay, clip_starts, d);
   else
-    scan_bidi_fwd_impl<float>(Mf, Mr, Msum, zf, zr, zsum, P, A, Pz, bz, decay, d);
+    scan_bidi_fwd_impl<float>(Mf, Mr, Msum, zf, zr, zsum, P, A, Pz, bz, decay, clip_starts, d);
 }
 
 void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& ddecay, const Tensor& dMsum,
                    const Tensor& dzsum, const Tensor& P, const Tensor& Pz, const Tensor& decay, const Tensor& Mf,
-                   const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Dims& d) {
+                   const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Tensor& clip_starts, const Dims& d) {
   const char* op = "cpu::scan_bidi_bwd";
   const Shape mat_s = {d.BH(), d.F, d.D, d.D}, vec_s = {d.BH(), d.F, d.D};
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dP, &dA, &dPz, &dMsum, &P, &Pz, &Mf, &Mr})
@@ -180,10 +224,11 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
     check_shape(*t, vec_s, op, "a (BH, F, D) tensor");
   check_shape(ddecay, {d.B, d.H, d.F}, op, "ddecay");
   check_shape(decay, {d.B, d.H, d.F}, op, "decay");
+  check_shape_if_defined(clip_starts, {d.B, d.F}, op, "clip_starts");
   if (P.dtype() == DType::f64)
-    scan_bidi_bwd_impl<double>(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, d);
+    scan_bidi_bwd_impl<double>(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, clip_starts, d);
   else
-    scan_bidi_bwd_impl<float>(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, d);
+    scan_bidi_bwd_impl<float>(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, clip_starts, d);
 }
 
 }  // namespace cpu

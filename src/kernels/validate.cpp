@@ -121,4 +121,13 @@ Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& b
   return d;
 }
 
+void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, int64_t F, Device device) {
+  if (!clip_starts.defined()) return;
+  const Arg a{entry, "clip_starts"};
+  require_shape(a, clip_starts, {B, F}, "(B, F)");
+  GDNCP_CHECK(clip_starts.dtype() == DType::f32, entry,
+              ": clip_starts: must be f32 (1 = the frame begins a clip), got ", dtype_name(clip_starts.dtype()));
+  require_device(a, clip_starts, device);
+}
+
 }  // namespace gdncp

@@ -14,6 +14,10 @@
 
 namespace gdncp {
 
+// Checks an optional clip-start mask (docs/design.md §4a): undefined, or (B, F) f32 on
+// `device`. Its values are not inspected (nonzero = the frame begins a clip).
+void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, int64_t F, Device device);
+
 // Checks one rank's inputs of the bidirectional layer and returns their dims:
 //  - F > 0 (F ≥ 0 with allow_empty: a CP rank may hold no frame), S > 0; qkv (B, N, 3, H, D) with B, H > 0, N = F·S, D even in 2..kMaxHeadDim;
 //  - beta (B, H, F, S), decay (B, H, F), rope_cos/rope_sin (N, D), norm weights (C) or undefined;
