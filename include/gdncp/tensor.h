@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,24 +60,7 @@ namespace detail {
 struct TensorInternals;  // src/autograd/tensor_internals.h (internal: shape-only tensors)
 }  // namespace detail
 
-// Raw memory of one tensor (or of several that share it through reshape/detach).
-struct Storage {
-  void* ptr = nullptr;
-  size_t nbytes = 0;
-  Device device = Device::cpu;
-  int device_index = 0;
-  Storage(size_t nbytes, Device device);
-  ~Storage();
-  Storage(const Storage&) = delete;
-  Storage& operator=(const Storage&) = delete;
-};
-
-struct TensorImpl {
-  std::shared_ptr<Storage> storage;
-  Shape shape;
-  DType dtype = DType::f32;
-  std::shared_ptr<autograd::AutogradMeta> meta;  // null until autograd touches the tensor
-};
+struct TensorImpl;  // src/autograd/tensor_internals.h
 
 class Tensor {
  public:
@@ -95,6 +79,11 @@ class Tensor {
   // Values given as doubles, rounded to dtype.
   static Tensor from_vector(const std::vector<double>& values, const Shape& shape, DType dtype,
                             Device device = Device::cpu);
+  // A contiguous tensor over foreign memory, without a copy: data holds
+  // numel·dtype_size bytes on device (for CUDA, the current device's memory),
+  // and deleter (may be empty) runs once when the last tensor sharing the
+  // storage dies. The caller keeps data valid until then.
+  static Tensor from_blob(void* data, Shape shape, DType dtype, Device device, std::function<void()> deleter);
 
   // --- metadata --------------------------------------------------------
   bool defined() const { return impl_ != nullptr; }
@@ -145,9 +134,11 @@ class Tensor {
   // Identity of this tensor for autograd (stable across handle copies).
   uint64_t id() const;
 
-  // Internal: the autograd record of this tensor, created on first use.
-  autograd::AutogradMeta& meta() const;
-  const std::shared_ptr<autograd::AutogradMeta>& meta_ptr() const;
+  // Counts the in-place changes of the storage (fill_, copy_from, optimizer
+  // steps, in-place collectives): shared by every tensor viewing it. A tensor
+  // saved for backward must have the same version when backward reads it.
+  uint64_t version() const;
+
   bool same_as(const Tensor& other) const { return impl_ == other.impl_; }
   // True when no other handle or tensor shares this tensor's storage.
   bool storage_unique() const;

@@ -162,6 +162,11 @@ namespace detail {
 
 void* cuda_alloc(size_t nbytes, int* device_index) { return allocator().alloc(nbytes, device_index); }
 void cuda_free(void* ptr) { allocator().free(ptr); }
+int current_device() {
+  int dev = 0;
+  GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
+  return dev;
+}
 
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes) {
   if (nbytes == 0) return;
@@ -193,6 +198,7 @@ namespace detail {
 
 void* cuda_alloc(size_t, int*) { GDNCP_FAIL("device: gdncp was built without CUDA; CUDA tensors are unavailable"); }
 void cuda_free(void*) {}
+int current_device() { return 0; }
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes) {
   GDNCP_CHECK(dst_dev == Device::cpu && src_dev == Device::cpu, "device: gdncp was built without CUDA");
   if (nbytes) std::memcpy(dst, src, nbytes);

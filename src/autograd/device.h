@@ -13,6 +13,8 @@ namespace detail {
 // Caching allocator (CUDA builds only; throws otherwise).
 void* cuda_alloc(size_t nbytes, int* device_index);
 void cuda_free(void* ptr);
+// The calling thread's current CUDA device (0 without CUDA).
+int current_device();
 
 // Copies nbytes between any two devices; the copy is complete on return when
 // the destination is the host (D2H waits for the current stream).
