@@ -43,7 +43,12 @@ namespace cp {
 // aborts the communicator and throws gdncp::Error on that rank instead of
 // hanging; every later call on an aborted communicator throws at once.
 // All ranks must issue the same collectives in the same order.
-class Communicator {
+// Communicators are shared: an autograd node that runs collectives in
+// backward shares the ownership of the communicator it was made with, so it
+// may be released by its caller between forward and backward. A communicator
+// used for a recorded (differentiable) call must be owned by a
+// std::shared_ptr (as the factories below return it).
+class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
@@ -78,7 +83,8 @@ class Communicator {
   virtual const char* backend() const = 0;
 
   double timeout_seconds() const { return timeout_seconds_; }
-  void set_timeout_seconds(double s) { timeout_seconds_ = s; }
+  // s must be finite and > 0 (else gdncp::Error naming timeout_seconds).
+  void set_timeout_seconds(double s);
 
   // Time spent in collectives by this communicator (seconds measured on the
   // device with events for NCCL, wall time for MPI), calls and bytes sent.

@@ -64,9 +64,9 @@ class DeferredCollectives {
 
 class CpLayerNode : public autograd::Node {
  public:
-  CpLayerNode(Communicator& comm, const Dims& d, const BigdnOptions& opt, const CpOptions& cpo, MathMode mode,
-              bool bidi)
-      : comm_(comm), d_(d), opt_(opt), cpo_(cpo), mode_(mode), bidi_(bidi) {}
+  CpLayerNode(std::shared_ptr<Communicator> comm, const Dims& d, const BigdnOptions& opt, const CpOptions& cpo,
+              MathMode mode, bool bidi)
+      : owner_(std::move(comm)), comm_(*owner_), d_(d), opt_(opt), cpo_(cpo), mode_(mode), bidi_(bidi) {}
   const char* name() const override { return bidi_ ? "bigdn_cp" : "cp_gdn_raw"; }
 
   // Saved after the inputs: rstd, P, Pz, gathered, M, z (what phase C read), then Y, X0 per job.
@@ -147,6 +147,7 @@ class CpLayerNode : public autograd::Node {
                                  terminal ? grads[3] : Tensor());
   }
 
+  std::shared_ptr<Communicator> owner_;  // shares the communicator's ownership: it outlives this node
   Communicator& comm_;
   Dims d_;
   BigdnOptions opt_;
@@ -204,7 +205,8 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   }
 
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CpLayerNode>(comm, d, opt, cpo, mode, bidi);
+    auto node = std::make_shared<CpLayerNode>(detail::shared_comm(comm, bidi ? "bigdn_cp" : "cp_gdn_raw"), d, opt,
+                                              cpo, mode, bidi);
     node->save_state(in, rstd, P, Pz, ctx, M, z, jobs);
     autograd::record(node, in, outputs);
   }
@@ -221,6 +223,7 @@ Dims validate_layer(Communicator& comm, const char* entry, const std::vector<Ten
     d = validate_bigdn_inputs(entry, in[kQkv], in[kBeta], in[kDecay], in[kQNormW], in[kKNormW], in[kRopeCos],
                               in[kRopeSin], F, S, opt);
     detail::check_cp_options(entry, cpo, comm.size(), F);
+    checked_mul(checked_mul(comm.size(), F, entry), S, (std::string(entry) + ": P·F·S (global tokens)").c_str());
     r.B = d.B;
     r.H = d.H;
     r.D = d.D;
@@ -246,7 +249,7 @@ std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in,
   if (!autograd::resolve_checkpoint(opt.checkpoint, in))
     return layer_forward(comm, in, d, opt, cpo, bidi, nullptr, /*recompute=*/false);
   auto keep = std::make_shared<Tensor>();
-  Communicator* c = &comm;
+  const std::shared_ptr<Communicator> c = detail::graph_comm(comm, in, bidi ? "bigdn_cp" : "cp_gdn_raw");
   const autograd::RecomputeFunction fn = [c, d, opt, cpo, bidi, keep](const std::vector<Tensor>& x, bool recompute) {
     return layer_forward(*c, x, d, opt, cpo, bidi, keep.get(), recompute);
   };

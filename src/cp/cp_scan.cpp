@@ -61,7 +61,8 @@ void check_scan_inputs(const char* entry, const Tensor& P, const Tensor& A, cons
 
 class CpScanNode : public autograd::Node {
  public:
-  CpScanNode(Communicator& comm, bool bidi, const CpOptions& o) : comm_(comm), bidi_(bidi), opt_(o) {}
+  CpScanNode(std::shared_ptr<Communicator> comm, bool bidi, const CpOptions& o)
+      : owner_(std::move(comm)), comm_(*owner_), bidi_(bidi), opt_(o) {}
   const char* name() const override { return bidi_ ? "cp_bidi_scan" : "cp_scan"; }
 
   void save_state(const std::vector<Tensor>& in, const std::vector<ScanJob>& jobs, const ScanContext& ctx) {
@@ -96,6 +97,7 @@ class CpScanNode : public autograd::Node {
   }
 
  private:
+  std::shared_ptr<Communicator> owner_;  // shares the communicator's ownership: it outlives this node
   Communicator& comm_;
   bool bidi_;
   CpOptions opt_;
@@ -124,7 +126,7 @@ std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor
   }
   const std::vector<Tensor> in = {P, A, Pz, bz, decay};
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CpScanNode>(comm, bidi, o);
+    auto node = std::make_shared<CpScanNode>(detail::shared_comm(comm, entry), bidi, o);
     node->save_state(in, jobs, ctx);
     autograd::record(node, in, outputs);
   }

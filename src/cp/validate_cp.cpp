@@ -100,12 +100,13 @@ void validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
 }
 
 void check_cp_options(const char* entry, const CpOptions& o, int P, int64_t F) {
+  const int64_t frames = checked_mul(P, F, (std::string(entry) + ": P·F (global frames)").c_str());
   const int64_t K = o.truncate_to_active;
   if (K == 0) return;
   GDNCP_CHECK(!o.reverse_rank_order, entry,
               ": truncate_to_active: cannot be combined with reverse_rank_order (the state would freeze before it "
               "starts)");
-  GDNCP_CHECK(K >= 1 && K <= P * F, entry, ": truncate_to_active: must be in [1, P·F] = [1, ", P * F, "], got ", K);
+  GDNCP_CHECK(K >= 1 && K <= frames, entry, ": truncate_to_active: must be in [1, P·F] = [1, ", frames, "], got ", K);
 }
 
 }  // namespace detail

@@ -11,7 +11,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "gdncp/cp.h"
 
@@ -35,6 +37,15 @@ struct CallRecord {
 // the communicator: usable, and its device the tensors' device.
 void validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
                          const std::function<void(CallRecord&)>& local);
+
+// The shared owner of comm, taken by a node (or a checkpoint's recompute)
+// that uses comm after the entry returns, so that the communicator lives as
+// long as the graph does. Throws naming `entry` when comm is not owned by a
+// std::shared_ptr (make_mpi_communicator and make_nccl_communicator return one).
+std::shared_ptr<Communicator> shared_comm(Communicator& comm, const char* entry);
+// For a checkpoint's recompute: shared_comm when a graph is recorded on in,
+// else a non-owning pointer (no backward will run after the call returns).
+std::shared_ptr<Communicator> graph_comm(Communicator& comm, const std::vector<Tensor>& in, const char* entry);
 
 // truncate_to_active / reverse_rank_order checks shared by the entries
 // (local part; P·F is known locally since F must agree).
