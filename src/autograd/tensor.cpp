@@ -94,7 +94,7 @@ size_t checked_nbytes(const Shape& shape, DType dtype, const char* what) {
   const int64_t n = detail::checked_numel(shape, what);
   const int64_t elem = static_cast<int64_t>(dtype_size(dtype));
   int64_t bytes = 0;
-  GDNCP_CHECK(!__builtin_mul_overflow(n, elem, &bytes), what, ": ", dtype_name(dtype), shape_str(shape), " needs ", n,
+  GDNCP_CHECK(!mul_overflows(n, elem, &bytes), what, ": ", dtype_name(dtype), shape_str(shape), " needs ", n,
               " × ", elem, " bytes, more than int64 can count");
   return static_cast<size_t>(bytes);
 }
@@ -168,7 +168,7 @@ int64_t checked_numel(const Shape& shape, const char* what) {
   for (int64_t s : shape) GDNCP_CHECK(s >= 0, what, ": negative size in shape ", shape_str(shape));
   int64_t n = 1;
   for (int64_t s : shape)
-    GDNCP_CHECK(!__builtin_mul_overflow(n, s, &n), what, ": shape ", shape_str(shape),
+    GDNCP_CHECK(!mul_overflows(n, s, &n), what, ": shape ", shape_str(shape),
                 " has more elements than int64 can count (2^63 - 1)");
   return n;
 }
@@ -221,8 +221,8 @@ Tensor Tensor::uniform(const Shape& shape, DType dtype, Device device, uint64_t 
 }
 
 Tensor Tensor::from_vector(const std::vector<double>& values, const Shape& shape, DType dtype, Device device) {
-  GDNCP_CHECK(static_cast<int64_t>(values.size()) == detail::checked_numel(shape, "Tensor::from_vector"), "Tensor::from_vector: ", values.size(),
-              " values for shape ", shape_str(shape));
+  GDNCP_CHECK(static_cast<int64_t>(values.size()) == detail::checked_numel(shape, "Tensor::from_vector"),
+              "Tensor::from_vector: ", values.size(), " values for shape ", shape_str(shape));
   return host_generated(shape, dtype, device, [&](int64_t i) { return values[static_cast<size_t>(i)]; });
 }
 
