@@ -134,9 +134,10 @@ class Tensor {
   // Identity of this tensor for autograd (stable across handle copies).
   uint64_t id() const;
 
-  // Counts the in-place changes of the storage (fill_, copy_from, optimizer
-  // steps, in-place collectives): shared by every tensor viewing it. A tensor
-  // saved for backward must have the same version when backward reads it.
+  // Counts the in-place changes of the storage (fill_, copy_from,
+  // optim::AdamW::step, cp::all_reduce_grads): shared by every tensor viewing
+  // it. A tensor saved for backward must have the same version when backward
+  // reads it. Writes through data() are not counted.
   uint64_t version() const;
 
   bool same_as(const Tensor& other) const { return impl_ == other.impl_; }
