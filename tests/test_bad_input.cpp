@@ -9,6 +9,8 @@
 #include <string>
 
 #include "bigdn_fixtures.h"
+#include "gdncp/nn.h"
+#include "gdncp/optim.h"
 #include "util/test_util.h"
 
 namespace gdncp {
@@ -222,10 +224,40 @@ TEST(BadInput, KScaleNotFinite) {
   expect_bad(in, "k_scale", "finite");
 }
 
+TEST(BadInput, EpsZero) {
+  LayerInputs in = good();
+  in.opt.eps = 0;
+  expect_bad(in, "eps", "> 0");
+}
+
+TEST(BadInput, EpsNaN) {
+  LayerInputs in = good();
+  in.opt.eps = std::numeric_limits<double>::quiet_NaN();
+  expect_bad(in, "eps", "finite");
+}
+
+TEST(BadInput, NormEpsZero) {
+  LayerInputs in = good();
+  in.opt.norm_eps = 0;
+  expect_bad(in, "norm_eps", "> 0");
+}
+
+TEST(BadInput, NormEpsNegative) {
+  LayerInputs in = good();
+  in.opt.norm_eps = -1e-5;
+  expect_bad(in, "norm_eps", "> 0");
+}
+
+TEST(BadInput, KScaleInfinite) {
+  LayerInputs in = good();
+  in.opt.k_scale = -std::numeric_limits<double>::infinity();
+  expect_bad(in, "k_scale", "finite");
+}
+
 TEST(BadInput, EpsNegative) {
   LayerInputs in = good();
   in.opt.eps = -1e-6;
-  expect_bad(in, "eps", ">= 0");
+  expect_bad(in, "eps", "> 0");
 }
 
 TEST(BadInput, NormEpsInfinite) {
@@ -291,6 +323,187 @@ TEST(BadInput, ClipStartsOnAnotherDevice) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   expect_bad_clips(Tensor::zeros({kDims.B, kDims.F}, DType::f32, Device::cuda), "one device");
 }
+
+TEST(BadInput, UnfusedEpsZero) {
+  LayerInputs in = good();
+  in.opt.eps = 0;
+  expect_bad(in, "eps", "> 0", kKeep, kKeep, /*fused=*/false);
+}
+
+TEST(BadInput, UnfusedNormEpsZero) {
+  LayerInputs in = good();
+  in.opt.norm_eps = 0;
+  expect_bad(in, "norm_eps", "> 0", kKeep, kKeep, /*fused=*/false);
+}
+
+TEST(BadInput, UnfusedKScaleNaN) {
+  LayerInputs in = good();
+  in.opt.k_scale = std::numeric_limits<double>::quiet_NaN();
+  expect_bad(in, "k_scale", "finite", kKeep, kKeep, /*fused=*/false);
+}
+
+// --- sizes that overflow int64 ------------------------------------------------------------------
+
+TEST(BadInput, FramesTimesTokensOverflow) { expect_bad(good(), "F·S", "overflows", int64_t(1) << 40, int64_t(1) << 40); }
+
+TEST(BadInput, UnfusedFramesTimesTokensOverflow) {
+  expect_bad(good(), "F·S", "overflows", int64_t(1) << 62, 4, /*fused=*/false);
+}
+
+// Runs fn, expects a gdncp::Error (never a raw std exception) containing every one of parts.
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one naming " << parts.front();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "no '" << p << "' in: " << msg;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "a non-gdncp exception: " << e.what();
+  }
+}
+
+TEST(BadSize, ZerosWhoseBytesOverflow) {
+  // 2^62 f32 elements: the element count fits, the byte count does not.
+  expect_error([] { Tensor::zeros({int64_t(1) << 62}, DType::f32); },
+               {"Tensor::empty", "[4611686018427387904]", "bytes"});
+}
+
+TEST(BadSize, ShapeWhoseElementsOverflow) {
+  // 2^32 · 2^32 = 2^64 wraps to 0 in int64 arithmetic: must not become an empty tensor.
+  expect_error([] { Tensor::zeros({int64_t(1) << 32, int64_t(1) << 32}, DType::f32); },
+               {"Tensor::empty", "[4294967296, 4294967296]", "int64"});
+}
+
+TEST(BadSize, RandnWhoseElementsOverflow) {
+  expect_error([] { Tensor::randn({int64_t(1) << 40, 1 << 20, 1 << 20}, DType::bf16, Device::cpu, 1); },
+               {"[1099511627776, 1048576, 1048576]"});
+}
+
+TEST(BadSize, FromVectorShapeOverflow) {
+  // 274177 · 67280421310721 = 2^64 + 1: an unchecked product wraps to 1, matching the one value.
+  expect_error([] { Tensor::from_vector({1.0}, {274177, 67280421310721}, DType::f32); },
+               {"Tensor::from_vector", "[274177, 67280421310721]"});
+}
+
+TEST(BadSize, ReshapeToOverflowingShape) {
+  const Tensor t = Tensor::zeros({4}, DType::f32);
+  // (2^62 + 1) · 4 = 2^64 + 4: an unchecked product wraps to 4, the tensor's numel.
+  expect_error([&] { t.reshape({(int64_t(1) << 62) + 1, 4}); }, {"Tensor::reshape", "[4611686018427387905, 4]"});
+}
+
+TEST(BadSize, AllocationThatCannotBeServed) {
+  // 2^62 bytes: representable, far beyond any host. An error naming the bytes, never std::bad_alloc.
+  expect_error([] { Tensor::empty({int64_t(1) << 60}, DType::f32); }, {"cannot allocate", "4611686018427387904 bytes"});
+}
+
+TEST(BadSize, NegativeExtent) { expect_error([] { Tensor::full({3, -1}, 1.0, DType::f32); }, {"negative", "[3, -1]"}); }
+
+TEST(BadSize, RopeTableSizeOverflow) {
+  expect_error([] { rope_tables(int64_t(1) << 60, 64, DType::f32, Device::cpu); }, {"rope_tables: N·D", "overflows"});
+}
+
+TEST(BadSize, RopeOffsetOverflow) {
+  expect_error([] { rope_tables(8, 4, DType::f32, Device::cpu, std::numeric_limits<int64_t>::max() - 2); },
+               {"rope_tables: offset"});
+}
+
+TEST(BadSize, CheckedMulNamesTheProduct) {
+  EXPECT_EQ(checked_mul(int64_t(1) << 31, int64_t(1) << 31, "x"), int64_t(1) << 62);
+  expect_error([] { checked_mul(int64_t(1) << 32, int64_t(1) << 31, "B·H·N"); }, {"B·H·N", "overflows"});
+}
+
+TEST(BadSize, FromBlobNullData) {
+  expect_error([] { Tensor::from_blob(nullptr, {2, 3}, DType::f32, Device::cpu, nullptr); },
+               {"Tensor::from_blob: data", "null"});
+}
+
+TEST(BadSize, FromBlobShapeOverflow) {
+  float x = 0;
+  expect_error([&] { Tensor::from_blob(&x, {int64_t(1) << 62}, DType::f64, Device::cpu, nullptr); },
+               {"Tensor::from_blob", "bytes"});
+}
+
+// --- tensors saved for backward and then modified in place ----------------------------------------
+
+// x (4, 3) · w (3, 2): matmul saves both for backward.
+struct MatmulCase {
+  Tensor x = Tensor::randn({4, 3}, DType::f32, Device::cpu, 31);
+  Tensor w = Tensor::randn({3, 2}, DType::f32, Device::cpu, 32);
+  Tensor y;
+  MatmulCase() {
+    x.requires_grad_();
+    w.requires_grad_();
+    y = nn::matmul(x, w);
+  }
+  void backward() { gdncp::backward(y, Tensor::full(y.shape(), 1.0, DType::f32)); }
+};
+
+TEST(BadInplace, FillOfSavedInput) {
+  MatmulCase c;
+  c.x.detach().fill_(2.0);  // same storage as the saved x
+  expect_error([&] { c.backward(); }, {"matmul", "saved tensor", "f32[4, 3]", "modified in place"});
+  autograd::clear_tape();
+}
+
+TEST(BadInplace, CopyIntoSavedWeight) {
+  MatmulCase c;
+  Tensor w = c.w.detach();
+  w.copy_from(Tensor::randn({3, 2}, DType::f32, Device::cpu, 33));
+  expect_error([&] { c.backward(); }, {"matmul", "f32[3, 2]", "modified in place"});
+  autograd::clear_tape();
+}
+
+TEST(BadInplace, WriteThroughReshapedView) {
+  MatmulCase c;
+  c.x.detach().reshape({12}).fill_(0.5);  // a reshape shares the storage
+  expect_error([&] { c.backward(); }, {"matmul", "f32[4, 3]"});
+  autograd::clear_tape();
+}
+
+TEST(BadInplace, OptimizerStepBetweenForwardAndBackward) {
+  MatmulCase c;
+  c.backward();  // w gets a gradient, so the optimizer updates it
+  optim::AdamW opt({c.w});
+  const Tensor y = nn::matmul(c.x, c.w);
+  opt.step();  // changes w, which y's node saved
+  expect_error([&] { backward(y, Tensor::full(y.shape(), 1.0, DType::f32)); },
+               {"matmul", "f32[3, 2]", "modified in place"});
+  autograd::clear_tape();
+}
+
+TEST(BadInplace, SavedLayerInputFilled) {
+  LayerInputs in = good();
+  in.opt.checkpoint = Checkpoint::off;
+  const Tensor out = in.run();
+  in.beta.detach().fill_(0.25);
+  expect_error([&] { backward(out, Tensor::full(out.shape(), 1.0, out.dtype())); }, {"bigdn", "modified in place"});
+  autograd::clear_tape();
+}
+
+TEST(BadInplace, CheckpointedLayerInputFilled) {
+  LayerInputs in = good();
+  in.opt.checkpoint = Checkpoint::on;
+  const Tensor out = in.run();
+  in.qkv.detach().fill_(0.25);
+  expect_error([&] { backward(out, Tensor::full(out.shape(), 1.0, out.dtype())); }, {"modified in place"});
+  autograd::clear_tape();
+}
+
+TEST(BadInplace, UnchangedOrClonedTensorsPass) {
+  MatmulCase c;
+  Tensor copy = c.x.detach().clone();
+  copy.fill_(7.0);  // a clone has storage of its own
+  const uint64_t v = c.x.version();
+  EXPECT_NO_THROW(c.backward());
+  EXPECT_EQ(c.x.version(), v);
+  ASSERT_TRUE(c.w.grad().defined());
+  // After backward the saved tensors are gone: changing x is fine again.
+  EXPECT_NO_THROW(c.x.detach().fill_(1.0));
+  EXPECT_EQ(c.x.version(), v + 1);
+}
+
+// --- devices (needs a GPU) -----------------------------------------------------------------------
 
 TEST(BadInput, DeviceMismatchAndF64OnCuda) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";

@@ -58,7 +58,8 @@ TEST(BigdnHand, TwoFramesWithRopeAndReverseState) {
   }
 }
 
-// D = 2, H = 1, S = 2, F = 1, norm weights w_q = (1.5, .5), w_k = (2, 1), norm_eps = 0, eps = 0,
+// D = 2, H = 1, S = 2, F = 1, norm weights w_q = (1.5, .5), w_k = (2, 1), norm_eps = eps = 1e-300 (below
+// half an ulp of every sum they join, so the values are those of 0),
 // k_scale = .5, identity rope. With F = 1 the state is A (P, g never act).
 // q0 = (2, 2): r = 1/2, q̂ = w_q = (1.5, .5) = q⁺      q1 = (−1, 1): r = 1, q̂ = (−1.5, .5), q⁺ = (0, .5)
 // k0 = (−3, 3): r = 1/3, k̂ = (−2, 1), k⁺ = (0, .5)    k1 = (4, 4): r = 1/4, k̂ = (2, 1), k⁺ = (1, .5)
@@ -74,8 +75,8 @@ TEST(BigdnHand, OneFrameWithNormAndKScale) {
   const Tensor cs = f64_tensor({1, 1, 1, 1}, {2, 2}), sn = f64_tensor({0, 0, 0, 0}, {2, 2});
   BigdnOptions opt;
   opt.k_scale = 0.5;
-  opt.norm_eps = 0;
-  opt.eps = 0;
+  opt.norm_eps = 1e-300;
+  opt.eps = 1e-300;
   const std::vector<double> expected = {0.125 / 1.875, 3.5 / 1.875, 0.125 / 0.375, 0.5 / 0.375};
   for (bool fused : {true, false}) {
     const Tensor out = fused ? bigdn(qkv, beta, decay, qw, kw, cs, sn, 1, 2, opt)

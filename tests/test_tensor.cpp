@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "util/test_util.h"
 
@@ -107,6 +108,39 @@ TEST(TensorCuda, RoundTripAndSeededFillMatchCpu) {
   p.fill_(1.5);
   EXPECT_FALSE(test::has_nonfinite(p));
   EXPECT_EQ(p.to_vector()[776], 1.5);
+}
+
+TEST(Tensor, FromBlobAliasesForeignMemoryAndRunsItsDeleterOnce) {
+  std::vector<float> buf = {1, 2, 3, 4, 5, 6};
+  int deleted = 0;
+  {
+    Tensor t = Tensor::from_blob(buf.data(), {2, 3}, DType::f32, Device::cpu, [&] { ++deleted; });
+    EXPECT_EQ(t.str(), "f32[2, 3] cpu");
+    EXPECT_EQ(t.data(), static_cast<void*>(buf.data()));  // no copy
+    EXPECT_EQ(t.to_vector(), std::vector<double>({1, 2, 3, 4, 5, 6}));
+    Tensor view = t.reshape({6});
+    t = Tensor();
+    EXPECT_EQ(deleted, 0) << "the storage is still viewed";
+    view.fill_(0.5);  // writes land in the foreign buffer
+    EXPECT_EQ(buf[4], 0.5f);
+  }
+  EXPECT_EQ(deleted, 1);
+  // An empty deleter is allowed: the caller owns the memory.
+  Tensor t = Tensor::from_blob(buf.data(), {3}, DType::f32, Device::cpu, nullptr);
+  EXPECT_EQ(t.to_vector(), std::vector<double>({0.5, 0.5, 0.5}));
+}
+
+TEST(Tensor, VersionCountsInPlaceChangesOfTheStorage) {
+  Tensor t = Tensor::randn({4}, DType::f32, Device::cpu, 3);
+  const uint64_t v0 = t.version();
+  Tensor view = t.reshape({2, 2});
+  view.fill_(1.0);
+  EXPECT_EQ(t.version(), v0 + 1);
+  t.copy_from(Tensor::randn({4}, DType::f32, Device::cpu, 4));
+  EXPECT_EQ(view.version(), v0 + 2);
+  const Tensor other = t.clone();  // new storage, its own count
+  EXPECT_EQ(t.version(), v0 + 2);
+  (void)other;
 }
 
 TEST(TensorCuda, CachingAllocatorReusesBlocks) {

@@ -1,20 +1,28 @@
 // examples/train/checkpoint.cpp — serialisation, atomic write, and defensive
 // reading of gdncp_train checkpoints (every length is bounds-checked against
-// the file, so a truncated or corrupt file is a message, never a crash).
+// the file, so a truncated or corrupt file is a message, never a crash), and
+// the trainer's state saved to and loaded from them.
 #include "checkpoint.h"
 
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
+#include "dist.h"
+#include "model.h"
 #include "trainer.h"
 
 namespace train {
+
+using gdncp::Tensor;
+
 namespace {
 
 constexpr char kMagic[8] = {'G', 'D', 'N', 'C', 'P', 'C', 'K', 'P'};
@@ -213,28 +221,178 @@ std::string checkpoint_path(const std::string& dir, int64_t step) {
   return (std::filesystem::path(dir) / name).string();
 }
 
-std::string resolve_checkpoint(const std::string& path, std::string* why) {
+std::vector<std::string> checkpoint_candidates(const std::string& path, std::string* why) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!fs::exists(path, ec)) {
     *why = path + " does not exist";
-    return "";
+    return {};
   }
-  if (!fs::is_directory(path, ec)) return path;
-  std::string best;
+  if (!fs::is_directory(path, ec)) return {path};
+  std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(path, ec)) {
     const std::string name = e.path().filename().string();
-    if (name.size() == 18 && name.rfind("step_", 0) == 0 && name.substr(13) == ".ckpt" && name > best) best = name;
+    if (name.size() == 18 && name.rfind("step_", 0) == 0 && name.substr(13) == ".ckpt") names.push_back(name);
   }
   if (ec) {
     *why = "cannot list " + path + ": " + ec.message();
-    return "";
+    return {};
   }
-  if (best.empty()) {
+  if (names.empty()) {
     *why = "no step_*.ckpt checkpoint in directory " + path;
-    return "";
+    return {};
   }
-  return (fs::path(path) / best).string();
+  std::sort(names.rbegin(), names.rend());  // 8-digit steps: newest first
+  std::vector<std::string> paths;
+  for (const std::string& n : names) paths.push_back((fs::path(path) / n).string());
+  return paths;
+}
+
+std::vector<std::string> remove_stale_temps(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> removed;
+  std::error_code ec;
+  if (dir.empty() || !fs::is_directory(dir, ec)) return removed;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() == 22 && name.rfind("step_", 0) == 0 && name.substr(13) == ".ckpt.tmp" &&
+        fs::remove(e.path(), ec))
+      removed.push_back(e.path().string());
+  }
+  return removed;
+}
+
+// --- the trainer's state ------------------------------------------------------------------
+// "5" or, with packed clips, "5 = 2,2,1": a run resumes only with the same packing.
+std::string frames_identity(const Config& c) {
+  std::string s = std::to_string(c.frames);
+  for (size_t k = 0; k < c.clips.size(); ++k) s += (k == 0 ? " = " : ",") + std::to_string(c.clips[k]);
+  return s;
+}
+
+std::vector<std::pair<std::string, std::string>> run_identity(const Config& c, const Dist& d) {
+  return {{"layers", std::to_string(c.layers)},
+          {"heads", std::to_string(c.heads)},
+          {"head-dim", std::to_string(c.head_dim)},
+          {"frames", frames_identity(c)},
+          {"tokens", std::to_string(c.tokens)},
+          {"batch", std::to_string(c.batch)},
+          {"pool", std::to_string(c.pool)},
+          {"seed", std::to_string(c.seed)},
+          {"dtype", c.dtype},
+          {"cp", std::to_string(d.cp_size())},
+          {"dp", std::to_string(d.dp_size())}};
+}
+
+void save_checkpoint(const Config& c, const Dist& dist, const TrainState& st, int64_t step, const std::string& path) {
+  std::vector<char> status;  // rank 0's error message, empty when the save worked
+  if (dist.rank() == 0) {
+    Checkpoint ck;
+    ck.identity = run_identity(c, dist);
+    ck.step = step;
+    ck.rng_state = *st.rng;
+    ck.optimizer_steps = st.opt->steps();
+    const std::vector<Tensor> params = st.student->params();
+    const std::vector<std::string> names = st.student->param_names();
+    for (size_t i = 0; i < params.size(); ++i) {
+      ck.tensors.emplace_back(names[i], params[i].detach());
+      ck.tensors.emplace_back("adam.m." + names[i], st.opt->exp_avg()[i]);
+      ck.tensors.emplace_back("adam.v." + names[i], st.opt->exp_avg_sq()[i]);
+    }
+    ck.losses = *st.history;
+    const std::string why = write_atomic(path, serialize(ck));
+    status.assign(why.begin(), why.end());
+  }
+  dist.broadcast_bytes(status);
+  if (!status.empty()) throw UsageError("cannot save checkpoint: " + std::string(status.begin(), status.end()));
+}
+
+Resumed load_checkpoint(const Config& c, const Dist& dist, const TrainState& st) {
+  std::vector<char> status, bytes;
+  Resumed res;
+  std::string& path = res.path;
+  if (dist.rank() == 0) {
+    // Newest first; an unreadable or corrupt file is skipped for the next.
+    std::string why;
+    const std::vector<std::string> candidates = checkpoint_candidates(c.resume, &why);
+    for (const std::string& cand : candidates) {
+      why = read_file(cand, bytes);
+      if (why.empty()) {
+        try {
+          deserialize(bytes, "checkpoint " + cand);
+          path = cand;
+          break;
+        } catch (const UsageError& e) {
+          why = e.what();
+        }
+      }
+      res.skipped.push_back(why);
+    }
+    std::string error;
+    if (candidates.empty()) {
+      error = "--resume " + c.resume + ": " + why;
+    } else if (path.empty()) {
+      error = "--resume " + c.resume + ": no usable checkpoint:";
+      for (const std::string& s : res.skipped) error += " " + s + ";";
+    }
+    status.assign(error.begin(), error.end());
+  }
+  dist.broadcast_bytes(status);
+  if (!status.empty()) throw UsageError(std::string(status.begin(), status.end()));
+  std::vector<char> name(path.begin(), path.end());
+  dist.broadcast_bytes(name);
+  path.assign(name.begin(), name.end());
+  std::string skipped;  // the skips, one a line: every rank reports the same
+  for (const std::string& why : res.skipped) skipped += why + "\n";
+  std::vector<char> lines(skipped.begin(), skipped.end());
+  dist.broadcast_bytes(lines);
+  res.skipped.clear();
+  std::istringstream in(std::string(lines.begin(), lines.end()));
+  for (std::string line; std::getline(in, line);) res.skipped.push_back(line);
+  dist.broadcast_bytes(bytes);
+
+  // From here every rank parses the same bytes: errors are the same everywhere.
+  const Checkpoint ck = deserialize(bytes, "checkpoint " + path);
+  const auto want = run_identity(c, dist);
+  for (const auto& kv : want) {
+    auto it = std::find_if(ck.identity.begin(), ck.identity.end(), [&](const auto& p) { return p.first == kv.first; });
+    const std::string have = it == ck.identity.end() ? "(missing)" : it->second;
+    if (have != kv.second)
+      throw UsageError("checkpoint " + path + " does not match this run: it has " + kv.first + " = " + have +
+                       ", this run " + kv.second);
+  }
+  if (ck.step >= c.steps)
+    throw UsageError("checkpoint " + path + " already completed step " + std::to_string(ck.step) + "; --steps " +
+                     std::to_string(c.steps) + " leaves nothing to do");
+  if (ck.step < 0 || ck.optimizer_steps < 0 || static_cast<int64_t>(ck.losses.size()) != ck.step)
+    throw UsageError("checkpoint " + path + ": corrupt (inconsistent step counters)");
+  const std::vector<Tensor> params = st.student->params();
+  const std::vector<std::string> names = st.student->param_names();
+  if (ck.tensors.size() != 3 * params.size())
+    throw UsageError("checkpoint " + path + ": holds " + std::to_string(ck.tensors.size()) +
+                     " tensors, this model needs " + std::to_string(3 * params.size()));
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string expect[3] = {names[i], "adam.m." + names[i], "adam.v." + names[i]};
+    for (size_t j = 0; j < 3; ++j) {
+      const auto& nt = ck.tensors[3 * i + j];
+      if (nt.first != expect[j] || nt.second.shape() != params[i].shape())
+        throw UsageError("checkpoint " + path + ": tensor " + std::to_string(3 * i + j) + " is " + nt.first + " " +
+                         gdncp::shape_str(nt.second.shape()) + ", expected " + expect[j] + " " +
+                         gdncp::shape_str(params[i].shape()));
+    }
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    Tensor p = params[i].detach();  // same storage: the optimizer's handle sees the load
+    p.copy_from(ck.tensors[3 * i].second);
+    Tensor m = st.opt->exp_avg()[i], v = st.opt->exp_avg_sq()[i];
+    m.copy_from(ck.tensors[3 * i + 1].second);
+    v.copy_from(ck.tensors[3 * i + 2].second);
+  }
+  st.opt->set_steps(ck.optimizer_steps);
+  *st.rng = ck.rng_state;
+  *st.history = ck.losses;
+  res.step = ck.step;
+  return res;
 }
 
 }  // namespace train

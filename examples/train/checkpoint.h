@@ -6,9 +6,14 @@
 // named tensors (parameters, AdamW moments; f32), the loss history, and an
 // FNV-1a checksum of everything before it. Written to <path>.tmp, flushed and
 // renamed over <path>, so a crash never leaves a half-written checkpoint under
-// the real name.
+// the real name (a crash may leave <path>.tmp: remove_stale_temps() clears it).
+//
+// save_checkpoint / load_checkpoint move the trainer's state (parameters,
+// AdamW moments and step count, RNG, loss history) to and from such a file,
+// collectively over the ranks (rank 0 does the file I/O).
 #pragma once
 
+#include <gdncp/optim.h>
 #include <gdncp/tensor.h>
 
 #include <cstdint>
@@ -17,6 +22,10 @@
 #include <vector>
 
 namespace train {
+
+struct Config;
+class Dist;
+struct Model;
 
 struct Checkpoint {
   std::vector<std::pair<std::string, std::string>> identity;  // must match on resume
@@ -36,10 +45,37 @@ Checkpoint deserialize(const std::vector<char>& bytes, const std::string& what);
 std::string write_atomic(const std::string& path, const std::vector<char>& bytes);
 // Reads a whole file. Returns "" on success, else the reason.
 std::string read_file(const std::string& path, std::vector<char>& bytes);
-// A checkpoint file, or a directory holding step_*.ckpt files (the latest is
-// taken). Returns "" when none is found (reason in *why).
-std::string resolve_checkpoint(const std::string& path, std::string* why);
+// A checkpoint file, or the step_*.ckpt files of a directory, newest first.
+// Empty when there is none (reason in *why).
+std::vector<std::string> checkpoint_candidates(const std::string& path, std::string* why);
 // <dir>/step_<step, 8 digits>.ckpt
 std::string checkpoint_path(const std::string& dir, int64_t step);
+// Deletes the <dir>/step_*.ckpt.tmp files an interrupted save left; returns their paths.
+std::vector<std::string> remove_stale_temps(const std::string& dir);
+
+// The run facts a checkpoint must match to be resumed (model shape, data, rank layout).
+std::vector<std::pair<std::string, std::string>> run_identity(const Config& c, const Dist& d);
+
+// What a checkpoint holds of a run, by pointer into the trainer's objects.
+struct TrainState {
+  Model* student;
+  gdncp::optim::AdamW* opt;
+  uint64_t* rng;
+  std::vector<double>* history;  // losses of steps 1..step
+};
+
+// Rank 0 writes the state after `step` to path; throws UsageError on every rank if it fails.
+void save_checkpoint(const Config& c, const Dist& dist, const TrainState& st, int64_t step, const std::string& path);
+
+struct Resumed {
+  int64_t step = 0;                  // steps the checkpoint completed
+  std::string path;                  // the checkpoint loaded
+  std::vector<std::string> skipped;  // newer checkpoints that could not be read, with the reason
+};
+// Loads --resume into the state (the same on every rank). A directory's newest
+// checkpoint that is truncated or corrupt is skipped for the next newest (each
+// skip is reported in Resumed::skipped); one that belongs to another run is an
+// error. Throws UsageError naming --resume when nothing usable is found.
+Resumed load_checkpoint(const Config& c, const Dist& dist, const TrainState& st);
 
 }  // namespace train

@@ -1,5 +1,6 @@
-// examples/train/trainer.cpp — flags, data, the training loop, logging,
-// checkpoints (see trainer.h for the model and the rank layout).
+// examples/train/trainer.cpp — flags, data, the training loop and logging
+// (see trainer.h for the model and the rank layout; checkpoint.cpp saves and
+// loads the state).
 //
 // Note [data]: the data set is `pool` batches per data-parallel group of
 // `batch` seeded random videos (latents N(0, 1)), and the targets are the
@@ -30,6 +31,8 @@
 #include <fstream>
 #include <functional>
 #include <sstream>
+
+#include <unistd.h>
 
 #include "checkpoint.h"
 #include "dist.h"
@@ -193,6 +196,37 @@ const Flag* find_flag(const std::string& name) {
   return nullptr;
 }
 
+// a·b of sizes given by flags, or a UsageError naming them.
+int64_t mul(int64_t a, int64_t b, const std::string& flags) {
+  try {
+    return gdncp::checked_mul(a, b, flags.c_str());
+  } catch (const gdncp::Error&) {
+    throw UsageError(flags + ": too large: " + std::to_string(a) + " × " + std::to_string(b) +
+                     " overflows a 64-bit count");
+  }
+}
+
+// The sizes the flags imply, computed without overflow, and the data set
+// (held for the whole run) against the host's memory: a run that cannot fit
+// stops here with the flags named, not in an allocation after start-up.
+void check_sizes(const Config& c) {
+  const std::string data_flags = "--pool × --batch × --frames × --tokens × --heads × --head-dim";
+  const int64_t C = mul(c.heads, c.head_dim, "--heads × --head-dim");
+  const int64_t tokens = mul(mul(c.batch, c.frames, "--batch × --frames"), c.tokens, "--batch × --frames × --tokens");
+  mul(tokens, C, "--batch × --frames × --tokens × --heads × --head-dim");
+  const int64_t per_rank = mul(mul(c.pool, tokens / c.cp, data_flags), C, data_flags);
+  const int64_t bytes = mul(per_rank, 2 * (c.dtype == "bf16" ? 2 : 4), data_flags);  // latents and targets
+  mul(mul(c.layers, mul(C, 4 * C, "--heads × --head-dim"), "--layers × (--heads × --head-dim)²"), 16,
+      "--layers × (--heads × --head-dim)²");  // parameters, teacher and AdamW moments (f32)
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (c.device == "cpu" && pages > 0 && page > 0 && bytes / page > pages)
+    throw UsageError(data_flags + ": the data set needs " + std::to_string(bytes) + " bytes per rank (" +
+                     std::to_string(c.pool) + " × " + std::to_string(c.batch) + " × " + std::to_string(c.frames / c.cp) +
+                     " × " + std::to_string(c.tokens) + " × " + std::to_string(C) +
+                     " values, inputs and targets), more than this host's " + std::to_string(int64_t(pages) * page) +
+                     " bytes of memory");
+}
+
 // Checks that need more than one flag, or the world.
 void validate(const Config& c, int world_size) {
   if (c.head_dim % 2 != 0)
@@ -209,6 +243,7 @@ void validate(const Config& c, int world_size) {
   }
   if (c.device == "cuda" && !gdncp::cuda_available())
     throw UsageError("--device cuda: no CUDA device is visible (or gdncp was built without CUDA)");
+  check_sizes(c);
 }
 
 // --- logging ---------------------------------------------------------------------------
@@ -247,6 +282,78 @@ std::string si(double v) {
 std::string default_plot_path(const Config& c) {
   if (!c.plot_path.empty() || c.log_path.empty()) return c.plot_path;
   return (std::filesystem::path(c.log_path).parent_path() / "loss.svg").string();
+}
+
+// "" when a file can be written at path (its directory is made if missing;
+// an existing file is left as it is), else the reason.
+std::string probe_writable(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return path + " is a directory";
+  const fs::path dir = fs::path(path).parent_path();
+  if (!dir.empty()) fs::create_directories(dir, ec);
+  if (ec) return "cannot create directory " + dir.string() + ": " + ec.message();
+  const bool existed = fs::exists(path, ec);
+  std::ofstream f(path, std::ios::app);
+  if (!f) return "cannot open " + path + " for writing: " + std::strerror(errno);
+  f.close();
+  if (!existed) fs::remove(path, ec);
+  return "";
+}
+
+// Every path flag, checked on rank 0 before the model and the data set are
+// built; the first problem becomes a UsageError naming the flag on every rank.
+// Also removes the temporary files of an interrupted save (reported).
+void check_paths(const Config& c, const Dist& dist) {
+  namespace fs = std::filesystem;
+  std::string error;
+  if (dist.rank() == 0) {
+    std::error_code ec;
+    if (!c.save_dir.empty()) {
+      if (fs::exists(c.save_dir, ec) && !fs::is_directory(c.save_dir, ec))
+        error = "--save-dir " + c.save_dir + ": exists and is not a directory";
+      else if (const std::string why = probe_writable((fs::path(c.save_dir) / ".gdncp_train_probe").string());
+               !why.empty())
+        error = "--save-dir " + c.save_dir + ": cannot write checkpoints there: " + why;
+    }
+    if (error.empty() && !c.log_path.empty())
+      if (const std::string why = probe_writable(c.log_path); !why.empty()) error = "--log " + c.log_path + ": " + why;
+    const std::string plot = default_plot_path(c);
+    if (error.empty() && !plot.empty())
+      if (const std::string why = probe_writable(plot); !why.empty())
+        error = std::string(c.plot_path.empty() ? "--plot (default, beside --log) " : "--plot ") + plot + ": " + why;
+    if (error.empty() && !c.resume.empty()) {
+      std::string why;
+      if (checkpoint_candidates(c.resume, &why).empty()) error = "--resume " + c.resume + ": " + why;
+    }
+    if (error.empty()) {
+      std::vector<std::string> dirs = {c.save_dir};
+      if (!c.resume.empty() && fs::is_directory(c.resume, ec) && fs::path(c.resume) != fs::path(c.save_dir))
+        dirs.push_back(c.resume);
+      for (const std::string& d : dirs)
+        for (const std::string& f : remove_stale_temps(d))
+          std::fprintf(stderr, "gdncp_train: removed %s (left by an interrupted save)\n", f.c_str());
+    }
+  }
+  std::vector<char> status(error.begin(), error.end());
+  dist.broadcast_bytes(status);
+  if (!status.empty()) throw UsageError(std::string(status.begin(), status.end()));
+}
+
+// The log of a resumed run continues the interrupted one: its records of
+// steps after the checkpoint (run again now) are dropped first, so no step is
+// logged twice.
+std::string trim_log(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  if (!in) return "";  // no log yet
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    const size_t at = line.find("\"step\":");
+    if (at != std::string::npos && std::strtoll(line.c_str() + at + 7, nullptr, 10) > step) continue;
+    kept += line + "\n";
+  }
+  in.close();
+  return write_atomic(path, std::vector<char>(kept.begin(), kept.end()));
 }
 
 // --- data ------------------------------------------------------------------------------
@@ -306,115 +413,6 @@ Tensor clip_mask(const Config& c, int64_t F0, int64_t F, Device dev) {
   return Tensor::from_vector(m, {c.batch, F}, DType::f32, dev);
 }
 
-// --- checkpoints -----------------------------------------------------------------------
-
-std::vector<std::pair<std::string, std::string>> run_identity(const Config& c, const Dist& d) {
-  return {{"layers", std::to_string(c.layers)},
-          {"heads", std::to_string(c.heads)},
-          {"head-dim", std::to_string(c.head_dim)},
-          {"frames", std::to_string(c.frames) + (c.clips.empty() ? "" : " = " + join(c.clips))},
-          {"tokens", std::to_string(c.tokens)},
-          {"batch", std::to_string(c.batch)},
-          {"pool", std::to_string(c.pool)},
-          {"seed", std::to_string(c.seed)},
-          {"dtype", c.dtype},
-          {"cp", std::to_string(d.cp_size())},
-          {"dp", std::to_string(d.dp_size())}};
-}
-
-struct TrainState {
-  Model* student;
-  gdncp::optim::AdamW* opt;
-  uint64_t* rng;
-  std::vector<double>* history;  // losses of steps 1..step
-};
-
-void save_checkpoint(const Config& c, const Dist& dist, const TrainState& st, int64_t step, const std::string& path) {
-  std::vector<char> status;  // rank 0's error message, empty when the save worked
-  if (dist.rank() == 0) {
-    Checkpoint ck;
-    ck.identity = run_identity(c, dist);
-    ck.step = step;
-    ck.rng_state = *st.rng;
-    ck.optimizer_steps = st.opt->steps();
-    const std::vector<Tensor> params = st.student->params();
-    const std::vector<std::string> names = st.student->param_names();
-    for (size_t i = 0; i < params.size(); ++i) {
-      ck.tensors.emplace_back(names[i], params[i].detach());
-      ck.tensors.emplace_back("adam.m." + names[i], st.opt->exp_avg()[i]);
-      ck.tensors.emplace_back("adam.v." + names[i], st.opt->exp_avg_sq()[i]);
-    }
-    ck.losses = *st.history;
-    const std::string why = write_atomic(path, serialize(ck));
-    status.assign(why.begin(), why.end());
-  }
-  dist.broadcast_bytes(status);
-  if (!status.empty()) throw UsageError("cannot save checkpoint: " + std::string(status.begin(), status.end()));
-}
-
-// Loads the checkpoint into the state; returns the step it completed.
-int64_t load_checkpoint(const Config& c, const Dist& dist, const TrainState& st) {
-  std::vector<char> status, bytes;
-  std::string path;
-  if (dist.rank() == 0) {
-    std::string why;
-    path = resolve_checkpoint(c.resume, &why);
-    if (path.empty())
-      why = "--resume " + c.resume + ": " + why;
-    else
-      why = read_file(path, bytes);
-    status.assign(why.begin(), why.end());
-  }
-  dist.broadcast_bytes(status);
-  if (!status.empty()) throw UsageError(std::string(status.begin(), status.end()));
-  std::vector<char> name(path.begin(), path.end());
-  dist.broadcast_bytes(name);
-  path.assign(name.begin(), name.end());
-  dist.broadcast_bytes(bytes);
-
-  // From here every rank parses the same bytes: errors are the same everywhere.
-  const Checkpoint ck = deserialize(bytes, "checkpoint " + path);
-  const auto want = run_identity(c, dist);
-  for (const auto& kv : want) {
-    auto it = std::find_if(ck.identity.begin(), ck.identity.end(), [&](const auto& p) { return p.first == kv.first; });
-    const std::string have = it == ck.identity.end() ? "(missing)" : it->second;
-    if (have != kv.second)
-      throw UsageError("checkpoint " + path + " does not match this run: it has " + kv.first + " = " + have +
-                       ", this run " + kv.second);
-  }
-  if (ck.step >= c.steps)
-    throw UsageError("checkpoint " + path + " already completed step " + std::to_string(ck.step) + "; --steps " +
-                     std::to_string(c.steps) + " leaves nothing to do");
-  if (ck.step < 0 || ck.optimizer_steps < 0 || static_cast<int64_t>(ck.losses.size()) != ck.step)
-    throw UsageError("checkpoint " + path + ": corrupt (inconsistent step counters)");
-  const std::vector<Tensor> params = st.student->params();
-  const std::vector<std::string> names = st.student->param_names();
-  if (ck.tensors.size() != 3 * params.size())
-    throw UsageError("checkpoint " + path + ": holds " + std::to_string(ck.tensors.size()) +
-                     " tensors, this model needs " + std::to_string(3 * params.size()));
-  for (size_t i = 0; i < params.size(); ++i) {
-    const std::string expect[3] = {names[i], "adam.m." + names[i], "adam.v." + names[i]};
-    for (size_t j = 0; j < 3; ++j) {
-      const auto& nt = ck.tensors[3 * i + j];
-      if (nt.first != expect[j] || nt.second.shape() != params[i].shape())
-        throw UsageError("checkpoint " + path + ": tensor " + std::to_string(3 * i + j) + " is " + nt.first + " " +
-                         gdncp::shape_str(nt.second.shape()) + ", expected " + expect[j] + " " +
-                         gdncp::shape_str(params[i].shape()));
-    }
-  }
-  for (size_t i = 0; i < params.size(); ++i) {
-    Tensor p = params[i].detach();  // same storage: the optimizer's handle sees the load
-    p.copy_from(ck.tensors[3 * i].second);
-    Tensor m = st.opt->exp_avg()[i], v = st.opt->exp_avg_sq()[i];
-    m.copy_from(ck.tensors[3 * i + 1].second);
-    v.copy_from(ck.tensors[3 * i + 2].second);
-  }
-  st.opt->set_steps(ck.optimizer_steps);
-  *st.rng = ck.rng_state;
-  *st.history = ck.losses;
-  return ck.step;
-}
-
 }  // namespace
 
 // --- public --------------------------------------------------------------------------------
@@ -467,6 +465,7 @@ Result train(const Config& cfg, MPI_Comm world) {
   const DType dt = cfg.dtype == "bf16" ? DType::bf16 : DType::f32;
   Dist dist(world, static_cast<int>(cfg.cp), dev, cfg.timeout);
   const bool lead = dist.rank() == 0;
+  check_paths(cfg, dist);
 
   // This rank's frames [F0, F0 + F) of each video (none when frames < cp: see forward()).
   const gdncp::cp::FrameSplit split = gdncp::cp::balanced_split(cfg.frames, dist.cp_size(), dist.cp_rank());
@@ -503,7 +502,18 @@ Result train(const Config& cfg, MPI_Comm world) {
   uint64_t rng = mix(cfg.seed, 0x5eed, 0xda7a);
   std::vector<double> history;
   const TrainState state{&student, &opt, &rng, &history};
-  const int64_t start = cfg.resume.empty() ? 0 : load_checkpoint(cfg, dist, state);
+  Result res;
+  if (!cfg.resume.empty()) {
+    const Resumed r = load_checkpoint(cfg, dist, state);
+    res.resumed_from = r.path;
+    res.skipped_checkpoints = r.skipped;
+    res.first_step = r.step + 1;
+    if (lead)
+      for (const std::string& why : r.skipped)
+        std::fprintf(stderr, "gdncp_train: warning: --resume: skipped %s; resuming from %s\n", why.c_str(),
+                     r.path.c_str());
+  }
+  const int64_t start = res.first_step - 1;
 
   const std::string plot_path = default_plot_path(cfg);
   std::ofstream log;
@@ -511,6 +521,10 @@ Result train(const Config& cfg, MPI_Comm world) {
     std::error_code ec;
     const auto dir = std::filesystem::path(cfg.log_path).parent_path();
     if (!dir.empty()) std::filesystem::create_directories(dir, ec);
+    if (start > 0) {
+      const std::string why = trim_log(cfg.log_path, start);
+      if (!why.empty()) std::fprintf(stderr, "gdncp_train: warning: --log: %s\n", why.c_str());
+    }
     log.open(cfg.log_path, start > 0 ? std::ios::app : std::ios::trunc);
     if (!log) std::fprintf(stderr, "gdncp_train: warning: cannot write the log %s\n", cfg.log_path.c_str());
     log << "{\"event\":\"" << (start > 0 ? "resume" : "start") << "\",\"step\":" << start
@@ -518,7 +532,11 @@ Result train(const Config& cfg, MPI_Comm world) {
         << ",\"device\":\"" << cfg.device << "\",\"dtype\":\"" << cfg.dtype << "\",\"layers\":" << cfg.layers
         << ",\"heads\":" << cfg.heads << ",\"head_dim\":" << cfg.head_dim << ",\"frames\":" << cfg.frames
         << ",\"tokens\":" << cfg.tokens << ",\"batch\":" << cfg.batch << ",\"lr\":" << cfg.lr << ",\"checkpointing\":\""
-        << cfg.checkpointing << "\",\"seed\":" << cfg.seed << "}\n";
+        << cfg.checkpointing << "\",\"seed\":" << cfg.seed;
+    if (start > 0)
+      log << ",\"checkpoint\":\"" << json_escape(res.resumed_from)
+          << "\",\"skipped_checkpoints\":" << res.skipped_checkpoints.size();
+    log << "}\n";
     log.flush();
   }
   if (lead && cfg.print_every > 0) {
@@ -533,8 +551,6 @@ Result train(const Config& cfg, MPI_Comm world) {
         (long long)cfg.batch, (long long)start + 1, (long long)cfg.steps);
   }
 
-  Result res;
-  res.first_step = start + 1;
   res.dp = dist.dp_size();
   res.cp = dist.cp_size();
   const int64_t count = cfg.batch * cfg.frames * S * C;  // elements of one DP group's batch: the mean's divisor
@@ -559,7 +575,7 @@ Result train(const Config& cfg, MPI_Comm world) {
       for (const Tensor& o : empty_outs) zero.push_back(Tensor::zeros(o.shape(), o.dtype(), dev));
       if (!empty_outs.empty()) gdncp::backward(empty_outs, zero);
       for (const Tensor& p : params)
-        if (!p.grad().defined()) p.meta().grad = Tensor::zeros(p.shape(), p.dtype(), dev);
+        if (!p.grad().defined()) Tensor(p).set_grad(Tensor::zeros(p.shape(), p.dtype(), dev));
     }
     dist.reduce_grads(params);
     opt.step(1.0 / dist.dp_size());

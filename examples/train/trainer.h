@@ -75,6 +75,8 @@ struct Result {
   uint64_t param_hash = 0;     // hash of the final parameters (identical on every rank)
   double seconds = 0;          // wall time of the training steps
   int dp = 1, cp = 1;
+  std::string resumed_from;                  // the checkpoint --resume loaded ("" without --resume)
+  std::vector<std::string> skipped_checkpoints;  // newer ones it could not read, each with the reason
 };
 
 // Runs the training on the ranks of world (collective over world).

@@ -57,7 +57,9 @@ class Node {
   // tensor for an input that needs none.
   virtual std::vector<Tensor> backward(const std::vector<Tensor>& grad_outputs) = 0;
 
-  // Keeps a tensor for backward (stored detached; counted in saved_bytes()).
+  // Keeps a tensor for backward (stored detached; counted in saved_bytes()),
+  // with its version: saved() throws, naming this node and the tensor, when
+  // the storage was changed in place since (Tensor::version).
   void save(const Tensor& t);
   const Tensor& saved(size_t i) const;
   size_t num_saved() const { return saved_.size(); }
@@ -73,6 +75,7 @@ class Node {
 
  private:
   std::vector<Tensor> saved_;
+  std::vector<uint64_t> saved_versions_;
   size_t saved_nbytes_ = 0;
   bool released_ = false;
 };

@@ -95,7 +95,13 @@ const char* validation_name(Validation v);
 //   Exit after an abort: MPI_Finalize synchronises with every rank, a lost one
 //   included, and can hang; end such a process with MPI_Abort or _exit.
 // - A destructor of an aborted communicator never waits.
-class Communicator {
+//
+// Communicators are shared: an autograd node that runs collectives in
+// backward shares the ownership of the communicator it was made with, so it
+// may be released by its caller between forward and backward. A communicator
+// used for a recorded (differentiable) call must be owned by a
+// std::shared_ptr (as the factories below return it).
+class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
@@ -137,6 +143,7 @@ class Communicator {
 
   // Deadline of every collective, in seconds (finite and > 0; default 300).
   double timeout_seconds() const { return timeout_seconds_; }
+  // s must be finite and > 0 (else gdncp::Error naming timeout_seconds).
   void set_timeout_seconds(double s);
 
   Validation validation() const { return validation_; }

@@ -6,6 +6,7 @@
 // exception, naming the failed call. Nothing here aborts the process.
 #pragma once
 
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -51,6 +52,22 @@ template <typename... Args>
 }
 
 }  // namespace detail
+
+// The overflow test of every product of sizes (extents, element counts, byte
+// counts) before it sizes an allocation or an offset: true when a·b does not
+// fit in int64, else false with *r = a·b.
+inline bool mul_overflows(int64_t a, int64_t b, int64_t* r) { return __builtin_mul_overflow(a, b, r); }
+
+// a·b for sizes a, b >= 0, or a gdncp::Error naming `what` when the product
+// does not fit in int64.
+inline int64_t checked_mul(int64_t a, int64_t b, const char* what) {
+  int64_t r = 0;
+  if (a < 0 || b < 0) detail::fail(__FILE__, __LINE__, what, ": negative size in ", a, " × ", b);
+  if (mul_overflows(a, b, &r))
+    detail::fail(__FILE__, __LINE__, what, ": ", a, " × ", b, " overflows int64 (more than 2^63 - 1)");
+  return r;
+}
+
 }  // namespace gdncp
 
 // GDNCP_CHECK(cond, msg...) throws gdncp::Error("file:line: msg...") when cond is false.

@@ -60,26 +60,7 @@ namespace detail {
 struct TensorInternals;  // src/autograd/tensor_internals.h (internal: shape-only tensors)
 }  // namespace detail
 
-// Raw memory of one tensor (or of several that share it through reshape/detach).
-struct Storage {
-  void* ptr = nullptr;
-  size_t nbytes = 0;
-  Device device = Device::cpu;
-  int device_index = 0;
-  // Foreign memory (Tensor::from_blob): runs instead of the free when the storage dies.
-  std::function<void()> deleter;
-  Storage(size_t nbytes, Device device);
-  ~Storage();
-  Storage(const Storage&) = delete;
-  Storage& operator=(const Storage&) = delete;
-};
-
-struct TensorImpl {
-  std::shared_ptr<Storage> storage;
-  Shape shape;
-  DType dtype = DType::f32;
-  std::shared_ptr<autograd::AutogradMeta> meta;  // null until autograd touches the tensor
-};
+struct TensorImpl;  // src/autograd/tensor_internals.h
 
 class Tensor {
  public:
@@ -98,10 +79,10 @@ class Tensor {
   // Values given as doubles, rounded to dtype.
   static Tensor from_vector(const std::vector<double>& values, const Shape& shape, DType dtype,
                             Device device = Device::cpu);
-  // Zero copy over foreign memory (a DLPack tensor, a caller's buffer): data
-  // holds numel(shape) contiguous row-major elements of dtype on device (CUDA:
-  // the current device); deleter (may be empty) runs once, when the last tensor
-  // sharing the storage dies. The memory is never freed by gdncp itself.
+  // A contiguous tensor over foreign memory, without a copy: data holds
+  // numel·dtype_size bytes on device (for CUDA, the current device's memory),
+  // and deleter (may be empty) runs once when the last tensor sharing the
+  // storage dies. The caller keeps data valid until then.
   static Tensor from_blob(void* data, Shape shape, DType dtype, Device device, std::function<void()> deleter);
 
   // --- metadata --------------------------------------------------------
@@ -147,15 +128,21 @@ class Tensor {
   // Accumulated gradient of a leaf (undefined before the first backward).
   Tensor grad() const;
   void zero_grad();  // drops the accumulated gradient
+  // Sets a leaf's accumulated gradient to g (this tensor's shape, dtype and
+  // device): e.g. zeros on a rank that holds no data but joins a gradient sum.
+  void set_grad(const Tensor& g);
   // Same storage, no autograd history, requires_grad false.
   Tensor detach() const;
   std::shared_ptr<autograd::Node> grad_fn() const;
   // Identity of this tensor for autograd (stable across handle copies).
   uint64_t id() const;
 
-  // Internal: the autograd record of this tensor, created on first use.
-  autograd::AutogradMeta& meta() const;
-  const std::shared_ptr<autograd::AutogradMeta>& meta_ptr() const;
+  // Counts the in-place changes of the storage (fill_, copy_from,
+  // optim::AdamW::step, cp::all_reduce_grads): shared by every tensor viewing
+  // it. A tensor saved for backward must have the same version when backward
+  // reads it. Writes through data() are not counted.
+  uint64_t version() const;
+
   bool same_as(const Tensor& other) const { return impl_ == other.impl_; }
   // True when no other handle or tensor shares this tensor's storage.
   bool storage_unique() const;

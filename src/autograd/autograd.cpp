@@ -50,11 +50,13 @@ void Node::save(const Tensor& t) {
   GDNCP_CHECK(!released_, name(), ": save() after release");
   if (!t.defined()) {
     saved_.emplace_back();
+    saved_versions_.push_back(0);
     return;
   }
   GDNCP_CHECK(!detail::is_shape_only(t), name(), ": save(): ", t.str(),
               " has no values to keep for backward (Note [shape-only tensors])");
   saved_.push_back(t.detach());  // detached: an output saved by its own node would form a cycle
+  saved_versions_.push_back(t.version());
   saved_nbytes_ += t.nbytes();
   g_saved_bytes += t.nbytes();
 }
@@ -62,7 +64,13 @@ void Node::save(const Tensor& t) {
 const Tensor& Node::saved(size_t i) const {
   GDNCP_CHECK(!released_, name(), ": saved tensors were already freed (backward called twice on this graph?)");
   GDNCP_CHECK(i < saved_.size(), name(), ": saved tensor ", i, " of ", saved_.size());
-  return saved_[i];
+  const Tensor& t = saved_[i];
+  // Note [saved versions]: values read in backward must be those of the
+  // forward; an in-place change in between would give a silently wrong gradient.
+  GDNCP_CHECK(!t.defined() || t.version() == saved_versions_[i], name(), ": saved tensor ", i, " (", t.str(),
+              ") was modified in place after the forward saved it (version ", saved_versions_[i], " at save, ",
+              t.version(), " now): clone it before changing it, or run the change after backward");
+  return t;
 }
 
 void Node::release() {
@@ -71,6 +79,8 @@ void Node::release() {
   saved_nbytes_ = 0;
   saved_.clear();
   saved_.shrink_to_fit();
+  saved_versions_.clear();
+  saved_versions_.shrink_to_fit();
   released_ = true;
 }
 
@@ -96,7 +106,7 @@ bool record(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs
       e.id = t.id();
       e.requires_grad = t.requires_grad();
       e.shape = t.shape();
-      if (e.requires_grad && !t.grad_fn()) e.leaf = t.meta_ptr();
+      if (e.requires_grad && !t.grad_fn()) e.leaf = detail::meta_ptr(t);
     }
     node->edges.push_back(std::move(e));
   }
@@ -105,7 +115,7 @@ bool record(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs
     GDNCP_CHECK(t.defined(), node->name(), ": an op output is undefined");
     for (const Tensor& in : inputs)
       GDNCP_CHECK(!in.defined() || !t.same_as(in), node->name(), ": an op must return new tensors, not its inputs");
-    AutogradMeta& m = t.meta();
+    AutogradMeta& m = detail::meta(t);
     m.requires_grad = true;
     m.grad_fn = node;
     node->outputs.push_back(OutputInfo{m.id, t.shape(), t.dtype(), t.device()});
@@ -133,7 +143,7 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
                 "backward: gradient ", g.str(), " does not match root ", r, " ", root.str());
     const std::shared_ptr<Node> fn = root.grad_fn();
     if (!fn) {
-      accumulate(root.meta().grad, g.clone());
+      accumulate(detail::meta(root).grad, g.clone());
       continue;
     }
     GDNCP_CHECK(!fn->released(), "backward: the graph of root ", r,

@@ -1,9 +1,10 @@
 // src/autograd/tensor.cpp — Tensor: storage, factories, copies, conversions.
 #include "gdncp/tensor.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <algorithm>
+#include <cstdlib>
 #include <thread>
 #include <new>
 #include <sstream>
@@ -47,25 +48,32 @@ std::string shape_str(const Shape& shape) {
 // --- storage ----------------------------------------------------------------
 
 namespace {
-constexpr std::align_val_t kHostAlign{64};
+constexpr size_t kHostAlign = 64;
 }
 
+// Host memory through posix_memalign: a request that cannot be served comes
+// back as an error code (never std::bad_alloc), reported with its size.
 Storage::Storage(size_t n, Device dev) : nbytes(n), device(dev) {
   if (n == 0) return;
-  if (dev == Device::cpu)
-    ptr = ::operator new(n, kHostAlign);
-  else
+  if (dev == Device::cpu) {
+    GDNCP_CHECK(posix_memalign(&ptr, kHostAlign, n) == 0, "Tensor: cannot allocate ", n,
+                " bytes of host memory (out of memory)");
+  } else {
     ptr = detail::cuda_alloc(n, &device_index);
+  }
 }
 
+Storage::Storage(void* p, size_t n, Device dev, int index, std::function<void()> deleter)
+    : ptr(p), nbytes(n), device(dev), device_index(index), foreign_(true), deleter_(std::move(deleter)) {}
+
 Storage::~Storage() {
-  if (deleter) {  // foreign memory: its owner frees it
-    deleter();
+  if (foreign_) {
+    if (deleter_) deleter_();
     return;
   }
   if (!ptr) return;
   if (device == Device::cpu)
-    ::operator delete(ptr, kHostAlign);
+    std::free(ptr);
   else
     detail::cuda_free(ptr);
 }
@@ -74,10 +82,21 @@ Storage::~Storage() {
 
 namespace {
 
+// Shapes are checked when a tensor is made (checked_numel): their product fits.
 int64_t numel_of(const Shape& shape) {
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
   return n;
+}
+
+// Bytes of a tensor of this shape and dtype, or an error naming `what`.
+size_t checked_nbytes(const Shape& shape, DType dtype, const char* what) {
+  const int64_t n = detail::checked_numel(shape, what);
+  const int64_t elem = static_cast<int64_t>(dtype_size(dtype));
+  int64_t bytes = 0;
+  GDNCP_CHECK(!mul_overflows(n, elem, &bytes), what, ": ", dtype_name(dtype), shape_str(shape), " needs ", n,
+              " × ", elem, " bytes, more than int64 can count");
+  return static_cast<size_t>(bytes);
 }
 
 double host_load(const void* p, DType t, int64_t i) {
@@ -144,35 +163,38 @@ std::atomic<size_t> g_shape_only_made{0};
 
 // --- factories ------------------------------------------------------------------
 
+namespace detail {
+int64_t checked_numel(const Shape& shape, const char* what) {
+  for (int64_t s : shape) GDNCP_CHECK(s >= 0, what, ": negative size in shape ", shape_str(shape));
+  int64_t n = 1;
+  for (int64_t s : shape)
+    GDNCP_CHECK(!mul_overflows(n, s, &n), what, ": shape ", shape_str(shape),
+                " has more elements than int64 can count (2^63 - 1)");
+  return n;
+}
+}  // namespace detail
+
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
-  for (int64_t s : shape) GDNCP_CHECK(s >= 0, "Tensor::empty: negative size in shape ", shape_str(shape));
+  const size_t bytes = checked_nbytes(shape, dtype, "Tensor::empty");
   auto impl = std::make_shared<TensorImpl>();
   impl->shape = shape;
   impl->dtype = dtype;
-  impl->storage = std::make_shared<Storage>(static_cast<size_t>(numel_of(shape)) * dtype_size(dtype), device);
+  impl->storage = std::make_shared<Storage>(bytes, device);
   return Tensor(std::move(impl));
 }
 
 Tensor Tensor::from_blob(void* data, Shape shape, DType dtype, Device device, std::function<void()> deleter) {
-  int64_t n = 1;
-  for (int64_t s : shape) {
-    GDNCP_CHECK(s >= 0, "Tensor::from_blob: negative size in shape ", shape_str(shape));
-    GDNCP_CHECK(s == 0 || n <= INT64_MAX / s, "Tensor::from_blob: the element count of ", shape_str(shape),
-                " overflows int64");
-    n *= s;
-  }
-  GDNCP_CHECK(data != nullptr || n == 0, "Tensor::from_blob: data is null for shape ", shape_str(shape));
-  GDNCP_CHECK(static_cast<uint64_t>(n) <= SIZE_MAX / dtype_size(dtype), "Tensor::from_blob: the byte count of ",
-              shape_str(shape), " overflows size_t");
-  auto storage = std::make_shared<Storage>(0, device);  // allocates nothing
-  storage->ptr = data;
-  storage->nbytes = static_cast<size_t>(n) * dtype_size(dtype);
-  if (device == Device::cuda) storage->device_index = detail::current_device();
-  storage->deleter = deleter ? std::move(deleter) : [] {};  // never the allocator's free
+  const size_t bytes = checked_nbytes(shape, dtype, "Tensor::from_blob");
+  GDNCP_CHECK(data != nullptr || bytes == 0, "Tensor::from_blob: data: null pointer for ", dtype_name(dtype),
+              shape_str(shape));
+  GDNCP_CHECK(device == Device::cpu || cuda_available(), "Tensor::from_blob: device: cuda, but no CUDA device is "
+              "visible (or gdncp was built without CUDA)");
+  int index = 0;
+  if (device == Device::cuda) index = detail::current_device();
   auto impl = std::make_shared<TensorImpl>();
   impl->shape = std::move(shape);
   impl->dtype = dtype;
-  impl->storage = std::move(storage);
+  impl->storage = std::make_shared<Storage>(data, bytes, device, index, std::move(deleter));
   return Tensor(std::move(impl));
 }
 
@@ -199,8 +221,8 @@ Tensor Tensor::uniform(const Shape& shape, DType dtype, Device device, uint64_t 
 }
 
 Tensor Tensor::from_vector(const std::vector<double>& values, const Shape& shape, DType dtype, Device device) {
-  GDNCP_CHECK(static_cast<int64_t>(values.size()) == numel_of(shape), "Tensor::from_vector: ", values.size(),
-              " values for shape ", shape_str(shape));
+  GDNCP_CHECK(static_cast<int64_t>(values.size()) == detail::checked_numel(shape, "Tensor::from_vector"),
+              "Tensor::from_vector: ", values.size(), " values for shape ", shape_str(shape));
   return host_generated(shape, dtype, device, [&](int64_t i) { return values[static_cast<size_t>(i)]; });
 }
 
@@ -231,7 +253,7 @@ void* storage_ptr(const std::shared_ptr<TensorImpl>& impl) {
 namespace detail {
 
 Tensor TensorInternals::shape_only(const Shape& shape, DType dtype, Device device) {
-  for (int64_t s : shape) GDNCP_CHECK(s >= 0, "shape_only: negative size in shape ", shape_str(shape));
+  checked_nbytes(shape, dtype, "shape_only");
   auto impl = std::make_shared<TensorImpl>();
   impl->shape = shape;
   impl->dtype = dtype;
@@ -243,6 +265,20 @@ Tensor TensorInternals::shape_only(const Shape& shape, DType dtype, Device devic
 bool TensorInternals::is_shape_only(const Tensor& t) { return t.defined() && lacks_storage(*t.impl_); }
 
 size_t TensorInternals::shape_only_made() { return g_shape_only_made.load(); }
+
+const std::shared_ptr<autograd::AutogradMeta>& TensorInternals::meta_ptr(const Tensor& t) {
+  const std::shared_ptr<TensorImpl>& impl = t.impl_;
+  checked(impl);
+  if (!impl->meta) {
+    impl->meta = std::make_shared<autograd::AutogradMeta>();
+    impl->meta->id = g_next_id.fetch_add(1);
+  }
+  return impl->meta;
+}
+
+autograd::AutogradMeta& TensorInternals::meta(const Tensor& t) { return *meta_ptr(t); }
+
+void TensorInternals::bump_version(const Tensor& t) { ++checked(t.impl_).storage->version; }
 
 }  // namespace detail
 
@@ -316,10 +352,12 @@ void Tensor::copy_from(const Tensor& src) {
   GDNCP_CHECK(src.shape() == shape() && src.dtype() == dtype(), "Tensor::copy_from: source ", src.str(),
               " does not match destination ", str());
   detail::copy_bytes(data(), device(), src.data(), src.device(), nbytes());
+  detail::bump_version(*this);
 }
 
 void Tensor::fill_(double value) {
   const int64_t n = numel();
+  detail::bump_version(*this);
   if (device() == Device::cuda) {
     detail::cuda_fill(data(), dtype(), n, value);
     return;
@@ -344,23 +382,14 @@ double Tensor::item() const {
 
 // --- autograd hooks -----------------------------------------------------------------
 
-const std::shared_ptr<autograd::AutogradMeta>& Tensor::meta_ptr() const {
-  const TensorImpl& impl = checked(impl_);
-  if (!impl.meta) {
-    impl_->meta = std::make_shared<autograd::AutogradMeta>();
-    impl_->meta->id = g_next_id.fetch_add(1);
-  }
-  return impl_->meta;
-}
+uint64_t Tensor::id() const { return detail::meta(*this).id; }
 
-autograd::AutogradMeta& Tensor::meta() const { return *meta_ptr(); }
-
-uint64_t Tensor::id() const { return meta().id; }
+uint64_t Tensor::version() const { return checked(impl_).storage->version.load(); }
 
 bool Tensor::requires_grad() const { return defined() && impl_->meta && impl_->meta->requires_grad; }
 
 Tensor& Tensor::requires_grad_(bool value) {
-  autograd::AutogradMeta& m = meta();
+  autograd::AutogradMeta& m = detail::meta(*this);
   GDNCP_CHECK(!m.grad_fn, "Tensor::requires_grad_: only leaves (tensors not produced by a recorded op) can be marked");
   m.requires_grad = value;
   return *this;
@@ -370,6 +399,14 @@ Tensor Tensor::grad() const { return impl_ && impl_->meta ? impl_->meta->grad : 
 
 void Tensor::zero_grad() {
   if (impl_ && impl_->meta) impl_->meta->grad = Tensor();
+}
+
+void Tensor::set_grad(const Tensor& g) {
+  GDNCP_CHECK(!grad_fn(), "Tensor::set_grad: only a leaf has an accumulated gradient");
+  GDNCP_CHECK(g.defined() && g.shape() == shape() && g.dtype() == dtype() && g.device() == device(),
+              "Tensor::set_grad: g must be ", dtype_name(dtype()), shape_str(shape()), " on ", device_name(device()),
+              ", got ", g.defined() ? g.str() : std::string("an undefined tensor"));
+  detail::TensorInternals::meta(*this).grad = g;
 }
 
 Tensor Tensor::detach() const {
@@ -401,7 +438,7 @@ class ReshapeNode : public autograd::Node {
 }  // namespace
 
 Tensor Tensor::reshape(const Shape& new_shape) const {
-  GDNCP_CHECK(numel_of(new_shape) == numel(), "Tensor::reshape: cannot view ", str(), " as ", shape_str(new_shape));
+  GDNCP_CHECK(detail::checked_numel(new_shape, "Tensor::reshape") == numel(), "Tensor::reshape: cannot view ", str(), " as ", shape_str(new_shape));
   Tensor out = detach();
   out.impl_->shape = new_shape;
   autograd::record(std::make_shared<ReshapeNode>(shape()), {*this}, {out});

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "autograd/tensor_internals.h"
 #include "cp/cp_kernels.h"
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
@@ -87,6 +88,7 @@ void all_reduce_grads(Communicator& comm, const std::vector<Tensor>& params) {
     for (Tensor g : grads)
       if (g.defined() && g.dtype() == dt) {
         kern::copy_region(g, 0, pack, off, g.numel());
+        gdncp::detail::bump_version(g);
         off += g.numel();
       }
   }

@@ -1,9 +1,12 @@
 // src/cp/communicator.cpp — what every Communicator shares: the deadline, the
-// abort check and the padded record exchange of the validation policy.
+// abort check, the padded record exchange of the validation policy, and the
+// shared ownership taken by the nodes that use it in backward.
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "cp/validate_cp.h"
+#include "gdncp/autograd.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
 
@@ -20,11 +23,6 @@ const char* validation_name(Validation v) {
       return "off";
   }
   return "?";
-}
-
-void Communicator::set_timeout_seconds(double s) {
-  GDNCP_CHECK(std::isfinite(s) && s > 0, "set_timeout_seconds: timeout must be finite and > 0, got ", s);
-  timeout_seconds_ = s;
 }
 
 void Communicator::check_usable(const char* what) const {
@@ -47,5 +45,27 @@ void Communicator::exchange_record(void* out, const void* in, size_t bytes) {
   stats_.validations += 1;
 }
 
+void Communicator::set_timeout_seconds(double s) {
+  GDNCP_CHECK(std::isfinite(s) && s > 0, "Communicator::set_timeout_seconds: timeout_seconds: must be finite and > 0, got ",
+              s);
+  timeout_seconds_ = s;
+}
+
+namespace detail {
+
+std::shared_ptr<Communicator> shared_comm(Communicator& comm, const char* entry) {
+  std::shared_ptr<Communicator> owner = comm.weak_from_this().lock();
+  GDNCP_CHECK(owner != nullptr, entry,
+              ": comm: is not owned by a std::shared_ptr, but the backward of this call needs it after the call "
+              "returns; make it with make_mpi_communicator / make_nccl_communicator (or std::make_shared)");
+  return owner;
+}
+
+std::shared_ptr<Communicator> graph_comm(Communicator& comm, const std::vector<Tensor>& in, const char* entry) {
+  if (autograd::should_record(in)) return shared_comm(comm, entry);
+  return std::shared_ptr<Communicator>(std::shared_ptr<Communicator>(), &comm);
+}
+
+}  // namespace detail
 }  // namespace cp
 }  // namespace gdncp

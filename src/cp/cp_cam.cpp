@@ -38,8 +38,8 @@ ScanJob cam_job(const Tensor& Pc, const Tensor& Ac, const CamDims& d, const CpOp
 
 class CamNode : public autograd::Node {
  public:
-  CamNode(Communicator& comm, const CamDims& d, const CpOptions& o, int64_t offset)
-      : comm_(comm), d_(d), opt_(o), offset_(offset) {}
+  CamNode(std::shared_ptr<Communicator> comm, const CamDims& d, const CpOptions& o, int64_t offset)
+      : owner_(std::move(comm)), comm_(*owner_), d_(d), opt_(o), offset_(offset) {}
   const char* name() const override { return "cp_cam_gdn_num"; }
 
   // Saved after the inputs: Pc, gathered, Y, X0.
@@ -86,6 +86,7 @@ class CamNode : public autograd::Node {
   }
 
  private:
+  std::shared_ptr<Communicator> owner_;  // shares the communicator's ownership: it outlives this node
   Communicator& comm_;
   CamDims d_;
   CpOptions opt_;
@@ -109,7 +110,7 @@ std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& i
   std::vector<Tensor> outputs = {out};
   if (o.truncate_to_active > 0) outputs.push_back(jobs[0].T);
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CamNode>(comm, d, o, offset);
+    auto node = std::make_shared<CamNode>(detail::shared_comm(comm, "cp_cam_gdn_num"), d, o, offset);
     node->save_state(in, Pc, ctx, jobs[0]);
     autograd::record(node, in, outputs);
   }
@@ -178,7 +179,7 @@ CamResult cp_cam_gdn_num(Communicator& comm, const Tensor& q, const Tensor& k, c
   std::vector<Tensor> out;
   if (autograd::resolve_checkpoint(checkpoint, in)) {
     auto keep = std::make_shared<Tensor>();
-    Communicator* c = &comm;
+    const std::shared_ptr<Communicator> c = detail::graph_comm(comm, in, "cp_cam_gdn_num");
     const autograd::Function fn = [c, d, cp_options, offset, keep](const std::vector<Tensor>& x) {
       return cam_forward(*c, x, d, cp_options, offset, keep.get());
     };

@@ -45,9 +45,17 @@ enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kNumInpu
 
 class CpLayerNode : public autograd::Node {
  public:
-  CpLayerNode(Communicator& comm, const Dims& d, const BigdnOptions& opt, const CpOptions& cpo, MathMode mode,
-              bool bidi, int64_t offset, const Tensor& cuts)
-      : comm_(comm), d_(d), opt_(opt), cpo_(cpo), mode_(mode), bidi_(bidi), offset_(offset), cuts_(cuts) {}
+  CpLayerNode(std::shared_ptr<Communicator> comm, const Dims& d, const BigdnOptions& opt, const CpOptions& cpo,
+              MathMode mode, bool bidi, int64_t offset, const Tensor& cuts)
+      : owner_(std::move(comm)),
+        comm_(*owner_),
+        d_(d),
+        opt_(opt),
+        cpo_(cpo),
+        mode_(mode),
+        bidi_(bidi),
+        offset_(offset),
+        cuts_(cuts) {}
   const char* name() const override { return bidi_ ? "bigdn_cp" : "cp_gdn_raw"; }
 
   // Saved after the inputs: rstd, P, Pz, gathered, M, z (what phase C read), then Y, X0 per job.
@@ -143,6 +151,7 @@ class CpLayerNode : public autograd::Node {
                                  terminal ? grads[3] : Tensor());
   }
 
+  std::shared_ptr<Communicator> owner_;  // shares the communicator's ownership: it outlives this node
   Communicator& comm_;
   Dims d_;
   BigdnOptions opt_;
@@ -211,7 +220,8 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   }
 
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CpLayerNode>(comm, d, opt, cpo, mode, bidi, offset, cuts);
+    auto node = std::make_shared<CpLayerNode>(detail::shared_comm(comm, bidi ? "bigdn_cp" : "cp_gdn_raw"), d, opt,
+                                              cpo, mode, bidi, offset, cuts);
     node->save_state(in, rstd, P, Pz, ctx, M, z, jobs);
     autograd::record(node, in, outputs);
   }
@@ -257,7 +267,7 @@ std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in,
   if (!autograd::resolve_checkpoint(opt.checkpoint, in))
     return layer_forward(comm, in, d, opt, cpo, bidi, offset, cuts, nullptr, /*recompute=*/false);
   auto keep = std::make_shared<Tensor>();
-  Communicator* c = &comm;
+  const std::shared_ptr<Communicator> c = detail::graph_comm(comm, in, bidi ? "bigdn_cp" : "cp_gdn_raw");
   const autograd::RecomputeFunction fn = [c, d, opt, cpo, bidi, offset, cuts, keep](const std::vector<Tensor>& x,
                                                                                     bool recompute) {
     return layer_forward(*c, x, d, opt, cpo, bidi, offset, cuts, keep.get(), recompute);

@@ -62,8 +62,8 @@ void check_scan_inputs(const char* entry, const Tensor& P, const Tensor& A, cons
 
 class CpScanNode : public autograd::Node {
  public:
-  CpScanNode(Communicator& comm, bool bidi, const CpOptions& o, int64_t offset, const Tensor& cuts)
-      : comm_(comm), bidi_(bidi), opt_(o), offset_(offset), cuts_(cuts) {}
+  CpScanNode(std::shared_ptr<Communicator> comm, bool bidi, const CpOptions& o, int64_t offset, const Tensor& cuts)
+      : owner_(std::move(comm)), comm_(*owner_), bidi_(bidi), opt_(o), offset_(offset), cuts_(cuts) {}
   const char* name() const override { return bidi_ ? "cp_bidi_scan" : "cp_scan"; }
 
   void save_state(const std::vector<Tensor>& in, const std::vector<ScanJob>& jobs, const ScanContext& ctx) {
@@ -98,6 +98,7 @@ class CpScanNode : public autograd::Node {
   }
 
  private:
+  std::shared_ptr<Communicator> owner_;  // shares the communicator's ownership: it outlives this node
   Communicator& comm_;
   bool bidi_;
   CpOptions opt_;
@@ -130,7 +131,7 @@ std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor
   }
   const std::vector<Tensor> in = {P, A, Pz, bz, decay};
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CpScanNode>(comm, bidi, o, frames.offset, clip_starts);
+    auto node = std::make_shared<CpScanNode>(detail::shared_comm(comm, entry), bidi, o, frames.offset, clip_starts);
     node->save_state(in, jobs, ctx);
     autograd::record(node, in, outputs);
   }

@@ -1,7 +1,10 @@
 // src/cp/validate_cp.cpp — see validate_cp.h.
 #include "cp/validate_cp.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "gdncp/error.h"
@@ -177,10 +180,13 @@ FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecor
   FrameLayout f;
   for (int r = 0; r < P; ++r) {
     const int64_t Fr = all[static_cast<size_t>(r)].rec.F;
+    GDNCP_CHECK(Fr <= INT64_MAX - f.total, entry, ": F: the ranks' frames sum past int64 (rank ", r, " holds ", Fr,
+                ")");
     if (r < comm.rank()) f.offset += Fr;
     f.total += Fr;
   }
   GDNCP_CHECK(f.total > 0, entry, ": F: every rank of the CP group holds 0 frames (the sequence is empty)");
+  checked_mul(f.total, std::max<int64_t>(rec.S, 1), (std::string(entry) + ": F_total·S (global tokens)").c_str());
   ValidationMemory::remember(comm, mine.entry_hash, &mine, sizeof(Wire), f);
   return f;
 }

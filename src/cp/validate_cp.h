@@ -12,7 +12,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "gdncp/cp.h"
 
@@ -68,6 +70,15 @@ void check_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, 
 void check_cp_options(const char* entry, const CpOptions& o);
 // ... and the part that needs F_total (after it; the same verdict on every rank).
 void check_cp_options_global(const char* entry, const CpOptions& o, const FrameLayout& f);
+
+// The shared owner of comm, taken by a node (or a checkpoint's recompute)
+// that uses comm after the entry returns, so that the communicator lives as
+// long as the graph does. Throws naming `entry` when comm is not owned by a
+// std::shared_ptr (make_mpi_communicator and make_nccl_communicator return one).
+std::shared_ptr<Communicator> shared_comm(Communicator& comm, const char* entry);
+// For a checkpoint's recompute: shared_comm when a graph is recorded on in,
+// else a non-owning pointer (no backward will run after the call returns).
+std::shared_ptr<Communicator> graph_comm(Communicator& comm, const std::vector<Tensor>& in, const char* entry);
 
 }  // namespace detail
 }  // namespace cp

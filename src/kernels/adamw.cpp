@@ -2,6 +2,7 @@
 // and one elementwise twin call per parameter (adamw_ref.cpp / adamw.cu).
 #include <cmath>
 
+#include "autograd/tensor_internals.h"
 #include "gdncp/optim.h"
 #include "kernels/nn_kernels.h"
 
@@ -54,6 +55,7 @@ void AdamW::step(double grad_scale) {
                 " does not match ", p.str());
     if (g.dtype() != p.dtype()) g = g.to(p.dtype());
     GDNCP_NN_TWIN(p.device(), adamw_step, p, m_[i], v_[i], g, s);
+    for (const Tensor* t : {&p, &m_[i], &v_[i]}) detail::bump_version(*t);
   }
 }
 

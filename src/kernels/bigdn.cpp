@@ -192,7 +192,10 @@ std::pair<Tensor, Tensor> rope_tables(int64_t N, int64_t D, DType dtype, Device 
   GDNCP_CHECK(dtype == DType::f32 || dtype == DType::f64, "rope_tables: dtype: must be f32 or f64, got ",
               dtype_name(dtype));
   GDNCP_CHECK(std::isfinite(base) && base > 0, "rope_tables: base: must be finite and > 0, got ", base);
-  std::vector<double> c(static_cast<size_t>(N * D)), s(c.size());
+  int64_t last = 0;
+  GDNCP_CHECK(!__builtin_add_overflow(offset, N - 1, &last), "rope_tables: offset: ", offset, " + N - 1 (N = ", N,
+              ") overflows int64");
+  std::vector<double> c(static_cast<size_t>(checked_mul(N, D, "rope_tables: N·D (table size)"))), s(c.size());
   for (int64_t n = 0; n < N; ++n)
     for (int64_t i = 0; i < D / 2; ++i) {
       const double theta = static_cast<double>(n + offset) * std::pow(base, -2.0 * static_cast<double>(i) / D);

@@ -2,6 +2,7 @@
 #include "kernels/validate.h"
 
 #include <cmath>
+#include <string>
 
 #include "gdncp/error.h"
 
@@ -70,8 +71,8 @@ Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& b
   GDNCP_CHECK(qkv.size(2) == 3, entry, ": qkv: dim 2 must be 3 (q, k, v), got ", shape_str(qkv.shape()));
   GDNCP_CHECK(d.B > 0, entry, ": qkv: batch B (dim 0) must be > 0, got ", shape_str(qkv.shape()));
   GDNCP_CHECK(d.H > 0, entry, ": qkv: heads H (dim 3) must be > 0, got ", shape_str(qkv.shape()));
-  GDNCP_CHECK(qkv.size(1) == F * S, entry, ": qkv: dim 1 (N = ", qkv.size(1), ") must equal F·S = ", F, "·", S, " = ",
-              F * S);
+  const int64_t N = checked_mul(F, S, (std::string(entry) + ": F·S").c_str());
+  GDNCP_CHECK(qkv.size(1) == N, entry, ": qkv: dim 1 (N = ", qkv.size(1), ") must equal F·S = ", F, "·", S, " = ", N);
   GDNCP_CHECK(d.D >= 2 && d.D <= kMaxHeadDim && d.D % 2 == 0, entry,
               ": qkv: head dim D (dim 4) must be even and in 2..", kMaxHeadDim, ", got ", d.D);
 
@@ -110,9 +111,10 @@ Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& b
 
   // Scalars.
   GDNCP_CHECK(std::isfinite(options.k_scale), entry, ": k_scale: must be finite, got ", options.k_scale);
-  GDNCP_CHECK(std::isfinite(options.norm_eps) && options.norm_eps >= 0, entry,
-              ": norm_eps: must be finite and >= 0, got ", options.norm_eps);
-  GDNCP_CHECK(std::isfinite(options.eps) && options.eps >= 0, entry, ": eps: must be finite and >= 0, got ",
+  // > 0: with 0, a zero row (norm_eps) or a zero denominator (eps) turns finite input into NaN.
+  GDNCP_CHECK(std::isfinite(options.norm_eps) && options.norm_eps > 0, entry,
+              ": norm_eps: must be finite and > 0, got ", options.norm_eps);
+  GDNCP_CHECK(std::isfinite(options.eps) && options.eps > 0, entry, ": eps: must be finite and > 0, got ",
               options.eps);
   const int p = static_cast<int>(options.precision);
   GDNCP_CHECK(p >= 0 && p <= static_cast<int>(Precision::ieee), entry, ": precision: unknown value ", p);

@@ -1,0 +1,267 @@
+// tests/mpi_test_train_checks.cpp — gdncp_train's start-up checks and its
+// recovery from an interrupted run, in-process on 2 CPU ranks:
+//   - every path flag and the sizes are checked before any step, the error
+//     (a UsageError on every rank) names the flag;
+//   - --resume DIR whose newest checkpoint is corrupt resumes from the newest
+//     good one, says which it skipped, and trains as the uninterrupted run;
+//   - the temporary file of an interrupted save is removed;
+//   - the JSON-lines log of a resumed run holds every step once.
+// gdncp-mpi-np: 2
+#include <gtest/gtest.h>
+#include <mpi.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#if __has_include("trainer.h")  // examples/ built (GDNCP_BUILD_EXAMPLES): it links the trainer in
+#include "trainer.h"
+#define GDNCP_HAVE_TRAINER 1
+#endif
+
+namespace {
+
+namespace fs = std::filesystem;
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+#if GDNCP_HAVE_TRAINER
+
+// A scratch directory named by rank 0's pid, the same on every rank; made empty.
+std::string scratch(const std::string& name) {
+  long pid = static_cast<long>(getpid());
+  MPI_Bcast(&pid, 1, MPI_LONG, 0, MPI_COMM_WORLD);
+  const fs::path p = fs::temp_directory_path() / ("gdncp_train_checks_" + std::to_string(pid)) / name;
+  if (world_rank() == 0) {
+    fs::remove_all(p);
+    fs::create_directories(p);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  return p.string();
+}
+
+train::Config small() {
+  train::Config c;
+  c.layers = 1;
+  c.heads = 2;
+  c.head_dim = 8;
+  c.frames = 4;
+  c.tokens = 4;
+  c.batch = 2;
+  c.pool = 4;
+  c.cp = 2;
+  c.log_path = "";
+  c.print_every = 0;
+  c.check_every = 1;
+  return c;
+}
+
+// train() must throw a UsageError containing every one of parts (on every rank).
+void expect_usage(const train::Config& c, const std::vector<std::string>& parts) {
+  try {
+    train::train(c, MPI_COMM_WORLD);
+    ADD_FAILURE() << "rank " << world_rank() << ": no UsageError; expected one naming " << parts.front();
+  } catch (const train::UsageError& e) {
+    for (const std::string& p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
+          << "rank " << world_rank() << ": no '" << p << "' in: " << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "rank " << world_rank() << ": not a UsageError: " << e.what();
+  }
+}
+
+train::Result run(const train::Config& c) {
+  try {
+    return train::train(c, MPI_COMM_WORLD);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "rank " << world_rank() << ": train() threw: " << e.what();
+    return {};
+  }
+}
+
+// A regular file: paths "below" it cannot be created.
+std::string plain_file(const std::string& dir) {
+  const std::string f = dir + "/plain";
+  if (world_rank() == 0) std::ofstream(f) << "x";
+  MPI_Barrier(MPI_COMM_WORLD);
+  return f;
+}
+
+// Every rank fails if any rank failed.
+class TrainChecks : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    int mine = HasFailure() ? 1 : 0, any = 0;
+    MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (any && !mine) ADD_FAILURE() << "another rank failed";
+  }
+};
+
+// --- paths and sizes, checked at start ------------------------------------------------------
+
+TEST_F(TrainChecks, SaveDirThatCannotBeCreatedIsFoundBeforeAnyStep) {
+  const std::string dir = scratch("savedir");
+  train::Config c = small();
+  c.steps = 3;
+  c.save_dir = plain_file(dir) + "/ckpts";
+  c.log_path = dir + "/log.jsonl";
+  expect_usage(c, {"--save-dir " + c.save_dir, "cannot write checkpoints"});
+  EXPECT_FALSE(fs::exists(c.log_path)) << "the run started before the error";
+}
+
+TEST_F(TrainChecks, SaveDirThatIsAFile) {
+  const std::string dir = scratch("savefile");
+  train::Config c = small();
+  c.save_dir = plain_file(dir);
+  expect_usage(c, {"--save-dir", "not a directory"});
+}
+
+TEST_F(TrainChecks, LogThatCannotBeWritten) {
+  const std::string dir = scratch("log");
+  train::Config c = small();
+  c.log_path = plain_file(dir) + "/log.jsonl";
+  expect_usage(c, {"--log " + c.log_path});
+}
+
+TEST_F(TrainChecks, LogThatIsADirectory) {
+  const std::string dir = scratch("logdir");
+  train::Config c = small();
+  c.log_path = dir;
+  expect_usage(c, {"--log", "is a directory"});
+}
+
+TEST_F(TrainChecks, PlotThatCannotBeWritten) {
+  const std::string dir = scratch("plot");
+  train::Config c = small();
+  c.plot_path = plain_file(dir) + "/loss.svg";
+  expect_usage(c, {"--plot " + c.plot_path});
+}
+
+TEST_F(TrainChecks, ResumeDirectoryWithoutCheckpoints) {
+  const std::string dir = scratch("noresume");
+  train::Config c = small();
+  c.resume = dir;
+  expect_usage(c, {"--resume " + dir, "no step_*.ckpt"});
+}
+
+TEST_F(TrainChecks, SizesThatOverflowNameTheFlags) {
+  train::Config c = small();
+  c.batch = int64_t(1) << 40;
+  c.tokens = int64_t(1) << 40;
+  expect_usage(c, {"--batch × --frames × --tokens", "overflows"});
+}
+
+TEST_F(TrainChecks, DataSetLargerThanTheHostNamesTheFlags) {
+  train::Config c = small();
+  c.tokens = int64_t(1) << 36;  // 2^36 tokens × 4 frames × 2 videos × 4 batches × 16 channels: far beyond any host
+  expect_usage(c, {"--pool × --batch × --frames × --tokens × --heads × --head-dim", "bytes of memory"});
+}
+
+// --- an interrupted run ------------------------------------------------------------------------
+
+TEST_F(TrainChecks, CorruptNewestCheckpointFallsBackToTheNewestGoodOne) {
+  const std::string dir = scratch("fallback");
+  train::Config c = small();
+  c.steps = 6;
+  const train::Result full = run(c);
+
+  train::Config first = c;
+  first.steps = 4;
+  first.save_dir = dir;
+  first.save_every = 2;
+  run(first);
+  const std::string newest = dir + "/step_00000004.ckpt";
+  if (world_rank() == 0) fs::resize_file(newest, fs::file_size(newest) - 9);  // a torn write
+  MPI_Barrier(MPI_COMM_WORLD);
+
+  train::Config second = c;
+  second.resume = dir;
+  const train::Result b = run(second);
+  EXPECT_EQ(b.first_step, 3);
+  EXPECT_EQ(fs::path(b.resumed_from).filename(), "step_00000002.ckpt");
+  ASSERT_EQ(b.skipped_checkpoints.size(), 1u);
+  EXPECT_NE(b.skipped_checkpoints[0].find("step_00000004.ckpt"), std::string::npos) << b.skipped_checkpoints[0];
+  ASSERT_EQ(full.losses.size(), 6u);
+  ASSERT_EQ(b.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(b.losses[i], full.losses[2 + i]) << "step " << i + 3;
+  EXPECT_EQ(b.param_hash, full.param_hash);
+}
+
+TEST_F(TrainChecks, EveryCheckpointCorruptIsAnErrorNamingResume) {
+  const std::string dir = scratch("allbad");
+  if (world_rank() == 0) {
+    std::ofstream(dir + "/step_00000002.ckpt") << "junk";
+    std::ofstream(dir + "/step_00000001.ckpt") << "GDNCPCKP";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  train::Config c = small();
+  c.resume = dir;
+  expect_usage(c, {"--resume " + dir, "no usable checkpoint", "step_00000002.ckpt", "step_00000001.ckpt"});
+}
+
+TEST_F(TrainChecks, TemporaryFileOfAnInterruptedSaveIsRemoved) {
+  const std::string dir = scratch("stale");
+  const std::string tmp = dir + "/step_00000007.ckpt.tmp";
+  if (world_rank() == 0) std::ofstream(tmp) << "half a checkpoint";
+  MPI_Barrier(MPI_COMM_WORLD);
+  train::Config c = small();
+  c.steps = 2;
+  c.save_dir = dir;
+  run(c);
+  EXPECT_FALSE(fs::exists(tmp));
+  EXPECT_TRUE(fs::exists(dir + "/step_00000002.ckpt"));
+}
+
+TEST_F(TrainChecks, ResumedLogHoldsEveryStepOnce) {
+  const std::string dir = scratch("logonce");
+  train::Config c = small();
+  c.save_dir = dir;
+  c.save_every = 2;
+  c.log_path = dir + "/log.jsonl";
+  train::Config first = c;
+  first.steps = 5;  // logs steps 1..5, the last checkpoint is step 4
+  run(first);
+  if (world_rank() == 0) fs::remove(dir + "/step_00000005.ckpt");  // killed before its final save
+  MPI_Barrier(MPI_COMM_WORLD);
+  c.steps = 7;
+  c.resume = dir;  // from step 4: steps 5..7 run again or anew
+  run(c);
+  std::map<long long, int> seen;
+  std::ifstream log(c.log_path);
+  for (std::string line; std::getline(log, line);)
+    if (line.find("\"loss\"") != std::string::npos) ++seen[std::stoll(line.substr(line.find("\"step\":") + 7))];
+  EXPECT_EQ(seen.size(), 7u);
+  for (const auto& [step, n] : seen) EXPECT_EQ(n, 1) << "step " << step << " is logged " << n << " times";
+}
+
+#else
+TEST(TrainChecks, SkippedWithoutExamples) { GTEST_SKIP() << "built with GDNCP_BUILD_EXAMPLES=OFF"; }
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  if (world_rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int rc = RUN_ALL_TESTS();
+#if GDNCP_HAVE_TRAINER
+  const std::string root = fs::path(scratch("x")).parent_path().string();
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) fs::remove_all(root);
+#endif
+  int any = 0;
+  MPI_Allreduce(&rc, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return any;
+}
