@@ -22,9 +22,9 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // One layer step (forward + backward) of this rank's block of a seeded global
-// input of F frames per rank; returns out and the gradients, flattened.
-std::vector<double> layer_step(cp::Communicator& c, int64_t F, uint64_t seed = 77, bool backward_too = true) {
-  const int64_t S = 2;
+// input of F frames per rank of S tokens; returns out and the gradients, flattened.
+std::vector<double> layer_step(cp::Communicator& c, int64_t F, uint64_t seed = 77, bool backward_too = true,
+                               int64_t S = 2) {
   const LayerInputs l = local_block(make_layer_inputs(dims(1, 2, 4, F * c.size(), S), DType::f64, seed), F, c.rank());
   std::vector<Tensor> x = {leaf(l.qkv),      leaf(l.beta), leaf(l.decay), leaf(l.q_norm_w),
                            leaf(l.k_norm_w), l.rope_cos,   l.rope_sin};
@@ -87,19 +87,24 @@ TEST(MpiCommAsync, ValidationPolicies) {
   layer_step(*c, 3);
   EXPECT_EQ(c->stats().validations, 1) << "on_change validates a changed record once";
 
+  // off checks nothing, but a new record is exchanged once: the ranks' frame
+  // offsets need every rank's F (uneven ownership). Unchanged, nothing.
   c->reset_stats();
   c->set_validation(cp::Validation::off);
   layer_step(*c, 4);
-  EXPECT_EQ(c->stats().validations, 0) << "off never validates";
+  EXPECT_EQ(c->stats().validations, 1) << "off exchanges a new record once, for the frame layout";
+  c->reset_stats();
+  layer_step(*c, 4);
+  EXPECT_EQ(c->stats().validations, 0) << "off never exchanges an unchanged record";
   EXPECT_EQ(c->stats().host_waits, 0);
 
-  // A shape that differs between ranks from the start is named under every_call and on_change.
+  // A shape that must agree (S) and differs between ranks from the start is named under every_call and on_change.
   for (cp::Validation v : {cp::Validation::every_call, cp::Validation::on_change}) {
     if (nranks() == 1) break;
     auto fresh = cp::make_mpi_communicator(MPI_COMM_WORLD);
     fresh->set_validation(v);
     fresh->set_timeout_seconds(10);
-    expect_all_throw([&] { layer_step(*fresh, rank() == 1 ? 3 : 2); }, "F (frames per rank) differs");
+    expect_all_throw([&] { layer_step(*fresh, 2, 77, true, rank() == 1 ? 3 : 2); }, "S differs");
     EXPECT_FALSE(fresh->aborted()) << "a validation error leaves the communicator usable";
     layer_step(*fresh, 2);  // and the next agreeing call is validated afresh and runs
   }

@@ -64,7 +64,10 @@ struct ValidationMemory;
 //   on_change  — only when this rank's record differs from the last one it
 //                validated for the same entry on this communicator (default:
 //                a steady-state step exchanges nothing);
-//   off        — never (ranks that disagree then get garbage or a timeout).
+//   off        — no check (ranks that disagree then get garbage or a
+//                timeout); a record that changed is still exchanged once,
+//                unchecked, because the frame offsets of uneven ownership need
+//                every rank's F (a steady-state step exchanges nothing).
 // A rank whose record changes alone (the others skip the exchange and go on
 // to their data collective) still ends in an error on every rank: the
 // collectives carry their kind and size (MPI) and meet the deadline (NCCL),

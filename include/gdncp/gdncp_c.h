@@ -153,9 +153,8 @@ gdncp_status gdncp_graph_destroy(gdncp_graph* graph);
  * 1 beta (B, H, F, S), 2 decay (B, H, F), 3 q_norm_w (C) or NULL, 4 k_norm_w
  * (C) or NULL, rope_cos and rope_sin (F*S, D) (not differentiable),
  * clip_starts: the clip-start mask (B, F) f32 of docs/design.md §4a, or NULL
- * (one clip per row; the only value this build takes). Output (graph output
- * 0): out (B, F*S, H, D). options NULL = defaults. graph NULL: no recording
- * (inference). */
+ * (one clip per row). Output (graph output 0): out (B, F*S, H, D). options
+ * NULL = defaults. graph NULL: no recording (inference). */
 gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay, DLManagedTensor* q_norm_w,
                          DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos, DLManagedTensor* rope_sin,
                          DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,

@@ -38,9 +38,10 @@ def inputs(B, H, D, F, S, seed, norm=True, dtype=torch.float64):
 
 
 def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale, norm_eps=1e-5, eps=1e-6,
-          raw=False):
+          raw=False, clip_starts=None):
     """out (B, N, H, D); raw=True: the forward direction's num (B, N, H, D) and
-    den (B, H, N) without the divide (gdncp/cp.h cp_gdn_raw)."""
+    den (B, H, N) without the divide (gdncp/cp.h cp_gdn_raw). clip_starts (B, F):
+    1 where a frame begins a clip (§4a), None = one clip per row."""
     B, N, three, H, D = qkv.shape
     assert three == 3 and N == F * S
     C = H * D
@@ -80,18 +81,25 @@ def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scal
         g = decay[:, :, f, None, None]
         return g * (I - P[:, :, f]) @ M + A[:, :, f], (g * (I - Pz[:, :, f]) @ z[..., None])[..., 0] + bz[:, :, f]
 
+    # §4a: at a clip start f no state crosses: M_f = A_f, M̃_{f−1} = 0.
+    keep = torch.ones(B, F, dtype=qkv.dtype) if clip_starts is None else 1 - clip_starts.to(qkv.dtype)
+
+    def cut(f, M, z):  # zero the rows of batch entries whose frame f starts a clip
+        k = keep[:, f, None]
+        return M * k[..., None, None], z * k[..., None]
+
     M = torch.zeros(B, H, D, D, dtype=qkv.dtype)
     z = torch.zeros(B, H, D, dtype=qkv.dtype)
     fwd = []
     for f in range(F):
-        M, z = step(f, M, z)
+        M, z = step(f, *cut(f, M, z))
         fwd.append((M, z))
     rev = [None] * F
     M = torch.zeros(B, H, D, D, dtype=qkv.dtype)
     z = torch.zeros(B, H, D, dtype=qkv.dtype)
     rev[F - 1] = (M, z)
     for f in range(F - 2, -1, -1):
-        M, z = step(f + 1, M, z)
+        M, z = cut(f + 1, *step(f + 1, M, z))
         rev[f] = (M, z)
 
     if raw:

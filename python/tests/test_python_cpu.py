@@ -52,6 +52,26 @@ def test_bigdn_matches_eager(norm, checkpoint):
     check(run(door, leaves(x), w), run(eager_fn, leaves(x), w))
 
 
+def test_packed_clips_match_eager():
+    # Row 0: clips 1, 3; row 1: clips 2, 1, 1 (rows packed differently, 1-frame clips among them).
+    clips = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 1]], dtype=torch.float32)
+    x = eager.inputs(B, H, D, F, S, seed=13)
+    w = torch.randn(B, F * S, H, D, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+
+    def door(x):
+        return gdncp.bigdn(x["qkv"], x["beta"], x["decay"], x["q_norm_w"], x["k_norm_w"], x["rope_cos"],
+                           x["rope_sin"], F, S, k_scale=x["k_scale"], clip_starts=clips)
+
+    def eager_clips(x):
+        return eager.bigdn(x["qkv"], x["beta"], x["decay"], x["q_norm_w"], x["k_norm_w"], x["rope_cos"],
+                           x["rope_sin"], F, S, x["k_scale"], clip_starts=clips)
+
+    got, want = run(door, leaves(x), w), run(eager_clips, leaves(x), w)
+    check(got, want)
+    # The mask matters: without it the numbers differ.
+    assert eager.rel_l2(got[0], run(eager_fn, leaves(x), w)[0]) > 1e-3
+
+
 def test_checkpoint_on_equals_off_bitwise():
     x = eager.inputs(B, H, D, F, S, seed=3)
     w = torch.randn(B, F * S, H, D, dtype=torch.float64)
@@ -110,9 +130,9 @@ def test_bad_argument_names_it():
                     x["rope_sin"], 2, 2)
     with pytest.raises(gdncp.ArgumentError, match="qkv"):
         gdncp.bigdn(x["qkv"].int(), x["beta"], x["decay"], None, None, x["rope_cos"], x["rope_sin"], 2, 2)
-    with pytest.raises(gdncp.ArgumentError, match="clip_starts"):  # until the layers take the mask
+    with pytest.raises(gdncp.GdncpError, match="clip_starts"):  # (B, F) = (1, 2)
         gdncp.bigdn(x["qkv"], x["beta"], x["decay"], None, None, x["rope_cos"], x["rope_sin"], 2, 2,
-                    clip_starts=torch.zeros(1, 2, dtype=torch.float32))
+                    clip_starts=torch.zeros(1, 3, dtype=torch.float32))
     with pytest.raises(ValueError, match="precision"):
         gdncp.bigdn(x["qkv"], x["beta"], x["decay"], None, None, x["rope_cos"], x["rope_sin"], 2, 2,
                     precision="fp8")

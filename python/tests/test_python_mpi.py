@@ -40,9 +40,9 @@ def leaves(x):
             for k, v in x.items()}
 
 
-def door_step(comm, x, F, w, checkpoint="off"):
+def door_step(comm, x, F, w, checkpoint="off", clip_starts=None):
     out = gdncp.bigdn_cp(comm, x["qkv"], x["beta"], x["decay"], x["q_norm_w"], x["k_norm_w"], x["rope_cos"],
-                         x["rope_sin"], F, S, k_scale=x["k_scale"], checkpoint=checkpoint)
+                         x["rope_sin"], F, S, k_scale=x["k_scale"], checkpoint=checkpoint, clip_starts=clip_starts)
     (out * w).sum().backward()
     grads = {k: x[k].grad for k in GRADS if x[k] is not None}
     for k in ("q_norm_w", "k_norm_w"):  # partial per rank: the sum over ranks is the gradient
@@ -51,23 +51,35 @@ def door_step(comm, x, F, w, checkpoint="off"):
     return out.detach(), grads
 
 
+def clip_mask(F_total):
+    """Clips of lengths 2, 1, 2, ... per row, row 1 packed differently; crosses rank boundaries."""
+    c = torch.zeros(B, F_total, dtype=torch.float32)
+    for b in range(B):
+        for f in range(F_total):
+            c[b, f] = 1.0 if f == 0 or (f + b) % 3 == 0 else 0.0
+    return c
+
+
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("checkpoint", ["off", "on"])
-def test_cp_layer_matches_eager(comm, norm, checkpoint):
+@pytest.mark.parametrize("shape", ["even", "uneven", "clips"])
+def test_cp_layer_matches_eager(comm, norm, checkpoint, shape):
     P, r = comm.size, comm.rank
-    # This tree's CP layers take one F on every rank: F_total a multiple of P.
-    F_total = 2 * P
+    # even: 2 frames a rank; uneven: 2·P + 1 frames (5 on 2 ranks = 3 + 2); clips: uneven, packed clips.
+    F_total = 2 * P if shape == "even" else 2 * P + 1
     F, off = eager.balanced_split(F_total, P, r)
     x = eager.inputs(B, H, D, F_total, S, seed=21, norm=norm)
     w = torch.randn(B, F_total * S, H, D, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
     w_local = w[:, off * S:(off + F) * S].contiguous()
+    clips = clip_mask(F_total) if shape == "clips" else None
+    clips_local = clips[:, off:off + F].contiguous() if clips is not None else None
 
     # Collectives first, on every rank, so a failed comparison cannot leave a peer waiting.
-    out, grads = door_step(comm, leaves(local(x, off, F)), F, w_local, checkpoint)
+    out, grads = door_step(comm, leaves(local(x, off, F)), F, w_local, checkpoint, clips_local)
 
     ref = leaves(x)
     out_ref = eager.bigdn(ref["qkv"], ref["beta"], ref["decay"], ref["q_norm_w"], ref["k_norm_w"], ref["rope_cos"],
-                          ref["rope_sin"], F_total, S, ref["k_scale"])
+                          ref["rope_sin"], F_total, S, ref["k_scale"], clip_starts=clips)
     (out_ref * w).sum().backward()
     ref_local = local({k: (v.grad if k in GRADS and v is not None else v) for k, v in ref.items()}, off, F)
 

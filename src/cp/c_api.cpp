@@ -296,12 +296,6 @@ const char* const kLayerNames[] = {"qkv",      "beta",     "decay",    "q_norm_w
 
 std::vector<const char*> layer_names() { return std::vector<const char*>(kLayerNames, kLayerNames + 8); }
 
-// The clip-start mask reaches the layers once their C++ entries take it; until
-// then only the one-clip-per-row default (NULL) is accepted.
-void no_clip_mask_yet(const Inputs& in, size_t i, const char* fn) {
-  if (in.given(i))
-    argument_error(fn, ": clip_starts: this build's layers take no clip-start mask yet; pass NULL (one clip per row)");
-}
 
 }  // namespace
 
@@ -568,13 +562,12 @@ gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedT
   return guarded([&] {
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
     for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
-    no_clip_mask_yet(in, 7, fn);
     not_null(out, fn, "out");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
     run_layer(
         fn, in, 5, 8, requires_grad, stream, nullptr,
         [&](std::vector<Tensor>& x) {
-          return std::vector<Tensor>{gdncp::bigdn(x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt)};
+          return std::vector<Tensor>{gdncp::bigdn(x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[7])};
         },
         out, 1, graph);
   });
@@ -590,13 +583,12 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
     auto& c = comm_of(comm, fn);
     for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
-    no_clip_mask_yet(in, 7, fn);
     not_null(out, fn, "out");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
     run_layer(
         fn, in, 5, 8, requires_grad, stream, comm->c,
         [&](std::vector<Tensor>& x) {
-          return std::vector<Tensor>{gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt)};
+          return std::vector<Tensor>{gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[7])};
         },
         out, 1, graph);
   });
@@ -612,7 +604,6 @@ gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedT
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
     auto& c = comm_of(comm, fn);
     for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
-    no_clip_mask_yet(in, 7, fn);
     not_null(outputs, fn, "outputs");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
     const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
@@ -620,7 +611,7 @@ gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedT
         fn, in, 5, 8, requires_grad, stream, comm->c,
         [&](std::vector<Tensor>& x) {
           gdncp::cp::RawResult r =
-              gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt);
+              gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt, x[7]);
           return std::vector<Tensor>{r.num, r.den, r.terminal_M, r.terminal_z};
         },
         outputs, 4, graph);
@@ -636,13 +627,12 @@ gdncp_status gdncp_cp_scan(gdncp_comm* comm, DLManagedTensor* P, DLManagedTensor
     Inputs in(fn, {P, A, Pz, bz, decay, clip_starts}, {"P", "A", "Pz", "bz", "decay", "clip_starts"});
     auto& c = comm_of(comm, fn);
     for (size_t i = 0; i < 5; ++i) in.require(i);
-    no_clip_mask_yet(in, 5, fn);
     not_null(outputs, fn, "outputs");
     const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
     run_layer(
         fn, in, 5, 6, requires_grad, stream, comm->c,
         [&](std::vector<Tensor>& x) {
-          gdncp::cp::ScanResult r = gdncp::cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], cp_opt);
+          gdncp::cp::ScanResult r = gdncp::cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], cp_opt, x[5]);
           return std::vector<Tensor>{r.M, r.z, r.terminal_M, r.terminal_z};
         },
         outputs, 4, graph);
