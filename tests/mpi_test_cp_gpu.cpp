@@ -508,6 +508,9 @@ TEST(NcclCommAsync, CollectivesReturnOnceEnqueued) {
   Tensor in = gpu(contribution(r)), s = gpu(contribution(r));
   c.all_gather(out, in);  // warm: NCCL connects lazily on the first call
   synchronize();
+  // The watchdog counts a collective when it sees it complete: let it count the warm-up first.
+  for (int spins = 0; c.stats().calls < 1 && spins < 2000; ++spins)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   c.reset_stats();
   c.all_gather(out, in);
   c.all_reduce_sum(s);

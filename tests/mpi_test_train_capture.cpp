@@ -1,11 +1,12 @@
 // tests/mpi_test_train_capture.cpp — the trainer's step (examples/train:
 // forward of the model through bigdn_cp over NCCL, MSE loss, backward, the
 // gradient all-reduce, AdamW) captured in a CUDA graph: each replay equals the
-// eager step bitwise. Two ranks, CP = 2, one GPU each; skips without them.
+// eager step bitwise. CP = the number of ranks (1 or 2), one GPU each; skips
+// without them.
 // The captured step leaves out what reads the host (the loss value) and keeps
 // the learning rate and AdamW's step count fixed (they are launch arguments,
 // captured with the graph): the eager reference does the same.
-// gdncp-mpi-np: 2
+// gdncp-mpi-np: 1 2
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -45,7 +46,9 @@ std::vector<std::vector<double>> host(const std::vector<Tensor>& ts) {
 
 TEST(TrainCapture, StepReplaysBitwise) {
   if (!gpus_for_every_rank()) GTEST_SKIP() << "needs one GPU per rank";
-  train::Dist dist(MPI_COMM_WORLD, 2, Device::cuda, 60);
+  int world = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  train::Dist dist(MPI_COMM_WORLD, world, Device::cuda, 60);
   const int64_t F = 2, S = 4, D = 8, H = 2, C = H * D;
   train::ForwardContext ctx;
   ctx.dist = &dist;

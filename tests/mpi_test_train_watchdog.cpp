@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -80,8 +81,15 @@ TEST(TrainWatchdog, StoppedRankEndsTheRunInTime) {
     const std::string kv = *e;
     const bool launcher = kv.rfind("OMPI_", 0) == 0 || kv.rfind("PMIX_", 0) == 0 || kv.rfind("OPAL_", 0) == 0 ||
                           kv.rfind("PRTE_", 0) == 0;
-    if (!launcher || kv.rfind("OMPI_ALLOW_RUN_AS_ROOT", 0) == 0) env.push_back(kv);
+    // The machine's own launcher settings stay (e.g. a plm_rsh_agent for hosts without ssh).
+    if (!launcher || kv.rfind("OMPI_ALLOW_RUN_AS_ROOT", 0) == 0 || kv.rfind("OMPI_MCA_plm_", 0) == 0) env.push_back(kv);
   }
+  // A one-node launch needs no remote shell, but Open MPI's launcher insists on
+  // finding one: where there is no ssh or rsh, point it at false.
+  const bool has_agent = std::any_of(env.begin(), env.end(),
+                                     [](const std::string& kv) { return kv.rfind("OMPI_MCA_plm_rsh_agent=", 0) == 0; });
+  if (!has_agent && find_on_path("ssh").empty() && find_on_path("rsh").empty())
+    env.push_back("OMPI_MCA_plm_rsh_agent=false");
   const fs::path log = fs::temp_directory_path() / ("gdncp_train_watchdog_" + std::to_string(getpid()) + ".log");
   std::vector<std::string> args = {mpirun,
                                    "-np",

@@ -88,10 +88,16 @@ class CachingAllocator {
     GraphPool* pool = capturing_ ? &pools_[capturing_] : nullptr;
     void* ptr = nullptr;
     size_t got = size;
-    if (pool && take(pool->free_blocks, size, &ptr, &got)) {
+    // While capturing, the best fit over the graph's pool and the cache
+    // together: the same block sizes an eager step finds in its one cache,
+    // so a capture after an eager warm-up needs no cudaMalloc.
+    const bool pool_first = pool && fits_better(pool->free_blocks, c.free_blocks, size);
+    if (pool_first && take(pool->free_blocks, size, &ptr, &got)) {
       // from the graph's own pool
     } else if (take(c.free_blocks, size, &ptr, &got)) {
       c.stats.cached -= got;
+    } else if (pool && take(pool->free_blocks, size, &ptr, &got)) {
+      // from the graph's own pool
     } else {
       cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
       if (pool) {
@@ -206,6 +212,13 @@ class CachingAllocator {
 
  private:
   // A free block of at least size and at most twice it (bounds the waste).
+  // True when a's best fit for size is at least as tight as b's (and a has one).
+  static bool fits_better(const std::multimap<size_t, void*>& a, const std::multimap<size_t, void*>& b, size_t size) {
+    const auto ia = a.lower_bound(size), ib = b.lower_bound(size);
+    if (ia == a.end() || ia->first > 2 * size) return false;
+    return ib == b.end() || ia->first <= ib->first;
+  }
+
   static bool take(std::multimap<size_t, void*>& blocks, size_t size, void** ptr, size_t* got) {
     auto it = blocks.lower_bound(size);
     if (it == blocks.end() || it->first > 2 * size) return false;
