@@ -508,9 +508,12 @@ TEST(NcclCommAsync, CollectivesReturnOnceEnqueued) {
   Tensor in = gpu(contribution(r)), s = gpu(contribution(r));
   c.all_gather(out, in);  // warm: NCCL connects lazily on the first call
   synchronize();
-  // The watchdog counts a collective when it sees it complete: let it count the warm-up first.
-  for (int spins = 0; c.stats().calls < 1 && spins < 2000; ++spins)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // The watchdog counts a collective when it sees it complete: let it count the
+  // warm-up (and what earlier tests left) first, until the count holds still.
+  for (int64_t seen = -1, spins = 0; c.stats().calls != seen && spins < 100; ++spins) {
+    seen = c.stats().calls;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
   c.reset_stats();
   c.all_gather(out, in);
   c.all_reduce_sum(s);
