@@ -247,6 +247,15 @@ static void case_bad_argument(void) {
   EXPECT(all_deleted_once(L), "inputs consumed once");
   EXPECT(out == NULL, "no output on failure");
 
+  /* The same failure in a call that records a graph: no graph, inputs consumed once. */
+  {
+    gdncp_graph* fg = NULL;
+    layer_wrap(L, in);
+    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, F + 1, S, NULL, NULL, 0x1f, &out, &fg);
+    EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "qkv") != NULL, "%d '%s'", st, gdncp_last_error());
+    EXPECT(fg == NULL && out == NULL && all_deleted_once(L), "no graph, no output, inputs consumed once");
+  }
+
   /* A clip mask of the wrong shape, (B, F + 1): refused by name, and consumed. */
   {
     float clip[B * (F + 1)] = {0};
