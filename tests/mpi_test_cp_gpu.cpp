@@ -533,12 +533,18 @@ struct Result {
 // f64 CPU copy of inputs (the oracle sees exactly the values the GPU saw).
 LayerInputs as_f64(const LayerInputs& in) { return convert(in, DType::f64); }
 
+// The global inputs of a GPU layer test, in bf16 math for bf16 data, else IEEE f32.
+LayerInputs global_layer_inputs(const Dims& d, DType dt, uint64_t seed) {
+  LayerInputs g = make_layer_inputs(d, dt, seed);
+  g.opt.precision = dt == DType::bf16 ? Precision::bf16 : Precision::ieee;
+  return g;
+}
+
 void check_layer_gpu(DType dt, uint64_t seed) {
   REQUIRE_GPUS();
   const int P = nranks(), r = rank();
   const int64_t F = 3, S = 37, D = 112, H = 2;
-  LayerInputs g = make_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
-  g.opt.precision = dt == DType::bf16 ? Precision::bf16 : Precision::ieee;
+  const LayerInputs g = global_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
   const Tensor w = Tensor::randn({1, F * P * S, H, D}, dt, Device::cpu, seed + 9);
 
   auto run = [&](cp::Communicator* comm, const LayerInputs& in, const Tensor& wt, Device dev, bool reduce) {
@@ -603,8 +609,7 @@ void check_raw_gpu(DType dt, uint64_t seed) {
   REQUIRE_GPUS();
   const int P = nranks(), r = rank();
   const int64_t F = 2, S = 21, D = 64, H = 2;
-  LayerInputs g = make_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
-  g.opt.precision = dt == DType::bf16 ? Precision::bf16 : Precision::ieee;
+  const LayerInputs g = global_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
   cp::CpOptions o;
   o.truncate_to_active = F * P - 1;
   const std::vector<Tensor> w = {Tensor::randn({1, F * P * S, H, D}, DType::f32, Device::cpu, seed + 1),
@@ -640,6 +645,23 @@ void check_raw_gpu(DType dt, uint64_t seed) {
 TEST(CpRawGpu, MatchesOneGpuF32) { check_raw_gpu(DType::f32, 400); }
 TEST(CpRawGpu, MatchesOneGpuBf16) { check_raw_gpu(DType::bf16, 410); }
 
+// cp_cam_gdn_num over CUDA leaves of in (q, k, v, beta, decay; F frames of S
+// tokens) with the loss ⟨wt, out⟩: out and the five gradients, on the CPU.
+std::vector<Tensor> run_cam_gpu(cp::Communicator& comm, const std::vector<Tensor>& in, const Tensor& wt, int64_t F,
+                                int64_t S, const cp::CpOptions& o = {}) {
+  std::vector<Tensor> x;
+  for (const Tensor& t : in) {
+    Tensor y = t.to(Device::cuda);
+    y.requires_grad_(true);
+    x.push_back(y);
+  }
+  const cp::CamResult cr = cp::cp_cam_gdn_num(comm, x[0], x[1], x[2], x[3], x[4], F, S, o);
+  backward_weighted({cr.out}, {wt.to(Device::cuda)});
+  std::vector<Tensor> res = {cpu(cr.out)};
+  for (const Tensor& t : x) res.push_back(cpu(t.grad()));
+  return res;
+}
+
 void check_cam_gpu(DType dt, uint64_t seed) {
   REQUIRE_GPUS();
   const int P = nranks(), r = rank();
@@ -654,17 +676,7 @@ void check_cam_gpu(DType dt, uint64_t seed) {
   o.reverse_rank_order = true;
   const int b = P - 1 - r;
   auto run = [&](cp::Communicator& comm, const std::vector<Tensor>& in, const Tensor& wt, int64_t Fl) {
-    std::vector<Tensor> x;
-    for (const Tensor& t : in) {
-      Tensor y = t.to(Device::cuda);
-      y.requires_grad_(true);
-      x.push_back(y);
-    }
-    const cp::CamResult cr = cp::cp_cam_gdn_num(comm, x[0], x[1], x[2], x[3], x[4], Fl, S, o);
-    backward_weighted({cr.out}, {wt.to(Device::cuda)});
-    std::vector<Tensor> res = {cpu(cr.out)};
-    for (const Tensor& t : x) res.push_back(cpu(t.grad()));
-    return res;
+    return run_cam_gpu(comm, in, wt, Fl, S, o);
   };
   const std::vector<Tensor> mine =
       run(*nccl_world(),
@@ -808,17 +820,7 @@ TEST(CpUnevenGpu, CamMatchesOneGpu) {
                                     Tensor::uniform({1, H, Ft}, DType::f32, Device::cpu, 805, 0.5, 0.99)};
     const Tensor w = Tensor::randn({1, H, D, N}, DType::f32, Device::cpu, 806);
     auto run = [&](cp::Communicator& comm, const std::vector<Tensor>& x_in, const Tensor& wt, int64_t Fl) {
-      std::vector<Tensor> x;
-      for (const Tensor& t : x_in) {
-        Tensor y = t.to(Device::cuda);
-        y.requires_grad_(true);
-        x.push_back(y);
-      }
-      const cp::CamResult cr = cp::cp_cam_gdn_num(comm, x[0], x[1], x[2], x[3], x[4], Fl, S);
-      backward_weighted({cr.out}, {wt.to(Device::cuda)});
-      std::vector<Tensor> res = {cpu(cr.out)};
-      for (const Tensor& t : x) res.push_back(cpu(t.grad()));
-      return res;
+      return run_cam_gpu(comm, x_in, wt, Fl, S);
     };
     const std::vector<Tensor> mine = run(
         *nccl_world(),
