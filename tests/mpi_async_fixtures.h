@@ -35,8 +35,7 @@ inline std::vector<double> layer_step(cp::Communicator& c, int64_t F, uint64_t s
 
 // Every rank must throw gdncp::Error from fn within `within` seconds, with a
 // message containing one of `what`.
-inline void expect_error_in_time(const std::function<void()>& fn, const std::vector<std::string>& what,
-                                 double within) {
+inline void expect_error_in_time(const std::function<void()>& fn, const std::vector<std::string>& what, double within) {
   const auto t0 = Clock::now();
   try {
     fn();

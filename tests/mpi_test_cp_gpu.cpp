@@ -257,9 +257,9 @@ TEST(CudaTwins, GradOuterAndFoldMatchCpu) {
         cp::SweepSpec s = sweep_spec(BH, F, D, E);
         s.active = variant == 2 ? 2 : F;
         const bool shifted = variant == 1, acc = variant != 0;
-        expect_grad_outer_twins(dP0, dg0, L, R, R0, P, decay, s, shifted, acc, Tensor(),
-                                "outer D=" + std::to_string(D) + " E=" + std::to_string(E) + " v" +
-                                    std::to_string(variant));
+        expect_grad_outer_twins(
+            dP0, dg0, L, R, R0, P, decay, s, shifted, acc, Tensor(),
+            "outer D=" + std::to_string(D) + " E=" + std::to_string(E) + " v" + std::to_string(variant));
       }
       // fold over 3 "ranks" in the order 2, 0, 1, plain and transposed, and with identity M.
       const int64_t per = BH * D * D + BH * D * E;
