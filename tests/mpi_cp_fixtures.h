@@ -74,6 +74,37 @@ inline LayerInputs local_block(const LayerInputs& g, int64_t F, int b) {
   return l;
 }
 
+// A well-conditioned transition: P = X Xᵀ with X ~ N(0, (0.8/D)²), so I − P is
+// a contraction, like kʳᵀ diag(β) kʳ of the layer.
+inline Tensor make_P(int64_t BH, int64_t F, int64_t D, DType dt, uint64_t seed) {
+  const std::vector<double> x = Tensor::randn({BH, F, D, D}, DType::f64, Device::cpu, seed, 0.8 / D).to_vector();
+  std::vector<double> p(x.size(), 0.0);
+  for (int64_t m = 0; m < BH * F; ++m)
+    for (int64_t i = 0; i < D; ++i)
+      for (int64_t j = 0; j < D; ++j) {
+        double s = 0;
+        for (int64_t k = 0; k < D; ++k)
+          s += x[static_cast<size_t>((m * D + i) * D + k)] * x[static_cast<size_t>((m * D + j) * D + k)];
+        p[static_cast<size_t>((m * D + i) * D + j)] = s;
+      }
+  return Tensor::from_vector(p, {BH, F, D, D}, dt);
+}
+
+// The outputs of a scan or a raw layer call, the terminal state (when returned) last.
+inline std::vector<Tensor> with_terminal(std::vector<Tensor> out, const Tensor& terminal_M, const Tensor& terminal_z) {
+  if (terminal_M.defined()) {
+    out.push_back(terminal_M);
+    out.push_back(terminal_z);
+  }
+  return out;
+}
+inline std::vector<Tensor> scan_outputs(const cp::ScanResult& r) {
+  return with_terminal({r.M, r.z}, r.terminal_M, r.terminal_z);
+}
+inline std::vector<Tensor> raw_outputs(const cp::RawResult& r) {
+  return with_terminal({r.num, r.den}, r.terminal_M, r.terminal_z);
+}
+
 // CP options with the state flowing from rank P−1 down to rank 0.
 inline cp::CpOptions reversed_ranks() {
   cp::CpOptions o;

@@ -221,6 +221,29 @@ TEST(CudaTwins, ScanKernelsManySlicesMatchCpu) {
   }
 }
 
+// scan_grad_outer on CPU and on CUDA from the same dP0 and dg0 (dP0 poisoned
+// unless accumulating; R0 unused when shifted; cuts: the clip mask, or
+// undefined): the CUDA dP fully written, dP and dg within tol::f32 of the CPU.
+void expect_grad_outer_twins(const Tensor& dP0, const Tensor& dg0, const Tensor& L, const Tensor& R, const Tensor& R0,
+                             const Tensor& P, const Tensor& decay, const cp::SweepSpec& s, bool shifted, bool acc,
+                             const Tensor& cuts, const std::string& what) {
+  Tensor out[2][2];
+  for (int g = 0; g < 2; ++g) {
+    Tensor dP = g ? gpu(dP0) : dP0.clone(), dg = g ? gpu(dg0) : dg0.clone();
+    if (!acc) poison(dP);
+    if (g)
+      cp::cuda::scan_grad_outer(dP, dg, gpu(L), gpu(R), shifted ? Tensor() : gpu(R0), gpu(P), gpu(decay), s, shifted,
+                                acc, gpu(cuts));
+    else
+      cp::cpu::scan_grad_outer(dP, dg, L, R, shifted ? Tensor() : R0, P, decay, s, shifted, acc, cuts);
+    out[g][0] = cpu(dP);
+    out[g][1] = cpu(dg);
+  }
+  EXPECT_FALSE(has_nonfinite(out[1][0])) << what;
+  EXPECT_TRUE(close_rel(out[1][0], out[0][0], test::tol::f32, what + " dP"));
+  EXPECT_TRUE(close_rel(out[1][1], out[0][1], test::tol::f32, what + " dg"));
+}
+
 TEST(CudaTwins, GradOuterAndFoldMatchCpu) {
   REQUIRE_GPUS();
   for (const int64_t D : {int64_t(7), int64_t(112)})
@@ -234,23 +257,9 @@ TEST(CudaTwins, GradOuterAndFoldMatchCpu) {
         cp::SweepSpec s = sweep_spec(BH, F, D, E);
         s.active = variant == 2 ? 2 : F;
         const bool shifted = variant == 1, acc = variant != 0;
-        Tensor out[2][2];
-        for (int g = 0; g < 2; ++g) {
-          Tensor dP = g ? gpu(dP0) : dP0.clone(), dg = g ? gpu(dg0) : dg0.clone();
-          if (!acc) poison(dP);
-          if (g)
-            cp::cuda::scan_grad_outer(dP, dg, gpu(L), gpu(R), shifted ? Tensor() : gpu(R0), gpu(P), gpu(decay), s,
-                                      shifted, acc);
-          else
-            cp::cpu::scan_grad_outer(dP, dg, L, R, shifted ? Tensor() : R0, P, decay, s, shifted, acc);
-          out[g][0] = cpu(dP);
-          out[g][1] = cpu(dg);
-        }
-        const std::string what =
-            "outer D=" + std::to_string(D) + " E=" + std::to_string(E) + " v" + std::to_string(variant);
-        EXPECT_FALSE(has_nonfinite(out[1][0])) << what;
-        EXPECT_TRUE(close_rel(out[1][0], out[0][0], test::tol::f32, what + " dP"));
-        EXPECT_TRUE(close_rel(out[1][1], out[0][1], test::tol::f32, what + " dg"));
+        expect_grad_outer_twins(
+            dP0, dg0, L, R, R0, P, decay, s, shifted, acc, Tensor(),
+            "outer D=" + std::to_string(D) + " E=" + std::to_string(E) + " v" + std::to_string(variant));
       }
       // fold over 3 "ranks" in the order 2, 0, 1, plain and transposed, and with identity M.
       const int64_t per = BH * D * D + BH * D * E;
@@ -371,11 +380,7 @@ TEST(CudaTwins, ScanSweepClipCutsMatchCpu) {
         const Tensor cuts = Tensor::from_vector(c, {B, F}, DType::f32);
         for (int mode = 0; mode < 4; ++mode)
           for (const cp::Cut cut : {cp::Cut::before, cp::Cut::after}) {
-            cp::SweepSpec s;
-            s.BH = BH;
-            s.F = F;
-            s.D = D;
-            s.E = E;
+            cp::SweepSpec s = sweep_spec(BH, F, D, E);
             s.H = H;
             s.cut = cut;
             s.active = mode == 0 ? std::max<int64_t>(F - 1, 0) : F;  // a frozen frame ignores its cut
@@ -427,30 +432,11 @@ TEST(CudaTwins, GradOuterClipCutsMatchCpu) {
       const Tensor decay = Tensor::uniform({B, H, F}, DType::f32, Device::cpu, 44, 0.5, 0.99);
       const Tensor dP0 = rnd({BH, F, D, D}, 45), dg0 = rnd({BH, F}, 46);
       for (int variant = 0; variant < 2; ++variant) {
-        cp::SweepSpec s;
-        s.BH = BH;
-        s.F = F;
-        s.D = D;
-        s.E = E;
+        cp::SweepSpec s = sweep_spec(BH, F, D, E);
         s.H = H;
-        s.active = F;
         const bool shifted = variant == 1, acc = variant == 1;
-        Tensor out[2][2];
-        for (int g = 0; g < 2; ++g) {
-          Tensor dP = g ? gpu(dP0) : dP0.clone(), dg = g ? gpu(dg0) : dg0.clone();
-          if (!acc) poison(dP);
-          if (g)
-            cp::cuda::scan_grad_outer(dP, dg, gpu(L), gpu(R), shifted ? Tensor() : gpu(R0), gpu(P), gpu(decay), s,
-                                      shifted, acc, gpu(cuts));
-          else
-            cp::cpu::scan_grad_outer(dP, dg, L, R, shifted ? Tensor() : R0, P, decay, s, shifted, acc, cuts);
-          out[g][0] = cpu(dP);
-          out[g][1] = cpu(dg);
-        }
-        const std::string what = "cut outer D=" + std::to_string(D) + " E=" + std::to_string(E);
-        EXPECT_FALSE(has_nonfinite(out[1][0])) << what;
-        EXPECT_TRUE(close_rel(out[1][0], out[0][0], test::tol::f32, what + " dP"));
-        EXPECT_TRUE(close_rel(out[1][1], out[0][1], test::tol::f32, what + " dg"));
+        expect_grad_outer_twins(dP0, dg0, L, R, R0, P, decay, s, shifted, acc, cuts,
+                                "cut outer D=" + std::to_string(D) + " E=" + std::to_string(E));
       }
     }
 }
@@ -547,12 +533,18 @@ struct Result {
 // f64 CPU copy of inputs (the oracle sees exactly the values the GPU saw).
 LayerInputs as_f64(const LayerInputs& in) { return convert(in, DType::f64); }
 
+// The global inputs of a GPU layer test, in bf16 math for bf16 data, else IEEE f32.
+LayerInputs global_layer_inputs(const Dims& d, DType dt, uint64_t seed) {
+  LayerInputs g = make_layer_inputs(d, dt, seed);
+  g.opt.precision = dt == DType::bf16 ? Precision::bf16 : Precision::ieee;
+  return g;
+}
+
 void check_layer_gpu(DType dt, uint64_t seed) {
   REQUIRE_GPUS();
   const int P = nranks(), r = rank();
   const int64_t F = 3, S = 37, D = 112, H = 2;
-  LayerInputs g = make_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
-  g.opt.precision = dt == DType::bf16 ? Precision::bf16 : Precision::ieee;
+  const LayerInputs g = global_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
   const Tensor w = Tensor::randn({1, F * P * S, H, D}, dt, Device::cpu, seed + 9);
 
   auto run = [&](cp::Communicator* comm, const LayerInputs& in, const Tensor& wt, Device dev, bool reduce) {
@@ -617,8 +609,7 @@ void check_raw_gpu(DType dt, uint64_t seed) {
   REQUIRE_GPUS();
   const int P = nranks(), r = rank();
   const int64_t F = 2, S = 21, D = 64, H = 2;
-  LayerInputs g = make_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
-  g.opt.precision = dt == DType::bf16 ? Precision::bf16 : Precision::ieee;
+  const LayerInputs g = global_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
   cp::CpOptions o;
   o.truncate_to_active = F * P - 1;
   const std::vector<Tensor> w = {Tensor::randn({1, F * P * S, H, D}, DType::f32, Device::cpu, seed + 1),
@@ -654,6 +645,23 @@ void check_raw_gpu(DType dt, uint64_t seed) {
 TEST(CpRawGpu, MatchesOneGpuF32) { check_raw_gpu(DType::f32, 400); }
 TEST(CpRawGpu, MatchesOneGpuBf16) { check_raw_gpu(DType::bf16, 410); }
 
+// cp_cam_gdn_num over CUDA leaves of in (q, k, v, beta, decay; F frames of S
+// tokens) with the loss ⟨wt, out⟩: out and the five gradients, on the CPU.
+std::vector<Tensor> run_cam_gpu(cp::Communicator& comm, const std::vector<Tensor>& in, const Tensor& wt, int64_t F,
+                                int64_t S, const cp::CpOptions& o = {}) {
+  std::vector<Tensor> x;
+  for (const Tensor& t : in) {
+    Tensor y = t.to(Device::cuda);
+    y.requires_grad_(true);
+    x.push_back(y);
+  }
+  const cp::CamResult cr = cp::cp_cam_gdn_num(comm, x[0], x[1], x[2], x[3], x[4], F, S, o);
+  backward_weighted({cr.out}, {wt.to(Device::cuda)});
+  std::vector<Tensor> res = {cpu(cr.out)};
+  for (const Tensor& t : x) res.push_back(cpu(t.grad()));
+  return res;
+}
+
 void check_cam_gpu(DType dt, uint64_t seed) {
   REQUIRE_GPUS();
   const int P = nranks(), r = rank();
@@ -668,17 +676,7 @@ void check_cam_gpu(DType dt, uint64_t seed) {
   o.reverse_rank_order = true;
   const int b = P - 1 - r;
   auto run = [&](cp::Communicator& comm, const std::vector<Tensor>& in, const Tensor& wt, int64_t Fl) {
-    std::vector<Tensor> x;
-    for (const Tensor& t : in) {
-      Tensor y = t.to(Device::cuda);
-      y.requires_grad_(true);
-      x.push_back(y);
-    }
-    const cp::CamResult cr = cp::cp_cam_gdn_num(comm, x[0], x[1], x[2], x[3], x[4], Fl, S, o);
-    backward_weighted({cr.out}, {wt.to(Device::cuda)});
-    std::vector<Tensor> res = {cpu(cr.out)};
-    for (const Tensor& t : x) res.push_back(cpu(t.grad()));
-    return res;
+    return run_cam_gpu(comm, in, wt, Fl, S, o);
   };
   const std::vector<Tensor> mine =
       run(*nccl_world(),
@@ -822,17 +820,7 @@ TEST(CpUnevenGpu, CamMatchesOneGpu) {
                                     Tensor::uniform({1, H, Ft}, DType::f32, Device::cpu, 805, 0.5, 0.99)};
     const Tensor w = Tensor::randn({1, H, D, N}, DType::f32, Device::cpu, 806);
     auto run = [&](cp::Communicator& comm, const std::vector<Tensor>& x_in, const Tensor& wt, int64_t Fl) {
-      std::vector<Tensor> x;
-      for (const Tensor& t : x_in) {
-        Tensor y = t.to(Device::cuda);
-        y.requires_grad_(true);
-        x.push_back(y);
-      }
-      const cp::CamResult cr = cp::cp_cam_gdn_num(comm, x[0], x[1], x[2], x[3], x[4], Fl, S);
-      backward_weighted({cr.out}, {wt.to(Device::cuda)});
-      std::vector<Tensor> res = {cpu(cr.out)};
-      for (const Tensor& t : x) res.push_back(cpu(t.grad()));
-      return res;
+      return run_cam_gpu(comm, x_in, wt, Fl, S);
     };
     const std::vector<Tensor> mine = run(
         *nccl_world(),

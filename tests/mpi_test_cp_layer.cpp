@@ -79,15 +79,6 @@ TEST(BigdnCp, MatchesBigdnBf16) { check_bigdn_cp(DType::bf16, true, 130, tol::bf
 
 // --- raw single direction -------------------------------------------------------------
 
-std::vector<Tensor> raw_outputs(const cp::RawResult& r) {
-  std::vector<Tensor> o = {r.num, r.den};
-  if (r.terminal_M.defined()) {
-    o.push_back(r.terminal_M);
-    o.push_back(r.terminal_z);
-  }
-  return o;
-}
-
 void check_raw(DType dt, const cp::CpOptions& o, uint64_t seed) {
   const int P = nranks(), r = rank();
   const int64_t F = 2, S = 3, D = 6, H = 2;

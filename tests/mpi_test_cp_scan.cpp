@@ -16,22 +16,6 @@ namespace {
 
 // --- inputs ----------------------------------------------------------------------
 
-// A well-conditioned transition: P = X Xᵀ with X ~ N(0, (0.8/D)²), so I − P is
-// a contraction, like kʳᵀ diag(β) kʳ of the layer.
-Tensor make_P(int64_t BH, int64_t F, int64_t D, DType dt, uint64_t seed) {
-  const std::vector<double> x = Tensor::randn({BH, F, D, D}, DType::f64, Device::cpu, seed, 0.8 / D).to_vector();
-  std::vector<double> p(x.size(), 0.0);
-  for (int64_t m = 0; m < BH * F; ++m)
-    for (int64_t i = 0; i < D; ++i)
-      for (int64_t j = 0; j < D; ++j) {
-        double s = 0;
-        for (int64_t k = 0; k < D; ++k)
-          s += x[static_cast<size_t>((m * D + i) * D + k)] * x[static_cast<size_t>((m * D + j) * D + k)];
-        p[static_cast<size_t>((m * D + i) * D + j)] = s;
-      }
-  return Tensor::from_vector(p, {BH, F, D, D}, dt);
-}
-
 struct ScanInputs {
   int64_t B = 1, H = 2, D = 5, F = 3;  // F: frames of the tensors held (global or local)
   Tensor P, A, Pz, bz, decay;
@@ -86,11 +70,7 @@ ScanRun run_cp_scan(cp::Communicator& comm, const ScanInputs& in, const cp::CpOp
   for (const Tensor& t : in.list()) x.push_back(leaf(t));
   const cp::ScanResult r = cp::cp_scan(comm, x[0], x[1], x[2], x[3], x[4], o);
   ScanRun run;
-  run.outs = {r.M, r.z};
-  if (r.terminal_M.defined()) {
-    run.outs.push_back(r.terminal_M);
-    run.outs.push_back(r.terminal_z);
-  }
+  run.outs = scan_outputs(r);
   backward_weighted(run.outs, w);
   for (const Tensor& t : x) run.grads.push_back(t.grad());
   return run;

@@ -182,20 +182,6 @@ Tensor scaled(const Tensor& t, double s) {
 // rank in f32 is already 1e-3 off f64, so f32 rounding order alone exceeds tol::f32.
 constexpr int64_t kB = 2, kH = 2, kD = 8, kS = 4;
 
-Tensor make_P(int64_t BH, int64_t F, int64_t D, DType dt, uint64_t seed) {  // X Xᵀ: I − P a contraction
-  const std::vector<double> x = Tensor::randn({BH, F, D, D}, DType::f64, Device::cpu, seed, 0.8 / D).to_vector();
-  std::vector<double> p(x.size(), 0.0);
-  for (int64_t m = 0; m < BH * F; ++m)
-    for (int64_t i = 0; i < D; ++i)
-      for (int64_t j = 0; j < D; ++j) {
-        double s = 0;
-        for (int64_t k = 0; k < D; ++k)
-          s += x[static_cast<size_t>((m * D + i) * D + k)] * x[static_cast<size_t>((m * D + j) * D + k)];
-        p[static_cast<size_t>((m * D + i) * D + j)] = s;
-      }
-  return Tensor::from_vector(p, {BH, F, D, D}, dt);
-}
-
 Entry scan_entry(bool bidi, const cp::CpOptions& o, int64_t Ft, DType dt, uint64_t seed) {
   Entry e;
   e.name = bidi ? "cp_bidi_scan" : "cp_scan";
@@ -215,13 +201,7 @@ Entry scan_entry(bool bidi, const cp::CpOptions& o, int64_t Ft, DType dt, uint64
   }
   e.call = [bidi, o](cp::Communicator& c, const std::vector<Tensor>& x, int64_t, const Tensor& mask) {
     if (bidi) return cp::cp_bidi_scan(c, x[0], x[1], x[2], x[3], x[4], mask);
-    const cp::ScanResult r = cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], o, mask);
-    std::vector<Tensor> out = {r.M, r.z};
-    if (r.terminal_M.defined()) {
-      out.push_back(r.terminal_M);
-      out.push_back(r.terminal_z);
-    }
-    return out;
+    return scan_outputs(cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], o, mask));
   };
   return e;
 }
@@ -260,13 +240,7 @@ Entry layer_entry(bool bidi, const cp::CpOptions& o, int64_t Ft, DType dt, uint6
   opt.checkpoint = ck;
   e.call = [bidi, o, opt](cp::Communicator& c, const std::vector<Tensor>& x, int64_t F, const Tensor& mask) {
     if (bidi) return std::vector<Tensor>{cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, kS, opt, mask)};
-    const cp::RawResult r = cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, kS, opt, o, mask);
-    std::vector<Tensor> out = {r.num, r.den};
-    if (r.terminal_M.defined()) {
-      out.push_back(r.terminal_M);
-      out.push_back(r.terminal_z);
-    }
-    return out;
+    return raw_outputs(cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, kS, opt, o, mask));
   };
   return e;
 }

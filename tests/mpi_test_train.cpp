@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "mpi_train_fixtures.h"
 #include "util/mpi_main.h"
 #include "util/tolerance.h"
 
@@ -35,11 +36,7 @@
 
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
+using gdncp::test::world_rank;
 
 #if GDNCP_HAVE_TRAINER
 
@@ -112,14 +109,7 @@ train::Result run(const train::Config& c, MPI_Comm comm) {
 double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-300); }
 
 // Every rank fails if any rank failed.
-class TrainTest : public ::testing::Test {
- protected:
-  void TearDown() override {
-    int mine = HasFailure() ? 1 : 0, any = 0;
-    MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    if (any && !mine) ADD_FAILURE() << "another rank failed";
-  }
-};
+class TrainTest : public gdncp::test::AllRanksTest {};
 
 TEST_F(TrainTest, TwoRankTrainingHalvesTheLossIn30Steps) {
   NEEDS_FOUR_RANKS();

@@ -12,6 +12,8 @@
 
 #include <vector>
 
+#include "mpi_train_fixtures.h"
+
 #if __has_include("trainer.h")  // examples/ built: it links the trainer in
 #include <gdncp/gdncp.h>
 #include <gdncp/nn.h>
@@ -107,10 +109,5 @@ TEST(TrainCapture, StepReplaysBitwise) { GTEST_SKIP() << "examples not built"; }
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  int rc = RUN_ALL_TESTS(), worst = 0;
-  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return worst;
+  return gdncp::test::run_all_tests_max_over_ranks(argc, argv, /*quiet_others=*/false);
 }

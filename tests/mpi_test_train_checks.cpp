@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "mpi_train_fixtures.h"
+
 #if __has_include("trainer.h")  // examples/ built (GDNCP_BUILD_EXAMPLES): it links the trainer in
 #include "trainer.h"
 #define GDNCP_HAVE_TRAINER 1
@@ -26,11 +28,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
+using gdncp::test::world_rank;
 
 #if GDNCP_HAVE_TRAINER
 
@@ -95,14 +93,7 @@ std::string plain_file(const std::string& dir) {
 }
 
 // Every rank fails if any rank failed.
-class TrainChecks : public ::testing::Test {
- protected:
-  void TearDown() override {
-    int mine = HasFailure() ? 1 : 0, any = 0;
-    MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    if (any && !mine) ADD_FAILURE() << "another rank failed";
-  }
-};
+class TrainChecks : public gdncp::test::AllRanksTest {};
 
 // --- paths and sizes, checked at start ------------------------------------------------------
 
@@ -248,20 +239,11 @@ TEST(TrainChecks, SkippedWithoutExamples) { GTEST_SKIP() << "built with GDNCP_BU
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  if (world_rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  const int rc = RUN_ALL_TESTS();
+  return gdncp::test::run_all_tests_max_over_ranks(argc, argv, /*quiet_others=*/true, [] {
 #if GDNCP_HAVE_TRAINER
-  const std::string root = fs::path(scratch("x")).parent_path().string();
-  MPI_Barrier(MPI_COMM_WORLD);
-  if (world_rank() == 0) fs::remove_all(root);
+    const std::string root = fs::path(scratch("x")).parent_path().string();
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (world_rank() == 0) fs::remove_all(root);
 #endif
-  int any = 0;
-  MPI_Allreduce(&rc, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return any;
+  });
 }

@@ -53,6 +53,21 @@ void expect_bad(const LayerInputs& in, const std::string& arg, const std::string
   EXPECT_EQ(autograd::saved_bytes(), saved_before);
 }
 
+// expect_bad on the good inputs with one of their tensors replaced by t.
+void expect_bad_with(Tensor LayerInputs::*field, const Tensor& t, const std::string& arg, const std::string& why) {
+  LayerInputs in = good();
+  in.*field = t;
+  expect_bad(in, arg, why);
+}
+
+// expect_bad on the good inputs with one of their scalar options set to v.
+void expect_bad_option(double BigdnOptions::*field, double v, const std::string& arg, const std::string& why,
+                       bool fused = true) {
+  LayerInputs in = good();
+  in.opt.*field = v;
+  expect_bad(in, arg, why, kKeep, kKeep, fused);
+}
+
 Tensor f32(const Shape& s) { return Tensor::uniform(s, DType::f32, Device::cpu, 9, 0.5, 1.5); }
 
 // An Error names the file relative to the source root ("src/...:line: ..."),
@@ -89,100 +104,47 @@ TEST(BadInput, QkvWrongRank) {
 }
 
 TEST(BadInput, QkvDim2Not3) {
-  LayerInputs in = good();
-  in.qkv = Tensor::randn({2, 12, 2, 2, 8}, DType::f32, Device::cpu, 1);
-  expect_bad(in, "qkv", "dim 2");
+  expect_bad_with(&LayerInputs::qkv, Tensor::randn({2, 12, 2, 2, 8}, DType::f32, Device::cpu, 1), "qkv", "dim 2");
 }
 
 TEST(BadInput, HeadDimOdd) {
-  LayerInputs in = good();
-  in.qkv = Tensor::randn({2, 12, 3, 2, 7}, DType::f32, Device::cpu, 1);
-  expect_bad(in, "qkv", "even");
+  expect_bad_with(&LayerInputs::qkv, Tensor::randn({2, 12, 3, 2, 7}, DType::f32, Device::cpu, 1), "qkv", "even");
 }
 
 TEST(BadInput, HeadDimTooLarge) {
-  LayerInputs in = good();
-  in.qkv = Tensor::randn({1, 12, 3, 1, kMaxHeadDim + 2}, DType::f32, Device::cpu, 1);
-  expect_bad(in, "qkv", "2..128");
+  expect_bad_with(&LayerInputs::qkv, Tensor::randn({1, 12, 3, 1, kMaxHeadDim + 2}, DType::f32, Device::cpu, 1), "qkv",
+                  "2..128");
 }
 
 TEST(BadInput, BatchZero) {
-  LayerInputs in = good();
-  in.qkv = Tensor::empty({0, 12, 3, 2, 8}, DType::f32);
-  expect_bad(in, "qkv", "B");
+  expect_bad_with(&LayerInputs::qkv, Tensor::empty({0, 12, 3, 2, 8}, DType::f32), "qkv", "B");
 }
 
 TEST(BadInput, HeadsZero) {
-  LayerInputs in = good();
-  in.qkv = Tensor::empty({2, 12, 3, 0, 8}, DType::f32);
-  expect_bad(in, "qkv", "H");
+  expect_bad_with(&LayerInputs::qkv, Tensor::empty({2, 12, 3, 0, 8}, DType::f32), "qkv", "H");
 }
 
-TEST(BadInput, QkvUndefined) {
-  LayerInputs in = good();
-  in.qkv = Tensor();
-  expect_bad(in, "qkv", "undefined");
-}
+TEST(BadInput, QkvUndefined) { expect_bad_with(&LayerInputs::qkv, Tensor(), "qkv", "undefined"); }
 
-TEST(BadInput, BetaWrongShape) {
-  LayerInputs in = good();
-  in.beta = f32({2, 2, 3});
-  expect_bad(in, "beta", "(B, H, F, S)");
-}
+TEST(BadInput, BetaWrongShape) { expect_bad_with(&LayerInputs::beta, f32({2, 2, 3}), "beta", "(B, H, F, S)"); }
 
-TEST(BadInput, BetaSwappedFS) {
-  LayerInputs in = good();
-  in.beta = f32({2, 2, 4, 3});
-  expect_bad(in, "beta", "[2, 2, 3, 4]");
-}
+TEST(BadInput, BetaSwappedFS) { expect_bad_with(&LayerInputs::beta, f32({2, 2, 4, 3}), "beta", "[2, 2, 3, 4]"); }
 
-TEST(BadInput, BetaUndefined) {
-  LayerInputs in = good();
-  in.beta = Tensor();
-  expect_bad(in, "beta", "undefined");
-}
+TEST(BadInput, BetaUndefined) { expect_bad_with(&LayerInputs::beta, Tensor(), "beta", "undefined"); }
 
-TEST(BadInput, DecayWrongFrames) {
-  LayerInputs in = good();
-  in.decay = f32({2, 2, 4});
-  expect_bad(in, "decay", "(B, H, F)");
-}
+TEST(BadInput, DecayWrongFrames) { expect_bad_with(&LayerInputs::decay, f32({2, 2, 4}), "decay", "(B, H, F)"); }
 
-TEST(BadInput, DecayPerToken) {
-  LayerInputs in = good();
-  in.decay = f32({2, 2, 3, 4});
-  expect_bad(in, "decay", "3 dims");
-}
+TEST(BadInput, DecayPerToken) { expect_bad_with(&LayerInputs::decay, f32({2, 2, 3, 4}), "decay", "3 dims"); }
 
-TEST(BadInput, QNormWeightWrongLength) {
-  LayerInputs in = good();
-  in.q_norm_w = f32({17});
-  expect_bad(in, "q_norm_w", "C = H·D");
-}
+TEST(BadInput, QNormWeightWrongLength) { expect_bad_with(&LayerInputs::q_norm_w, f32({17}), "q_norm_w", "C = H·D"); }
 
-TEST(BadInput, KNormWeightPerHead) {
-  LayerInputs in = good();
-  in.k_norm_w = f32({2, 8});
-  expect_bad(in, "k_norm_w", "1 dims");
-}
+TEST(BadInput, KNormWeightPerHead) { expect_bad_with(&LayerInputs::k_norm_w, f32({2, 8}), "k_norm_w", "1 dims"); }
 
-TEST(BadInput, RopeMissingRows) {
-  LayerInputs in = good();
-  in.rope_cos = f32({11, 8});
-  expect_bad(in, "rope_cos", "(N, D)");
-}
+TEST(BadInput, RopeMissingRows) { expect_bad_with(&LayerInputs::rope_cos, f32({11, 8}), "rope_cos", "(N, D)"); }
 
-TEST(BadInput, RopeWrongHeadDim) {
-  LayerInputs in = good();
-  in.rope_sin = f32({12, 4});
-  expect_bad(in, "rope_sin", "(N, D)");
-}
+TEST(BadInput, RopeWrongHeadDim) { expect_bad_with(&LayerInputs::rope_sin, f32({12, 4}), "rope_sin", "(N, D)"); }
 
-TEST(BadInput, RopeUndefined) {
-  LayerInputs in = good();
-  in.rope_cos = Tensor();
-  expect_bad(in, "rope_cos", "undefined");
-}
+TEST(BadInput, RopeUndefined) { expect_bad_with(&LayerInputs::rope_cos, Tensor(), "rope_cos", "undefined"); }
 
 // --- dtypes ----------------------------------------------------------------------------------------
 
@@ -219,51 +181,27 @@ TEST(BadInput, NormWeightF32WithF64Qkv) {
 // --- scalars ---------------------------------------------------------------------------------------
 
 TEST(BadInput, KScaleNotFinite) {
-  LayerInputs in = good();
-  in.opt.k_scale = std::numeric_limits<double>::quiet_NaN();
-  expect_bad(in, "k_scale", "finite");
+  expect_bad_option(&BigdnOptions::k_scale, std::numeric_limits<double>::quiet_NaN(), "k_scale", "finite");
 }
 
-TEST(BadInput, EpsZero) {
-  LayerInputs in = good();
-  in.opt.eps = 0;
-  expect_bad(in, "eps", "> 0");
-}
+TEST(BadInput, EpsZero) { expect_bad_option(&BigdnOptions::eps, 0, "eps", "> 0"); }
 
 TEST(BadInput, EpsNaN) {
-  LayerInputs in = good();
-  in.opt.eps = std::numeric_limits<double>::quiet_NaN();
-  expect_bad(in, "eps", "finite");
+  expect_bad_option(&BigdnOptions::eps, std::numeric_limits<double>::quiet_NaN(), "eps", "finite");
 }
 
-TEST(BadInput, NormEpsZero) {
-  LayerInputs in = good();
-  in.opt.norm_eps = 0;
-  expect_bad(in, "norm_eps", "> 0");
-}
+TEST(BadInput, NormEpsZero) { expect_bad_option(&BigdnOptions::norm_eps, 0, "norm_eps", "> 0"); }
 
-TEST(BadInput, NormEpsNegative) {
-  LayerInputs in = good();
-  in.opt.norm_eps = -1e-5;
-  expect_bad(in, "norm_eps", "> 0");
-}
+TEST(BadInput, NormEpsNegative) { expect_bad_option(&BigdnOptions::norm_eps, -1e-5, "norm_eps", "> 0"); }
 
 TEST(BadInput, KScaleInfinite) {
-  LayerInputs in = good();
-  in.opt.k_scale = -std::numeric_limits<double>::infinity();
-  expect_bad(in, "k_scale", "finite");
+  expect_bad_option(&BigdnOptions::k_scale, -std::numeric_limits<double>::infinity(), "k_scale", "finite");
 }
 
-TEST(BadInput, EpsNegative) {
-  LayerInputs in = good();
-  in.opt.eps = -1e-6;
-  expect_bad(in, "eps", "> 0");
-}
+TEST(BadInput, EpsNegative) { expect_bad_option(&BigdnOptions::eps, -1e-6, "eps", "> 0"); }
 
 TEST(BadInput, NormEpsInfinite) {
-  LayerInputs in = good();
-  in.opt.norm_eps = std::numeric_limits<double>::infinity();
-  expect_bad(in, "norm_eps", "finite");
+  expect_bad_option(&BigdnOptions::norm_eps, std::numeric_limits<double>::infinity(), "norm_eps", "finite");
 }
 
 // --- the unfused layer validates the same way ----------------------------------------------------
@@ -324,22 +262,15 @@ TEST(BadInput, ClipStartsOnAnotherDevice) {
   expect_bad_clips(Tensor::zeros({kDims.B, kDims.F}, DType::f32, Device::cuda), "one device");
 }
 
-TEST(BadInput, UnfusedEpsZero) {
-  LayerInputs in = good();
-  in.opt.eps = 0;
-  expect_bad(in, "eps", "> 0", kKeep, kKeep, /*fused=*/false);
-}
+TEST(BadInput, UnfusedEpsZero) { expect_bad_option(&BigdnOptions::eps, 0, "eps", "> 0", /*fused=*/false); }
 
 TEST(BadInput, UnfusedNormEpsZero) {
-  LayerInputs in = good();
-  in.opt.norm_eps = 0;
-  expect_bad(in, "norm_eps", "> 0", kKeep, kKeep, /*fused=*/false);
+  expect_bad_option(&BigdnOptions::norm_eps, 0, "norm_eps", "> 0", /*fused=*/false);
 }
 
 TEST(BadInput, UnfusedKScaleNaN) {
-  LayerInputs in = good();
-  in.opt.k_scale = std::numeric_limits<double>::quiet_NaN();
-  expect_bad(in, "k_scale", "finite", kKeep, kKeep, /*fused=*/false);
+  expect_bad_option(&BigdnOptions::k_scale, std::numeric_limits<double>::quiet_NaN(), "k_scale", "finite",
+                    /*fused=*/false);
 }
 
 // --- sizes that overflow int64 ------------------------------------------------------------------
@@ -472,22 +403,23 @@ TEST(BadInplace, OptimizerStepBetweenForwardAndBackward) {
   autograd::clear_tape();
 }
 
-TEST(BadInplace, SavedLayerInputFilled) {
+// The layer's backward after one of its inputs was filled in place must raise an
+// error containing every one of parts.
+void expect_filled_input_caught(Checkpoint ck, Tensor LayerInputs::*field, const std::vector<std::string>& parts) {
   LayerInputs in = good();
-  in.opt.checkpoint = Checkpoint::off;
+  in.opt.checkpoint = ck;
   const Tensor out = in.run();
-  in.beta.detach().fill_(0.25);
-  expect_error([&] { backward(out, Tensor::full(out.shape(), 1.0, out.dtype())); }, {"bigdn", "modified in place"});
+  (in.*field).detach().fill_(0.25);
+  expect_error([&] { backward(out, Tensor::full(out.shape(), 1.0, out.dtype())); }, parts);
   autograd::clear_tape();
 }
 
+TEST(BadInplace, SavedLayerInputFilled) {
+  expect_filled_input_caught(Checkpoint::off, &LayerInputs::beta, {"bigdn", "modified in place"});
+}
+
 TEST(BadInplace, CheckpointedLayerInputFilled) {
-  LayerInputs in = good();
-  in.opt.checkpoint = Checkpoint::on;
-  const Tensor out = in.run();
-  in.qkv.detach().fill_(0.25);
-  expect_error([&] { backward(out, Tensor::full(out.shape(), 1.0, out.dtype())); }, {"modified in place"});
-  autograd::clear_tape();
+  expect_filled_input_caught(Checkpoint::on, &LayerInputs::qkv, {"modified in place"});
 }
 
 TEST(BadInplace, UnchangedOrClonedTensorsPass) {

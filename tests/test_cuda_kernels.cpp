@@ -152,45 +152,49 @@ TEST(CudaTwins, PhaseA) {
     }
 }
 
+// The CUDA bidirectional scan, forward and backward, against its CPU twin on
+// realistic transitions (phase A of the inputs), with a clip-start mask or
+// without one (mask undefined).
+void expect_scan_bidi_twins(const Dims& d, uint64_t& seed, const Tensor& mask, const std::string& tag) {
+  const Prepared p = prepare(d, DType::f32, ++seed);
+  const LayerInputs& in = p.in;
+  const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D};
+  Tensor P = Tensor::empty(mat, DType::f32), A = P.clone(), Pz = P.clone(), bz = Tensor::empty(vec, DType::f32);
+  cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, in.opt.k_scale,
+                   MathMode::ieee);
+  Tensor Mf = Tensor::empty(mat, DType::f32), Mr = Mf.clone(), Ms = Mf.clone();
+  Tensor zf = Tensor::empty(vec, DType::f32), zr = zf.clone(), zs = zf.clone();
+  cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, mask, d);
+  Tensor gMf = poisoned(mat, DType::f32), gMr = poisoned(mat, DType::f32), gMs = poisoned(mat, DType::f32);
+  Tensor gzf = poisoned(vec, DType::f32), gzr = poisoned(vec, DType::f32), gzs = poisoned(vec, DType::f32);
+  kernels::scan_bidi_fwd(gMf, gMr, gMs, gzf, gzr, gzs, gpu(P), gpu(A), gpu(Pz), gpu(bz), gpu(in.decay), gpu(mask), d);
+  expect_close(gMf, Mf, tol::f32, "scan_bidi_fwd Mf" + tag);
+  expect_close(gMr, Mr, tol::f32, "scan_bidi_fwd Mr" + tag);
+  expect_close(gMs, Ms, tol::f32, "scan_bidi_fwd Msum" + tag);
+  expect_close(gzf, zf, tol::f32, "scan_bidi_fwd zf" + tag);
+  expect_close(gzr, zr, tol::f32, "scan_bidi_fwd zr" + tag);
+  expect_close(gzs, zs, tol::f32, "scan_bidi_fwd zsum" + tag);
+
+  const Tensor dMs = Tensor::randn(mat, DType::f32, Device::cpu, ++seed);
+  const Tensor dzs = Tensor::randn(vec, DType::f32, Device::cpu, ++seed);
+  Tensor dP = Tensor::empty(mat, DType::f32), dA = dP.clone(), dPz = dP.clone(), dbz = Tensor::empty(vec, DType::f32),
+         ddecay = Tensor::empty(in.decay.shape(), in.decay.dtype());
+  cpu::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, mask, d);
+  Tensor gdP = poisoned(mat, DType::f32), gdA = poisoned(mat, DType::f32), gdPz = poisoned(mat, DType::f32),
+         gdbz = poisoned(vec, DType::f32), gddecay = poisoned(in.decay.shape(), in.decay.dtype());
+  kernels::scan_bidi_bwd(gdP, gdA, gdPz, gdbz, gddecay, gpu(dMs), gpu(dzs), gpu(P), gpu(Pz), gpu(in.decay), gpu(Mf),
+                         gpu(Mr), gpu(zf), gpu(zr), gpu(mask), d);
+  expect_close(gdP, dP, tol::f32, "scan_bidi_bwd dP" + tag);
+  expect_close(gdA, dA, tol::f32, "scan_bidi_bwd dA" + tag);
+  expect_close(gdPz, dPz, tol::f32, "scan_bidi_bwd dPz" + tag);
+  expect_close(gdbz, dbz, tol::f32, "scan_bidi_bwd dbz" + tag);
+  expect_close(gddecay, ddecay, tol::f32, "scan_bidi_bwd ddecay" + tag);
+}
+
 TEST(CudaTwins, ScanBidi) {
   REQUIRE_GPU();
   uint64_t seed = 300;
-  for (const Dims& d : twin_shapes()) {
-    const Prepared p = prepare(d, DType::f32, ++seed);
-    const LayerInputs& in = p.in;
-    const std::string tag = " " + dims_str(d);
-    const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D};
-    // Realistic transitions: phase A of the inputs.
-    Tensor P = Tensor::empty(mat, DType::f32), A = P.clone(), Pz = P.clone(), bz = Tensor::empty(vec, DType::f32);
-    cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, in.opt.k_scale,
-                     MathMode::ieee);
-    Tensor Mf = Tensor::empty(mat, DType::f32), Mr = Mf.clone(), Ms = Mf.clone();
-    Tensor zf = Tensor::empty(vec, DType::f32), zr = zf.clone(), zs = zf.clone();
-    cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, Tensor(), d);
-    Tensor gMf = poisoned(mat, DType::f32), gMr = poisoned(mat, DType::f32), gMs = poisoned(mat, DType::f32);
-    Tensor gzf = poisoned(vec, DType::f32), gzr = poisoned(vec, DType::f32), gzs = poisoned(vec, DType::f32);
-    kernels::scan_bidi_fwd(gMf, gMr, gMs, gzf, gzr, gzs, gpu(P), gpu(A), gpu(Pz), gpu(bz), gpu(in.decay), Tensor(), d);
-    expect_close(gMf, Mf, tol::f32, "scan_bidi_fwd Mf" + tag);
-    expect_close(gMr, Mr, tol::f32, "scan_bidi_fwd Mr" + tag);
-    expect_close(gMs, Ms, tol::f32, "scan_bidi_fwd Msum" + tag);
-    expect_close(gzf, zf, tol::f32, "scan_bidi_fwd zf" + tag);
-    expect_close(gzr, zr, tol::f32, "scan_bidi_fwd zr" + tag);
-    expect_close(gzs, zs, tol::f32, "scan_bidi_fwd zsum" + tag);
-
-    const Tensor dMs = Tensor::randn(mat, DType::f32, Device::cpu, ++seed), dzs = Tensor::randn(vec, DType::f32, Device::cpu, ++seed);
-    Tensor dP = Tensor::empty(mat, DType::f32), dA = dP.clone(), dPz = dP.clone(), dbz = Tensor::empty(vec, DType::f32),
-           ddecay = Tensor::empty(in.decay.shape(), in.decay.dtype());
-    cpu::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, Tensor(), d);
-    Tensor gdP = poisoned(mat, DType::f32), gdA = poisoned(mat, DType::f32), gdPz = poisoned(mat, DType::f32),
-           gdbz = poisoned(vec, DType::f32), gddecay = poisoned(in.decay.shape(), in.decay.dtype());
-    kernels::scan_bidi_bwd(gdP, gdA, gdPz, gdbz, gddecay, gpu(dMs), gpu(dzs), gpu(P), gpu(Pz), gpu(in.decay), gpu(Mf),
-                           gpu(Mr), gpu(zf), gpu(zr), Tensor(), d);
-    expect_close(gdP, dP, tol::f32, "scan_bidi_bwd dP" + tag);
-    expect_close(gdA, dA, tol::f32, "scan_bidi_bwd dA" + tag);
-    expect_close(gdPz, dPz, tol::f32, "scan_bidi_bwd dPz" + tag);
-    expect_close(gdbz, dbz, tol::f32, "scan_bidi_bwd dbz" + tag);
-    expect_close(gddecay, ddecay, tol::f32, "scan_bidi_bwd ddecay" + tag);
-  }
+  for (const Dims& d : twin_shapes()) expect_scan_bidi_twins(d, seed, Tensor(), " " + dims_str(d));
 }
 
 // A clip-start mask (B, F) f32 with clips of several lengths, 1-frame ones among them, each row
@@ -208,43 +212,7 @@ TEST(CudaTwins, ScanBidiClips) {
   uint64_t seed = 350;
   std::vector<Dims> shapes = {dims(1, 2, 16, 11, 1), dims(2, 1, 12, 3, 5), dims(2, 2, 112, 6, 33),
                               dims(3, 2, 128, 5, 70), dims(2, 1, 64, 7, 17)};
-  for (const Dims& d : shapes) {
-    const Prepared p = prepare(d, DType::f32, ++seed);
-    const LayerInputs& in = p.in;
-    const Tensor mask = clip_mask(d);
-    const std::string tag = " clips " + dims_str(d);
-    const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D};
-    Tensor P = Tensor::empty(mat, DType::f32), A = P.clone(), Pz = P.clone(), bz = Tensor::empty(vec, DType::f32);
-    cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, in.opt.k_scale,
-                     MathMode::ieee);
-    Tensor Mf = Tensor::empty(mat, DType::f32), Mr = Mf.clone(), Ms = Mf.clone();
-    Tensor zf = Tensor::empty(vec, DType::f32), zr = zf.clone(), zs = zf.clone();
-    cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, mask, d);
-    Tensor gMf = poisoned(mat, DType::f32), gMr = poisoned(mat, DType::f32), gMs = poisoned(mat, DType::f32);
-    Tensor gzf = poisoned(vec, DType::f32), gzr = poisoned(vec, DType::f32), gzs = poisoned(vec, DType::f32);
-    kernels::scan_bidi_fwd(gMf, gMr, gMs, gzf, gzr, gzs, gpu(P), gpu(A), gpu(Pz), gpu(bz), gpu(in.decay), gpu(mask), d);
-    expect_close(gMf, Mf, tol::f32, "scan_bidi_fwd Mf" + tag);
-    expect_close(gMr, Mr, tol::f32, "scan_bidi_fwd Mr" + tag);
-    expect_close(gMs, Ms, tol::f32, "scan_bidi_fwd Msum" + tag);
-    expect_close(gzf, zf, tol::f32, "scan_bidi_fwd zf" + tag);
-    expect_close(gzr, zr, tol::f32, "scan_bidi_fwd zr" + tag);
-    expect_close(gzs, zs, tol::f32, "scan_bidi_fwd zsum" + tag);
-
-    const Tensor dMs = Tensor::randn(mat, DType::f32, Device::cpu, ++seed);
-    const Tensor dzs = Tensor::randn(vec, DType::f32, Device::cpu, ++seed);
-    Tensor dP = Tensor::empty(mat, DType::f32), dA = dP.clone(), dPz = dP.clone(), dbz = Tensor::empty(vec, DType::f32),
-           ddecay = Tensor::empty(in.decay.shape(), in.decay.dtype());
-    cpu::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, mask, d);
-    Tensor gdP = poisoned(mat, DType::f32), gdA = poisoned(mat, DType::f32), gdPz = poisoned(mat, DType::f32),
-           gdbz = poisoned(vec, DType::f32), gddecay = poisoned(in.decay.shape(), in.decay.dtype());
-    kernels::scan_bidi_bwd(gdP, gdA, gdPz, gdbz, gddecay, gpu(dMs), gpu(dzs), gpu(P), gpu(Pz), gpu(in.decay), gpu(Mf),
-                           gpu(Mr), gpu(zf), gpu(zr), gpu(mask), d);
-    expect_close(gdP, dP, tol::f32, "scan_bidi_bwd dP" + tag);
-    expect_close(gdA, dA, tol::f32, "scan_bidi_bwd dA" + tag);
-    expect_close(gdPz, dPz, tol::f32, "scan_bidi_bwd dPz" + tag);
-    expect_close(gdbz, dbz, tol::f32, "scan_bidi_bwd dbz" + tag);
-    expect_close(gddecay, ddecay, tol::f32, "scan_bidi_bwd ddecay" + tag);
-  }
+  for (const Dims& d : shapes) expect_scan_bidi_twins(d, seed, clip_mask(d), " clips " + dims_str(d));
 }
 
 TEST(CudaTwins, PhaseC) {
@@ -364,11 +332,13 @@ struct LayerResult {
 };
 
 // Fresh leaves every call (detach), so repeated runs do not accumulate into one grad.
-LayerResult run_layer(LayerInputs in, const Tensor& dout) {
+// mask: the clip starts (B, F), or undefined for one clip a row.
+LayerResult run_layer(LayerInputs in, const Tensor& dout, const Tensor& mask = Tensor()) {
   for (Tensor* t : {&in.qkv, &in.beta, &in.decay, &in.q_norm_w, &in.k_norm_w})
     if (t->defined()) *t = t->detach();
   require_grads(in);
-  const Tensor out = in.run();
+  const Tensor out = bigdn(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, in.d.F,
+                           in.d.S, in.opt, mask);
   backward(out, dout);
   LayerResult r;
   r.out = out.detach();
@@ -433,20 +403,6 @@ TEST(CudaLayer, Tf32MatchesF64Layer) {
 
 // The layer with a clip-start mask: f32 IEEE on CUDA against the f64 CPU layer with the same mask,
 // and checkpointing on bitwise equal to off.
-LayerResult run_layer_clips(LayerInputs in, const Tensor& dout, const Tensor& mask) {
-  for (Tensor* t : {&in.qkv, &in.beta, &in.decay, &in.q_norm_w, &in.k_norm_w})
-    if (t->defined()) *t = t->detach();
-  require_grads(in);
-  const Tensor out = bigdn(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, in.d.F,
-                           in.d.S, in.opt, mask);
-  backward(out, dout);
-  LayerResult r;
-  r.out = out.detach();
-  for (const Tensor* t : {&in.qkv, &in.beta, &in.decay, &in.q_norm_w, &in.k_norm_w})
-    r.grads.push_back(t->defined() ? t->grad() : Tensor());
-  return r;
-}
-
 TEST(CudaLayer, ClipsIeeeMatchesF64Layer) {
   REQUIRE_GPU();
   const char* names[] = {"dqkv", "dbeta", "ddecay", "dq_norm_w", "dk_norm_w"};
@@ -456,8 +412,8 @@ TEST(CudaLayer, ClipsIeeeMatchesF64Layer) {
     in.opt.precision = Precision::ieee;
     const Tensor mask = clip_mask(d);
     const Tensor dout = Tensor::randn({d.B, d.N(), d.H, d.D}, DType::f32, Device::cpu, ++seed);
-    const LayerResult ref = run_layer_clips(convert(in, DType::f64), dout.to(DType::f64), mask);
-    const LayerResult got = run_layer_clips(to_gpu(in), gpu(dout), gpu(mask));
+    const LayerResult ref = run_layer(convert(in, DType::f64), dout.to(DType::f64), mask);
+    const LayerResult got = run_layer(to_gpu(in), gpu(dout), gpu(mask));
     const std::string tag = " clips " + dims_str(d);
     expect_close(got.out, ref.out, tol::f32, "layer out" + tag);
     for (size_t i = 0; i < ref.grads.size(); ++i)
@@ -472,9 +428,9 @@ TEST(CudaLayer, ClipsCheckpointBitwiseEqual) {
   const Tensor mask = gpu(clip_mask(d));
   const Tensor dout = Tensor::randn({d.B, d.N(), d.H, d.D}, DType::bf16, Device::cuda, 5101);
   in.opt.checkpoint = Checkpoint::off;
-  const LayerResult off = run_layer_clips(in, dout, mask);
+  const LayerResult off = run_layer(in, dout, mask);
   in.opt.checkpoint = Checkpoint::on;
-  const LayerResult on = run_layer_clips(in, dout, mask);
+  const LayerResult on = run_layer(in, dout, mask);
   EXPECT_TRUE(bitwise_equal(on.out, off.out)) << "out";
   const char* names[] = {"dqkv", "dbeta", "ddecay", "dq_norm_w", "dk_norm_w"};
   for (size_t i = 0; i < on.grads.size(); ++i) EXPECT_TRUE(bitwise_equal(on.grads[i], off.grads[i])) << names[i];

@@ -176,3 +176,24 @@ def cp_options(reverse_rank_order=False, truncate_to_active=0):
     o.reverse_rank_order = int(bool(reverse_rank_order))
     o.truncate_to_active = int(truncate_to_active)
     return o
+
+
+class OwnedHandle:
+    """Owner of one C handle (self._h): release() frees it through the C
+    function named by _destroy_fn, once; collection releases it too."""
+
+    _destroy_fn = None
+
+    def __init__(self, handle):
+        self._h = ctypes.c_void_p(handle)
+
+    def release(self):
+        if getattr(self, "_h", None) is not None and self._h.value:
+            h, self._h = self._h, ctypes.c_void_p()
+            call(self._destroy_fn, h)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:
+            pass

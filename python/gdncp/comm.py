@@ -23,12 +23,11 @@ def _finalize_mpi():
     _capi.call("mpi_finalize")
 
 
-class Communicator:
+class Communicator(_capi.OwnedHandle):
     """A CP group. Use unique_id() + Communicator.nccl(...) (CUDA tensors),
     Communicator.mpi_world() (CPU tensors, under mpirun) or from_process_group()."""
 
-    def __init__(self, handle):
-        self._h = ctypes.c_void_p(handle)
+    _destroy_fn = "comm_destroy"
 
     @classmethod
     def nccl(cls, uid, rank, size, device):
@@ -100,15 +99,7 @@ class Communicator:
 
     def close(self):
         """Frees the handle (layers recorded for backward keep the communicator alive)."""
-        if getattr(self, "_h", None) is not None and self._h.value:
-            h, self._h = self._h, ctypes.c_void_p()
-            _capi.call("comm_destroy", h)
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+        self.release()
 
 
 def _global_rank(group, group_rank):

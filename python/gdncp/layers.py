@@ -18,11 +18,13 @@ from .comm import Communicator
 _DIFF = 5  # qkv, beta, decay, q_norm_w, k_norm_w
 
 
-class _Graph:
+class _Graph(_capi.OwnedHandle):
     """Owns a gdncp_graph handle: backward once, destroyed with the context."""
 
+    _destroy_fn = "graph_destroy"
+
     def __init__(self, handle, n_out, n_in):
-        self.h = ctypes.c_void_p(handle)
+        super().__init__(handle)
         self.n_out, self.n_in = n_out, n_in
 
     def backward(self, grad_outputs, stream):
@@ -38,21 +40,10 @@ class _Graph:
                 _dlpack.free(arr_out[k])
             raise
         arr_in = (ctypes.c_void_p * self.n_in)()
-        _capi.call("graph_backward", self.h, arr_out, stream, arr_in)
+        _capi.call("graph_backward", self._h, arr_out, stream, arr_in)
         grads = [_dlpack.take(arr_in[i]) for i in range(self.n_in)]
-        self.destroy()
+        self.release()
         return grads
-
-    def destroy(self):
-        if self.h.value:
-            h, self.h = self.h, ctypes.c_void_p()
-            _capi.call("graph_destroy", h)
-
-    def __del__(self):
-        try:
-            self.destroy()
-        except Exception:
-            pass
 
 
 def _mask(needs, tensors):
@@ -85,6 +76,13 @@ def _run(entry, comm, inputs, F, S, opts, needs, n_out, extra=()):
     return outs, g
 
 
+def _graph_backward(ctx, grad_out):
+    """The input gradients of a one-output call from the graph kept in ctx (then dropped)."""
+    grads = ctx.graph.backward([grad_out], _dlpack.stream_of(grad_out))
+    ctx.graph = None
+    return grads
+
+
 class BiGDNFunction(torch.autograd.Function):
     """out = bigdn(...) (one rank; gdncp_bigdn). Arguments after ctx:
     qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts (or None), F, S,
@@ -100,9 +98,7 @@ class BiGDNFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        grads = ctx.graph.backward([grad_out], _dlpack.stream_of(grad_out))
-        ctx.graph = None
-        return (*grads, None, None, None, None, None, None)
+        return (*_graph_backward(ctx, grad_out), None, None, None, None, None, None)
 
 
 class BiGDNCPFunction(torch.autograd.Function):
@@ -121,9 +117,7 @@ class BiGDNCPFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        grads = ctx.graph.backward([grad_out], _dlpack.stream_of(grad_out))
-        ctx.graph = None
-        return (None, *grads, None, None, None, None, None, None)
+        return (None, *_graph_backward(ctx, grad_out), None, None, None, None, None, None)
 
 
 def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5, eps=1e-6,

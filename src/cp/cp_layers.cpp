@@ -295,10 +295,7 @@ RawResult cp_gdn_raw(Communicator& comm, const Tensor& qkv, const Tensor& beta, 
   RawResult r;
   r.num = out[0];
   r.den = out[1];
-  if (out.size() > 2) {
-    r.terminal_M = out[2];
-    r.terminal_z = out[3];
-  }
+  detail::take_terminal_states(out, r.terminal_M, r.terminal_z);
   return r;
 }
 

@@ -146,10 +146,7 @@ ScanResult cp_scan(Communicator& comm, const Tensor& P, const Tensor& A, const T
   ScanResult r;
   r.M = out[0];
   r.z = out[1];
-  if (out.size() > 2) {
-    r.terminal_M = out[2];
-    r.terminal_z = out[3];
-  }
+  detail::take_terminal_states(out, r.terminal_M, r.terminal_z);
   return r;
 }
 

@@ -40,6 +40,15 @@ struct KvZGrads {
 KvZGrads kv_z_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, bool bidi, const Tensor& dM, const Tensor& dz,
                        const Tensor& dT_M, const Tensor& dT_z);
 
+// The terminal states of a one-directional call's outputs (out[2], out[3],
+// present with truncate_to_active), into terminal_M and terminal_z.
+inline void take_terminal_states(const std::vector<Tensor>& out, Tensor& terminal_M, Tensor& terminal_z) {
+  if (out.size() > 2) {
+    terminal_M = out[2];
+    terminal_z = out[3];
+  }
+}
+
 }  // namespace detail
 }  // namespace cp
 }  // namespace gdncp

@@ -63,32 +63,28 @@ std::vector<char> clip_cuts(const Tensor& clip_starts, const Tensor& decay, cons
 }
 
 // Dense helpers on n×m row-major blocks held in vectors (m = 1 for vectors).
+// out[i·cols + j] += Σ_k a[i·a_i + k·a_k] · x[k·x_k + j·x_j], i < rows, j < cols, k < K.
+template <typename T>
+void strided_mul_add(T* out, const T* a, int64_t a_i, int64_t a_k, const T* x, int64_t x_k, int64_t x_j, int64_t rows,
+                     int64_t cols, int64_t K) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      T s = T(0);
+      for (int64_t k = 0; k < K; ++k) s += a[i * a_i + k * a_k] * x[k * x_k + j * x_j];
+      out[i * cols + j] += s;
+    }
+}
 template <typename T>
 void mul_add(T* out, const T* a, const T* x, int64_t D, int64_t m) {  // out += a·x, a D×D, x D×m
-  for (int64_t i = 0; i < D; ++i)
-    for (int64_t j = 0; j < m; ++j) {
-      T s = T(0);
-      for (int64_t k = 0; k < D; ++k) s += a[i * D + k] * x[k * m + j];
-      out[i * m + j] += s;
-    }
+  strided_mul_add(out, a, D, 1, x, m, 1, D, m, D);
 }
 template <typename T>
 void tmul_add(T* out, const T* a, const T* x, int64_t D, int64_t m) {  // out += aᵀ·x
-  for (int64_t i = 0; i < D; ++i)
-    for (int64_t j = 0; j < m; ++j) {
-      T s = T(0);
-      for (int64_t k = 0; k < D; ++k) s += a[k * D + i] * x[k * m + j];
-      out[i * m + j] += s;
-    }
+  strided_mul_add(out, a, 1, D, x, m, 1, D, m, D);
 }
 template <typename T>
 void outer_add(T* out, const T* a, const T* x, int64_t D, int64_t m) {  // out += a·xᵀ, a and x D×m
-  for (int64_t i = 0; i < D; ++i)
-    for (int64_t j = 0; j < D; ++j) {
-      T s = T(0);
-      for (int64_t k = 0; k < m; ++k) s += a[i * m + k] * x[j * m + k];
-      out[i * D + j] += s;
-    }
+  strided_mul_add(out, a, m, 1, x, 1, m, D, D, m);
 }
 
 // One stream (KV with m = D, Z with m = 1) of one (b, h): the transitions T_f,
