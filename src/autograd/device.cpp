@@ -96,8 +96,6 @@ class CachingAllocator {
       // from the graph's own pool
     } else if (take(c.free_blocks, size, &ptr, &got)) {
       c.stats.cached -= got;
-    } else if (pool && take(pool->free_blocks, size, &ptr, &got)) {
-      // from the graph's own pool
     } else {
       cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
       if (pool) {
