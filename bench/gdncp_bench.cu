@@ -5,8 +5,9 @@
 //
 //   gdncp_bench [--json PATH] [--batches 1,4,8] [--dims 112,128] [--frames 11] [--tokens 920]
 //               [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp [--emulate P [--profile-row K]]]
-//               [--profile]
+//               [--profile] [--validate-full]
 // --profile runs one forward+backward of the first configuration and exits (to run under ncu).
+// --validate-full adds the production shape against the f64 CPU layer (IEEE f32 bar 1e-6).
 // --cp --emulate P: the CP benchmark on one GPU, each rank of P on stand-in peers (cp_bench.h);
 // --profile-row K then runs only row K's steps between cudaProfilerStart/Stop (for ncu).
 // With --cp, --frames is the video's global frame count (default 22), any count: the ranks hold
@@ -52,6 +53,7 @@ struct Args {
   bool frames_given = false;          // --cp: --frames is the global count (else 2 x the default)
   int emulate = 0, profile_row = -1;  // --cp on one GPU with stand-in peers (cp_bench.h)
   bool profile = false;  // one forward+backward of the first configuration, nothing else (for ncu)
+  bool validate_full = false;  // also the production shape against the f64 CPU layer (slow: minutes of CPU)
 };
 
 std::vector<int64_t> parse_list(const std::string& s) {
@@ -87,10 +89,11 @@ bool parse_args(int argc, char** argv, Args& a) {
     else if (f == "--emulate") a.emulate = std::stoi(next());
     else if (f == "--profile-row") a.profile_row = std::stoi(next());
     else if (f == "--profile") a.profile = true;
+    else if (f == "--validate-full") a.validate_full = true;
     else if (f == "--help" || f == "-h") {
       std::printf("gdncp_bench [--json PATH] [--batches 1,4,8] [--dims 112,128] [--frames 11] [--tokens 920]\n"
                   "            [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp [--emulate P [--profile-row K]]]\n"
-                  "            [--profile]\n");
+                  "            [--profile] [--validate-full]\n");
       std::exit(0);
     } else {
       std::fprintf(stderr, "gdncp_bench: unknown flag %s (try --help)\n", f.c_str());
@@ -255,7 +258,8 @@ double worst(const Result& a, const Result& b, std::string& report) {
 }
 
 // Validation before timing: (a) a small shape against the f64 CPU layer (bf16 and IEEE modes),
-// (b) the production shape, GPU IEEE f32 against GPU bf16.
+// (b) the production shape, GPU IEEE f32 against GPU bf16; with --validate-full (c) the production
+// shape against the f64 CPU layer.
 bool validate(const Args& a, std::ostringstream& js) {
   bool ok = true;
   std::string rep;
@@ -285,7 +289,20 @@ bool validate(const Args& a, std::ostringstream& js) {
               e_big, rep.c_str());
   ok = ok && e_big <= 1e-2;
   js << "\"validation\": {\"small_ieee_vs_f64\": " << e_ieee << ", \"small_bf16_vs_f64\": " << e_bf
-     << ", \"big_bf16_vs_ieee\": " << e_big << ", \"ok\": " << (ok ? "true" : "false") << "},\n";
+     << ", \"big_bf16_vs_ieee\": " << e_big;
+  if (a.validate_full) {
+    // (c) The production shape against the f64 CPU layer. The inputs are bf16 values, so the f32
+    // and f64 copies hold the same numbers and one f64 run serves both modes.
+    const Result ref_big = fwd_bwd(convert(big, DType::f64, Device::cpu));
+    const double e_full_ieee = worst(fwd_bwd(big32), ref_big, rep);
+    std::printf("validate production shape ieee f32 vs CPU f64: worst rel L2 %.3g (bar 1e-6):%s\n", e_full_ieee,
+                rep.c_str());
+    const double e_full_bf = worst(fwd_bwd(big), ref_big, rep);
+    std::printf("validate production shape bf16 vs CPU f64: worst rel L2 %.3g (bar 1e-2):%s\n", e_full_bf, rep.c_str());
+    ok = ok && e_full_ieee <= 1e-6 && e_full_bf <= 1e-2;
+    js << ", \"full_ieee_vs_f64\": " << e_full_ieee << ", \"full_bf16_vs_f64\": " << e_full_bf;
+  }
+  js << ", \"ok\": " << (ok ? "true" : "false") << "},\n";
   return ok;
 }
 

@@ -16,7 +16,9 @@
 #     sanitize  compute-sanitizer memcheck, racecheck and initcheck over the CUDA twin
 #               tests (small shapes, GDNCP_TEST_SMALL=1); each must report 0 errors
 #     bench     gdncp_bench (the layer on one GPU) and scan_bench (the CP scan kernels)
-#     all       every test (ctest), then bench, cp, train, sanitize
+#     door      the Python door: its CPU and CUDA tests under faulthandler, then its overhead
+#               over the C++ entry (python/examples/bench_door.py, bar 5 %)
+#     all       every test (ctest), then bench, door, cp, train, sanitize
 #
 # A/B against a base commit: BASE=<commit> checks BASE out with `git worktree add`
 # (in $BASE_DIR/tree, default build-gpu-base/tree), builds it in its own build dir
@@ -37,10 +39,10 @@ ROOT=$PWD
 suites=()
 for s in "$@"; do
   case $s in
-    kernels | cp | train | sanitize | bench) suites+=("$s") ;;
-    all) suites+=(tests bench cp train sanitize) ;;
+    kernels | cp | train | sanitize | bench | door) suites+=("$s") ;;
+    all) suites+=(tests bench door cp train sanitize) ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
-    *) echo "gpu.sh: unknown suite '$s' (kernels, cp, train, sanitize, bench, all)"; exit 2 ;;
+    *) echo "gpu.sh: unknown suite '$s' (kernels, cp, train, sanitize, bench, door, all)"; exit 2 ;;
   esac
 done
 
@@ -78,6 +80,7 @@ if [ ${#targets[@]} -eq 0 ]; then
   has train && targets+=(gdncp_train)
   has sanitize && targets+=(test_cuda_kernels test_nn_cuda)
   has bench && targets+=(gdncp_bench scan_bench)
+  has door && targets+=(gdncp door_reference)
 fi
 build() {  # source-dir build-dir targets...
   local src=$1 dir=$2
@@ -151,6 +154,20 @@ if has bench; then
       tail -25 "$OUT/scan_bench_$who.log" | tee -a "$SUMMARY"
     fi
   done
+fi
+
+# --- door: the Python door's tests and its overhead over the C++ entry -------------------------
+if has door; then
+  PY=$(sed -n 's/^Python3_EXECUTABLE:[A-Z]*=//p' "$BUILD_DIR/CMakeCache.txt")
+  export PYTHONPATH="$ROOT/$BUILD_DIR/python" GDNCP_DOOR_REFERENCE="$ROOT/$BUILD_DIR/tests/door_reference"
+  t0=$(date +%s)
+  timeout 300 "${PY:-python3}" -X faulthandler -m pytest -q -p no:cacheprovider python/tests/test_python_cpu.py \
+    python/tests/test_python_cuda.py >"$OUT/door_pytest.log" 2>&1 || fail
+  say "door pytest (cpu, cuda; ${PY:-python3}): $(tail -1 "$OUT/door_pytest.log") in $(($(date +%s) - t0)) s"
+  grep -E "Fatal Python error|Segmentation|File \"" "$OUT/door_pytest.log" | head -12 | tee -a "$SUMMARY"
+  timeout 300 "${PY:-python3}" python/examples/bench_door.py --json "$OUT/door.json" >"$OUT/door_bench.log" 2>&1 || fail
+  say "### bench_door"
+  tail -8 "$OUT/door_bench.log" | tee -a "$SUMMARY"
 fi
 
 # --- cp: the CP GPU tests and the CP layer benchmark -----------------------------------------

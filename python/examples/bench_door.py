@@ -60,6 +60,7 @@ def main():
     a = p.parse_args()
     if not a.reference:
         sys.exit("bench_door: give --reference <build>/tests/door_reference (or set GDNCP_DOOR_REFERENCE)")
+    os.environ["GDNCP_DOOR_REFERENCE"] = a.reference  # door_files runs the binary named there
     B, H, D, F, S = a.batch, a.heads, a.head_dim, a.frames, a.tokens
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     k_scale = 1.0 / math.sqrt(D * S)
