@@ -3,6 +3,7 @@
 # NVIDIA GPUs of this machine. Logs (and JSON) go to $OUT, a summary to $OUT/summary.txt.
 #
 #   scripts/gpu.sh <suite>...        suites:
+#     tests     every ctest entry (ctest -j 4)
 #     kernels   the single-GPU tests (ctest -R "$CTEST_REGEX", default Cuda: the CUDA twins
 #               against the CPU twins, the layer against the f64 CPU layer); NCU=1 adds an
 #               Nsight Compute profile of one forward+backward of the layer
@@ -39,10 +40,10 @@ ROOT=$PWD
 suites=()
 for s in "$@"; do
   case $s in
-    kernels | cp | train | sanitize | bench | door) suites+=("$s") ;;
+    tests | kernels | cp | train | sanitize | bench | door) suites+=("$s") ;;
     all) suites+=(tests bench door cp train sanitize) ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
-    *) echo "gpu.sh: unknown suite '$s' (kernels, cp, train, sanitize, bench, door, all)"; exit 2 ;;
+    *) echo "gpu.sh: unknown suite '$s' (tests, kernels, cp, train, sanitize, bench, door, all)"; exit 2 ;;
   esac
 done
 
