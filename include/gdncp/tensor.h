@@ -177,6 +177,10 @@ void* current_stream();
 void set_current_stream(void* stream);
 // Blocks the host until the current stream has finished its work.
 void synchronize();
+// Times the library made the calling process's host wait for a CUDA device: synchronize(),
+// copies to or from host memory, and the cache's release of its blocks when a cudaMalloc
+// fails. A steady-state step on device tensors adds none (docs/design.md §10).
+int64_t cuda_host_waits();
 class StreamGuard {
  public:
   explicit StreamGuard(void* stream) : prev_(current_stream()) { set_current_stream(stream); }
@@ -193,6 +197,7 @@ struct MemoryStats {
   size_t allocated = 0;       // held by live tensors
   size_t peak_allocated = 0;  // high-water mark since the last reset
   size_t cached = 0;          // held by the cache, free for reuse
+  int64_t mallocs = 0;        // cudaMalloc calls: requests the cache could not serve
 };
 MemoryStats cuda_memory_stats();
 void reset_peak_memory();

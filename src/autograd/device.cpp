@@ -10,6 +10,7 @@
 // A captured CUDA graph keeps its blocks in a pool of its own (Note [graph pools]).
 #include "autograd/device.h"
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -24,7 +25,10 @@ namespace gdncp {
 
 namespace {
 thread_local void* t_current_stream = nullptr;
+std::atomic<int64_t> g_host_waits{0};
 }
+
+int64_t cuda_host_waits() { return g_host_waits.load(); }
 
 void* current_stream() { return t_current_stream; }
 void set_current_stream(void* stream) { t_current_stream = stream; }
@@ -42,7 +46,10 @@ int cuda_device_count() {
 
 bool cuda_available() { return cuda_device_count() > 0; }
 
-void synchronize() { GDNCP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(t_current_stream))); }
+void synchronize() {
+  g_host_waits += 1;
+  GDNCP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(t_current_stream)));
+}
 
 namespace {
 
@@ -102,6 +109,7 @@ class CachingAllocator {
         GDNCP_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
         pool->capture_mallocs += 1;
       }
+      c.stats.mallocs += 1;
       cudaError_t err = cudaMalloc(&ptr, size);
       if (err == cudaErrorMemoryAllocation && !pool) {  // never synchronise while capturing
         (void)cudaGetLastError();
@@ -228,6 +236,7 @@ class CachingAllocator {
 
   // Caller holds mu_. Waits for queued work so no kernel still uses a block.
   void release_cached(int dev, DeviceCache& c) {
+    g_host_waits += 1;
     GDNCP_CUDA_CHECK(cudaDeviceSynchronize());
     for (auto& kv : c.free_blocks) GDNCP_CUDA_CHECK(cudaFree(kv.second));
     c.free_blocks.clear();
@@ -288,7 +297,10 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
                 "copy between host and device while a CUDA graph is captured: the host would wait for the device");
   }
   GDNCP_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, kind, stream));
-  if (kind != cudaMemcpyDeviceToDevice) GDNCP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (kind != cudaMemcpyDeviceToDevice) {
+    g_host_waits += 1;
+    GDNCP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
 }
 
 }  // namespace detail
