@@ -2,9 +2,9 @@
 // the coding): bf16 mode with bf16 qkv and D % 8 == 0 at a padded head dim of 64 or 128.
 //
 // Forward: the k prep runs once per token (phase_a_prep_kernel), not once per product, and
-// writes the bf16 operands of the three products; the products themselves are strided-batched
-// GEMMs on cuBLAS (one matrix per frame), which run them near the matrix unit's peak where
-// per-frame tiles of 32 tokens could not.
+// writes the bf16 operands of the three products; the products are strided-batched GEMMs on
+// cuBLAS (one matrix per frame, all S tokens at once) rather than blocks that multiply chunks
+// of 32 tokens between rounds of prep.
 // Backward: the raw rows of the next token tile are staged with cp.async while the current
 // one is multiplied (Note [staged loads]); operand tiles are bf16 in shared memory, read with
 // ldmatrix (Note [ldmatrix tiles]).
