@@ -129,10 +129,10 @@ __global__ void phase_a_bz_kernel(float* __restrict__ bz, const float* __restric
 void frame_gemm(cublasHandle_t handle, float* C, const __nv_bfloat16* Xf, const __nv_bfloat16* Yf, int D, int S,
                 int frames, int64_t frame_stride) {
   const float one = 1.f, zero = 0.f;
-  GDNCP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, D, D, S, &one, Yf,
-                                                CUDA_R_16BF, D, frame_stride, Xf, CUDA_R_16BF, D, frame_stride, &zero,
-                                                C, CUDA_R_32F, D, static_cast<int64_t>(D) * D, frames,
-                                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  GDNCP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, D, D, S, &one, Yf, CUDA_R_16BF, D,
+                                                frame_stride, Xf, CUDA_R_16BF, D, frame_stride, &zero, C, CUDA_R_32F, D,
+                                                static_cast<int64_t>(D) * D, frames, CUBLAS_COMPUTE_32F,
+                                                CUBLAS_GEMM_DEFAULT));
 }
 
 void fwd(const FwdArgs& a) {
@@ -154,8 +154,8 @@ void fwd(const FwdArgs& a) {
   float* bp = chunks > 1 ? static_cast<float*>(b_part.data()) : a.bz;
   const auto bf = [](Tensor& t) { return static_cast<__nv_bfloat16*>(t.data()); };
   phase_a_prep_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
-      bf(X), bf(Kr), bf(Xp), bf(Kp), bf(Vf), bp, static_cast<const __nv_bfloat16*>(a.qkv.p), a.rstd, a.kw, a.cos,
-      a.sin, a.beta, z.H, z.D, z.F, z.S, chunks, a.k_scale);
+      bf(X), bf(Kr), bf(Xp), bf(Kp), bf(Vf), bp, static_cast<const __nv_bfloat16*>(a.qkv.p), a.rstd, a.kw, a.cos, a.sin,
+      a.beta, z.H, z.D, z.F, z.S, chunks, a.k_scale);
   GDNCP_CUDA_CHECK_LAUNCH("phase_a_prep_kernel");
   if (chunks > 1) {
     const int64_t n = z.BHF * z.D;
@@ -164,8 +164,8 @@ void fwd(const FwdArgs& a) {
   }
   const int frames = static_cast<int>(z.BHF);
   cublasHandle_t handle = cublas_handle();
-  frame_gemm(handle, a.P, bf(X), bf(Kr), z.D, z.S, frames, frame_stride);   // P  = Xᵀ kʳ
-  frame_gemm(handle, a.A, bf(X), bf(Vf), z.D, z.S, frames, frame_stride);   // A  = Xᵀ v
+  frame_gemm(handle, a.P, bf(X), bf(Kr), z.D, z.S, frames, frame_stride);    // P  = Xᵀ kʳ
+  frame_gemm(handle, a.A, bf(X), bf(Vf), z.D, z.S, frames, frame_stride);    // A  = Xᵀ v
   frame_gemm(handle, a.Pz, bf(Xp), bf(Kp), z.D, z.S, frames, frame_stride);  // Pz = Xpᵀ k⁺
 }
 
