@@ -1,10 +1,18 @@
 // src/kernels/phase_a_bf16.cu — phase A's bf16 coding (phase_a.cu has the math and picks
 // the coding): bf16 mode with bf16 qkv and D % 8 == 0 at a padded head dim of 64 or 128.
-// The raw rows of the next token chunk are staged with cp.async while the current one is
-// multiplied (Note [staged loads]); operand tiles are bf16 in shared memory, read with
-// ldmatrix (Note [ldmatrix tiles]). Grids as the f32 coding's (phase_a_f32.cu).
+//
+// Forward: the k prep runs once per token (phase_a_prep_kernel), not once per product, and
+// writes the bf16 operands of the three products; the products are strided-batched GEMMs on
+// cuBLAS (one matrix per frame, all S tokens at once) rather than blocks that multiply chunks
+// of 32 tokens between rounds of prep.
+// Backward: the raw rows of the next token tile are staged with cp.async while the current
+// one is multiplied (Note [staged loads]); operand tiles are bf16 in shared memory, read with
+// ldmatrix (Note [ldmatrix tiles]).
+#include <cublas_v2.h>
+
 #include <algorithm>
 
+#include "kernels/cublas_handle.h"
 #include "kernels/cuda_common.cuh"
 #include "kernels/phase_a_cuda.cuh"
 
@@ -15,126 +23,155 @@ namespace {
 using namespace detail;
 using namespace phase_a;
 
-// bf16 mode with bf16 qkv and D % 8 == 0: the block layout of phase_a_fwd_kernel
-// (phase_a_f32.cu), the raw rows of the next 32-token chunk staged with cp.async while the
-// current one is multiplied (Note [staged loads]), bf16 operand tiles read as [k][mn]
-// through ldmatrix.trans (Note [ldmatrix tiles]).
-// b_f is summed in f32 from the values before rounding: per thread over its rows, then over
-// the row groups in a fixed order.
-template <int DP>
-struct FwdHTile {
-  static constexpr int WM = 2, WN = 4, TM = DP / (16 * WM), TN = DP / (8 * WN), KS = 32;
-  static constexpr int OPR = DP / 8, RSTEP = kThreads / OPR, TPT = KS / RSTEP;  // octets per row, rows per pass
-};
+// ---------------------------------------------------------------------------
+// forward: prep, then P = Xᵀ kʳ, A = Xᵀ v, Pz = Xpᵀ k⁺ on cuBLAS
+// ---------------------------------------------------------------------------
+// The prep writes, per (b, h, f), S rows of D bf16 channels each ((B, H, F, S, D) layout):
+//   X = bf16(β·kʳ),  Kr = bf16(kʳ),  Xp = bf16(β·k⁺),  Kp = bf16(k⁺),  Vf = v (a copy)
+// with kʳ, k⁺ the f32 values of prep_octet; and b_f = Σ_s β_s k⁺_s in f32 from the unrounded
+// values. A thread owns one octet of channels (16-byte accesses) of kPrepRows rows; a block
+// owns kThreads / (D/8) row groups of them, a chunk of one frame's tokens. Each block writes
+// its chunk's part of b_f; phase_a_bz_kernel adds the chunks in order (no atomics, so b is
+// bitwise the same run to run and under graph capture).
+constexpr int kPrepRows = 2;  // rows per thread: their loads are all issued before the math
 
-template <int DP>
-size_t fwd_h_smem_bytes(int D) {
-  using Tl = FwdHTile<DP>;
-  return 2 * static_cast<size_t>(Tl::KS) * pitch_ld(DP) * 2 +            // X, Y tiles (bf16)
-         static_cast<size_t>(Tl::KS) * D * (2 * 4 + 2 * 2) +              // staged cos, sin (f32), k, v (bf16)
-         (2 * static_cast<size_t>(Tl::KS) + DP + Tl::RSTEP * DP) * 4;     // r, β, weights, b_f partials
-}
+inline int prep_row_groups(int D) { return kThreads / (D / 8); }
+inline int prep_chunk_rows(int D) { return prep_row_groups(D) * kPrepRows; }
 
-template <int DP>
-__global__ void __launch_bounds__(kThreads, 2)
-    phase_a_fwd_h_kernel(float* __restrict__ P, float* __restrict__ A, float* __restrict__ Pz, float* __restrict__ bz,
-                         const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ rstd,
-                         const float* __restrict__ kw, const float* __restrict__ rope_cos,
-                         const float* __restrict__ rope_sin, In beta, int H, int D, int F, int S, float k_scale) {
-  using Tl = FwdHTile<DP>;
-  constexpr int KS = Tl::KS, LD = pitch_ld(DP), RSTEP = Tl::RSTEP, TPT = Tl::TPT;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  __nv_bfloat16* Xh = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // β·(kʳ or k⁺), [s][d]
-  __nv_bfloat16* Yh = Xh + KS * LD;                                  // kʳ, v or k⁺,  [s][d]
-  float* Cs = reinterpret_cast<float*>(Yh + KS * LD);                // staged cos [KS][D]
-  float* Sn = Cs + KS * D;                                           // staged sin
-  __nv_bfloat16* Kst = reinterpret_cast<__nv_bfloat16*>(Sn + KS * D);  // staged k [KS][D]
-  __nv_bfloat16* Vst = Kst + KS * D;                                   // staged v
-  float* rks = reinterpret_cast<float*>(Vst + KS * D);                 // r of k [KS]
-  float* bts = rks + KS;                                               // β [KS]
-  float* wks = bts + KS;                                               // k norm weight [DP]
-  float* bpart = wks + DP;                                             // Σ β k⁺ per row group [RSTEP][DP]
+__global__ void __launch_bounds__(kThreads)
+    phase_a_prep_kernel(__nv_bfloat16* __restrict__ X, __nv_bfloat16* __restrict__ Kr, __nv_bfloat16* __restrict__ Xp,
+                        __nv_bfloat16* __restrict__ Kp, __nv_bfloat16* __restrict__ Vf, float* __restrict__ b_part,
+                        const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ rstd,
+                        const float* __restrict__ kw, const float* __restrict__ rope_cos,
+                        const float* __restrict__ rope_sin, In beta, int H, int D, int F, int S, int chunks,
+                        float k_scale) {
+  __shared__ __align__(16) float part[8 * kThreads];  // Σ β k⁺ per row group [rg][D]; rg·D ≤ 8·kThreads
+  const int opr = D / 8, rg = kThreads / opr, tid = threadIdx.x, g = tid / opr, d0 = 8 * (tid % opr);
+  // Block → (b, f, chunk, h), h fastest: the heads of one token chunk run side by side and
+  // share its RoPE rows in L2.
+  int64_t blk = blockIdx.x;
+  const int h = static_cast<int>(blk % H);
+  blk /= H;
+  const int c = static_cast<int>(blk % chunks);
+  blk /= chunks;
+  const int f = static_cast<int>(blk % F);
+  const int64_t b = blk / F, bhf = (b * H + h) * F + f, N = static_cast<int64_t>(F) * S;
+  const int s0 = c * rg * kPrepRows;
 
-  const int prod = blockIdx.x;  // 0: P, 1: A, 2: Pz and b
-  const int bhf = blockIdx.y, bh = bhf / F, f = bhf % F, b = bh / H, h = bh % H;
-  const int64_t N = static_cast<int64_t>(F) * S;
-  const int tid = threadIdx.x, warp = tid >> 5;
-  const int wm = warp / Tl::WN, wn = warp % Tl::WN;
-  const int m0 = wm * Tl::TM * 16, n0 = wn * Tl::TN * 8;
-  const int d0 = 8 * (tid % Tl::OPR), row0 = tid / Tl::OPR;
-  const bool rope = prod != 2, need_v = prod == 1;
-
-  // Issues the copies of chunk s0 (and fetches its r and β into registers: pr, pb).
-  float pr = 0.f, pb = 0.f;
-  auto stage = [&](int s0) {
-    const int valid = min(KS, S - s0);
-    const int64_t n0f = static_cast<int64_t>(f) * S + s0;
-    const auto krow = [&](int r) { return qkv + qkv_index(b, n0f + r, 1, h, 0, N, H, D); };
-    const auto vrow = [&](int r) { return qkv + qkv_index(b, n0f + r, 2, h, 0, N, H, D); };
-    const auto crow = [&](int r) { return rope_cos + (n0f + r) * D; };
-    const auto srow = [&](int r) { return rope_sin + (n0f + r) * D; };
-    stage_rows<kThreads>(Kst, krow, KS, valid, D);
-    if (need_v) stage_rows<kThreads>(Vst, vrow, KS, valid, D);
-    if (rope) {
-      stage_rows<kThreads>(Cs, crow, KS, valid, D);
-      stage_rows<kThreads>(Sn, srow, KS, valid, D);
-    }
-    cp_async_commit();
-    if (tid < KS) {
-      const bool ok = tid < valid;
-      pr = ok ? __ldg(rstd + (b * N + n0f + tid) * 2 + 1) : 0.f;
-      pb = ok ? beta[static_cast<int64_t>(bhf) * S + s0 + tid] : 0.f;
-    }
-  };
-
-  for (int d = tid; d < DP; d += kThreads) wks[d] = d < D ? (kw ? kw[h * D + d] : 1.f) : 0.f;
-  for (int e = tid; e < RSTEP * DP; e += kThreads) bpart[e] = 0.f;
-  float acc[Tl::TM][Tl::TN][4] = {};
-  stage(0);
-  for (int s0 = 0; s0 < S; s0 += KS) {
-    cp_async_wait<0>();
-    if (tid < KS) rks[tid] = pr, bts[tid] = pb;
-    __syncthreads();  // chunk s0 staged; the tiles of the previous chunk consumed
+  float bsum[8] = {};
+  if (g < rg) {
+    float w[8];
 #pragma unroll
-    for (int i = 0; i < TPT; ++i) {
-      const int r = row0 + RSTEP * i;
-      float k[8], w[8], c[8] = {}, sn[8] = {}, v[8] = {}, kp[8] = {}, kr[8] = {}, x[8], y[8];
-      if (d0 < D) {
-        ld8h(k, Kst + r * D + d0);
-        ld8f(w, wks + d0);
-        if (rope) ld8f(c, Cs + r * D + d0), ld8f(sn, Sn + r * D + d0);
-        if (need_v) ld8h(v, Vst + r * D + d0);
-        prep_octet(k, rks[r], w, k_scale, c, sn, kp, kr);
+    for (int q = 0; q < 8; ++q) w[q] = kw ? __ldg(kw + h * D + d0 + q) : 1.f;
+    uint4 kraw[kPrepRows], vraw[kPrepRows];
+    float4 cs[kPrepRows][2], sn[kPrepRows][2];
+    float rk[kPrepRows], bt[kPrepRows];
+#pragma unroll
+    for (int i = 0; i < kPrepRows; ++i) {
+      const int s = min(s0 + g + rg * i, S - 1);  // rows past S load a valid row and store nothing
+      const int64_t n = static_cast<int64_t>(f) * S + s;
+      kraw[i] = __ldg(reinterpret_cast<const uint4*>(qkv + qkv_index(b, n, 1, h, d0, N, H, D)));
+      vraw[i] = __ldg(reinterpret_cast<const uint4*>(qkv + qkv_index(b, n, 2, h, d0, N, H, D)));
+      cs[i][0] = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0));
+      cs[i][1] = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0 + 4));
+      sn[i][0] = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0));
+      sn[i][1] = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0 + 4));
+      rk[i] = __ldg(rstd + (b * N + n) * 2 + 1);
+      bt[i] = beta[bhf * S + s];
+    }
+#pragma unroll
+    for (int i = 0; i < kPrepRows; ++i) {
+      const int s = s0 + g + rg * i;
+      if (s >= S) break;
+      float k[8], c8[8], s8[8], kp[8], kr[8], x[8], xp[8];
+      ld8h(k, reinterpret_cast<const __nv_bfloat16*>(&kraw[i]));
+      ld8f(c8, reinterpret_cast<const float*>(cs[i]));
+      ld8f(s8, reinterpret_cast<const float*>(sn[i]));
+      prep_octet(k, rk[i], w, k_scale, c8, s8, kp, kr);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        x[q] = bt[i] * kr[q];
+        xp[q] = bt[i] * kp[q];
+        bsum[q] += xp[q];
       }
-      const float bt = bts[r];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {  // X = β·kʳ, Y = kʳ | X = β·kʳ, Y = v | X = β·k⁺, Y = k⁺
-        x[q] = bt * (prod == 2 ? kp[q] : kr[q]);
-        y[q] = prod == 0 ? kr[q] : prod == 1 ? v[q] : kp[q];
-      }
-      if (prod == 2)  // this thread's own slots: no race
-#pragma unroll
-        for (int q = 0; q < 8; ++q) bpart[row0 * DP + d0 + q] += x[q];
-      st8h(Xh + r * LD + d0, x);
-      st8h(Yh + r * LD + d0, y);
+      const int64_t o = (bhf * S + s) * D + d0;
+      st8h(X + o, x);
+      st8h(Kr + o, kr);
+      st8h(Xp + o, xp);
+      st8h(Kp + o, kp);
+      *reinterpret_cast<uint4*>(Vf + o) = vraw[i];
     }
-    __syncthreads();  // tiles ready; the stage is free
-    if (s0 + KS < S) stage(s0 + KS);
-    // P(i, j) = Σ_s X[s][i] Y[s][j]: both operands are [k][mn] tiles.
-    warp_mma_ld<Tl::TM, Tl::TN>(acc, LdCol{Xh, LD}, m0, LdCol{Yh, LD}, n0, KS, D, D);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) part[g * D + d0 + q] = bsum[q];
   }
-
-  store_tile(P_or(prod, P, A, Pz) + static_cast<int64_t>(bhf) * D * D, acc, m0, n0, D);
-  if (prod == 2) {
-    __syncthreads();
-    if (tid < D) {
-      float v = 0.f;
-      for (int w = 0; w < RSTEP; ++w) v += bpart[w * DP + tid];
-      bz[static_cast<int64_t>(bhf) * D + tid] = v;
-    }
+  __syncthreads();
+  if (tid < D) {
+    float v = 0.f;
+    for (int j = 0; j < rg; ++j) v += part[j * D + tid];
+    b_part[(bhf * chunks + c) * D + tid] = v;
   }
 }
 
+// b_f = Σ over the chunks of b_part, in chunk order.
+__global__ void phase_a_bz_kernel(float* __restrict__ bz, const float* __restrict__ b_part, int64_t n, int D,
+                                  int chunks) {
+  GDNCP_GRID_STRIDE(i, n) {
+    const int64_t bhf = i / D, d = i % D;
+    float v = 0.f;
+    for (int c = 0; c < chunks; ++c) v += b_part[(bhf * chunks + c) * D + d];
+    bz[i] = v;
+  }
+}
+
+// C_f = Σ_s Xf[s]ᵀ Yf[s] for every frame f (row-major D×D, f32), Xf, Yf the frame's S×D bf16
+// rows. Note [row-major through cuBLAS]: a row-major S×D frame is the column-major D×S
+// matrix (ld D), and row-major C[i][j] = Σ_s X[s][i] Y[s][j] is column-major Y·Xᵀ.
+void frame_gemm(cublasHandle_t handle, float* C, const __nv_bfloat16* Xf, const __nv_bfloat16* Yf, int D, int S,
+                int frames, int64_t frame_stride) {
+  const float one = 1.f, zero = 0.f;
+  GDNCP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, D, D, S, &one, Yf, CUDA_R_16BF, D,
+                                                frame_stride, Xf, CUDA_R_16BF, D, frame_stride, &zero, C, CUDA_R_32F, D,
+                                                static_cast<int64_t>(D) * D, frames, CUBLAS_COMPUTE_32F,
+                                                CUBLAS_GEMM_DEFAULT));
+}
+
+void fwd(const FwdArgs& a) {
+  const FrameSizes& z = a.z;
+  GDNCP_CHECK(z.BHF <= INT32_MAX, "cuda phase A: B·H·F = ", z.BHF, " exceeds cuBLAS's 32-bit batch count");
+  const int chunks = (z.S + prep_chunk_rows(z.D) - 1) / prep_chunk_rows(z.D);
+  const int64_t frame_stride = checked_mul(z.S, z.D, "cuda phase A: S·D");
+  const int64_t blocks = checked_mul(z.BHF, chunks, "cuda phase A: prep blocks");
+  GDNCP_CHECK(blocks <= INT32_MAX, "cuda phase A: ", blocks, " prep blocks exceed the grid's limit");
+  // The five operands live only inside this call (5 · B·H·F·S·D bf16, ≈ 0.2 GiB at the
+  // production shape); the layer's peak memory is in the backward, not here.
+  const Shape rows = {z.BHF, z.S, z.D};
+  Tensor X = Tensor::empty(rows, DType::bf16, Device::cuda), Kr = Tensor::empty(rows, DType::bf16, Device::cuda),
+         Xp = Tensor::empty(rows, DType::bf16, Device::cuda), Kp = Tensor::empty(rows, DType::bf16, Device::cuda),
+         Vf = Tensor::empty(rows, DType::bf16, Device::cuda);
+  // One chunk per frame: the block's sum is b_f itself.
+  Tensor b_part;
+  if (chunks > 1) b_part = Tensor::empty({z.BHF, chunks, z.D}, DType::f32, Device::cuda);
+  float* bp = chunks > 1 ? static_cast<float*>(b_part.data()) : a.bz;
+  const auto bf = [](Tensor& t) { return static_cast<__nv_bfloat16*>(t.data()); };
+  phase_a_prep_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
+      bf(X), bf(Kr), bf(Xp), bf(Kp), bf(Vf), bp, static_cast<const __nv_bfloat16*>(a.qkv.p), a.rstd, a.kw, a.cos, a.sin,
+      a.beta, z.H, z.D, z.F, z.S, chunks, a.k_scale);
+  GDNCP_CUDA_CHECK_LAUNCH("phase_a_prep_kernel");
+  if (chunks > 1) {
+    const int64_t n = z.BHF * z.D;
+    phase_a_bz_kernel<<<blocks_for(n), kGridThreads, 0, stream()>>>(a.bz, bp, n, z.D, chunks);
+    GDNCP_CUDA_CHECK_LAUNCH("phase_a_bz_kernel");
+  }
+  const int frames = static_cast<int>(z.BHF);
+  cublasHandle_t handle = cublas_handle();
+  frame_gemm(handle, a.P, bf(X), bf(Kr), z.D, z.S, frames, frame_stride);    // P  = Xᵀ kʳ
+  frame_gemm(handle, a.A, bf(X), bf(Vf), z.D, z.S, frames, frame_stride);    // A  = Xᵀ v
+  frame_gemm(handle, a.Pz, bf(Xp), bf(Kp), z.D, z.S, frames, frame_stride);  // Pz = Xpᵀ k⁺
+}
+
+// ---------------------------------------------------------------------------
+// backward
+// ---------------------------------------------------------------------------
 // bf16 mode with bf16 qkv and D % 8 == 0 (Note [staged loads], Note [ldmatrix tiles]): the
 // gradients live in shared memory as bf16 (Ps and Pzs symmetric, dA read both ways, so three
 // matrices), the token tiles kʳ, v, k⁺ as bf16 [s][d]; the raw rows of the next tile are
@@ -367,18 +404,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template <int DP>
-void fwd(const FwdArgs& a) {
-  const FrameSizes& z = a.z;
-  const dim3 grid(3, static_cast<unsigned>(z.BHF));
-  const size_t smem = fwd_h_smem_bytes<DP>(z.D);
-  allow_smem(phase_a_fwd_h_kernel<DP>, smem);
-  phase_a_fwd_h_kernel<DP><<<grid, kThreads, smem, stream()>>>(a.P, a.A, a.Pz, a.bz,
-                                                               static_cast<const __nv_bfloat16*>(a.qkv.p), a.rstd,
-                                                               a.kw, a.cos, a.sin, a.beta, z.H, z.D, z.F, z.S, a.k_scale);
-  GDNCP_CUDA_CHECK_LAUNCH("phase_a_fwd_h_kernel");
-}
-
-template <int DP>
 void bwd(const BwdArgs& a) {
   const FrameSizes& z = a.z;
   const int sms = sm_count();
@@ -399,12 +424,7 @@ void bwd(const BwdArgs& a) {
 
 namespace phase_a {
 
-void fwd_bf16(const FwdArgs& a) {
-  if (padded_dim(a.z.D) == 64)
-    fwd<64>(a);
-  else
-    fwd<128>(a);
-}
+void fwd_bf16(const FwdArgs& a) { fwd(a); }
 
 void bwd_bf16(const BwdArgs& a) {
   if (padded_dim(a.z.D) == 64)

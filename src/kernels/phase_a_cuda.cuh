@@ -1,7 +1,8 @@
 // src/kernels/phase_a_cuda.cuh — what the two CUDA codings of phase A share: the
-// block size, the forward's product map, the launch arguments and the typed launchers of
+// block size, the f32 forward's product map, the launch arguments and the typed launchers of
 // phase_a_f32.cu (f32 tiles, per-pair loads, every matrix-unit mode) and phase_a_bf16.cu
-// (bf16 tiles read with ldmatrix, staged loads; bf16 mode only). phase_a.cu picks.
+// (bf16 mode only: a prep kernel and cuBLAS products forward; bf16 tiles read with ldmatrix
+// and staged loads backward). phase_a.cu picks.
 #pragma once
 
 #include "kernels/cuda_common.cuh"
@@ -12,7 +13,7 @@ namespace phase_a {
 
 constexpr int kThreads = 256;
 
-// The product a forward block owns: 0 → P, 1 → A, 2 → Pz.
+// The product a forward block of phase_a_f32.cu owns: 0 → P, 1 → A, 2 → Pz.
 __device__ __forceinline__ float* P_or(int prod, float* P, float* A, float* Pz) {
   return prod == 0 ? P : prod == 1 ? A : Pz;
 }
