@@ -186,7 +186,8 @@ __global__ void __launch_bounds__(32 * kRowWarps, V <= 9 ? 3 : 2)
       float g[8], x[8];
       unpack8(g, gv[j]);
       unpack8(x, xv[j]);
-      const float4 wa = __ldg(reinterpret_cast<const float4*>(w) + 2 * o), wb = __ldg(reinterpret_cast<const float4*>(w) + 2 * o + 1);
+      const float4 wa = __ldg(reinterpret_cast<const float4*>(w) + 2 * o),
+                   wb = __ldg(reinterpret_cast<const float4*>(w) + 2 * o + 1);
       const float wo[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -203,7 +204,8 @@ __global__ void __launch_bounds__(32 * kRowWarps, V <= 9 ? 3 : 2)
       float g[8], x[8], dx[8];
       unpack8(g, gv[j]);
       unpack8(x, xv[j]);
-      const float4 wa = __ldg(reinterpret_cast<const float4*>(w) + 2 * o), wb = __ldg(reinterpret_cast<const float4*>(w) + 2 * o + 1);
+      const float4 wa = __ldg(reinterpret_cast<const float4*>(w) + 2 * o),
+                   wb = __ldg(reinterpret_cast<const float4*>(w) + 2 * o + 1);
       const float wo[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
       for (int i = 0; i < 8; ++i) dx[i] = r * wo[i] * g[i] - k * x[i];
@@ -283,23 +285,19 @@ namespace {
 bool aligned16(const Tensor& t) { return !t.defined() || reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
 bool bf16_or_none(const Tensor& t) { return !t.defined() || t.dtype() == DType::bf16; }
 
-// Octets a lane holds on the fast path: the smallest instantiated V ≥ ⌈C/256⌉ (0: none fits).
-int row_octets(int C) {
-  const int need = (C / 8 + 31) / 32;
-  for (int v : {1, 2, 4, 5, 8, 9, kRowOctets})
-    if (v >= need) return v;
-  return 0;
-}
+using RowsKernel = decltype(&rms_bwd_rows_kernel<1>);
 
-template <int V>
-void launch_rows(dim3 grid, size_t smem, Tensor& dqkv, float* part, const Tensor& dq_hat, const Tensor& dk_hat,
-                 const Tensor& qkv, const float* rstd, const float* qw, const float* kw, int64_t tokens, int C,
-                 int64_t per_block) {
-  auto bf = [](const Tensor& t) { return t.defined() ? static_cast<const __nv_bfloat16*>(t.data()) : nullptr; };
-  rms_bwd_rows_kernel<V><<<grid, 32 * kRowWarps, smem, stream()>>>(static_cast<__nv_bfloat16*>(dqkv.data()), part,
-                                                                    bf(dq_hat), bf(dk_hat), bf(qkv), rstd, qw, kw,
-                                                                    tokens, C, per_block);
-  GDNCP_CUDA_CHECK_LAUNCH("rms_bwd_rows_kernel");
+// The fast-path kernel for C: the narrowest instantiated V ≥ ⌈C/256⌉ octets a lane (null: none fits).
+RowsKernel rows_kernel(int C) {
+  const int need = (C / 8 + 31) / 32;
+  if (need <= 1) return rms_bwd_rows_kernel<1>;
+  if (need <= 2) return rms_bwd_rows_kernel<2>;
+  if (need <= 4) return rms_bwd_rows_kernel<4>;
+  if (need <= 5) return rms_bwd_rows_kernel<5>;
+  if (need <= 8) return rms_bwd_rows_kernel<8>;
+  if (need <= 9) return rms_bwd_rows_kernel<9>;
+  if (need <= kRowOctets) return rms_bwd_rows_kernel<kRowOctets>;
+  return nullptr;
 }
 
 }  // namespace
@@ -320,14 +318,15 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
   // The fast path needs bf16 rows in 16-byte octets. With dq̂ and dk̂ of one dtype (as the layer
   // gives them) the choice does not depend on which streams are asked for, so a stream's bits
   // do not either.
-  const int V = row_octets(C);
-  const bool rows = V > 0 && C % 8 == 0 && dqkv.dtype() == DType::bf16 && qkv.dtype() == DType::bf16 &&
-                    bf16_or_none(dq_hat) && bf16_or_none(dk_hat) && aligned16(dqkv) && aligned16(qkv) &&
-                    aligned16(dq_hat) && aligned16(dk_hat) && aligned16(q_norm_w) && aligned16(k_norm_w);
+  const bool octets = C % 8 == 0 && dqkv.dtype() == DType::bf16 && qkv.dtype() == DType::bf16 && bf16_or_none(dq_hat) &&
+                      bf16_or_none(dk_hat) && aligned16(dqkv) && aligned16(qkv) && aligned16(dq_hat) &&
+                      aligned16(dk_hat) && aligned16(q_norm_w) && aligned16(k_norm_w);
+  const RowsKernel rows = octets ? rows_kernel(C) : nullptr;
   // Warps per block: the fast path keeps dw in registers; the generic one in shared memory,
   // as many warps as their accumulators fit.
-  const int warps = rows ? kRowWarps
-                         : static_cast<int>(std::min<int64_t>(kBwdMaxWarps, (160 * 1024) / (static_cast<int64_t>(C) * 4)));
+  const int warps =
+      rows ? kRowWarps
+           : static_cast<int>(std::min<int64_t>(kBwdMaxWarps, (160 * 1024) / (static_cast<int64_t>(C) * 4)));
   GDNCP_CHECK(warps >= 1, "cuda rms_norm_bwd: C = H·D = ", C, " is too large for the shared-memory accumulators");
   // A fixed number of blocks (independent of the device) keeps the summation order fixed.
   const int64_t blocks = std::min<int64_t>(kBwdMaxBlocks, (tokens + warps - 1) / warps);
@@ -339,16 +338,11 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
   float* part_p = need_dw ? static_cast<float*>(part.data()) : nullptr;
   const dim3 grid(static_cast<unsigned>(used), 2);
   if (rows) {
-    const size_t smem = need_dw ? static_cast<size_t>(C) * sizeof(float) : 0;
-    switch (V) {
-      case 1: launch_rows<1>(grid, smem, dqkv, part_p, dq_hat, dk_hat, qkv, rstd_p, qw, kw, tokens, C, per_block); break;
-      case 2: launch_rows<2>(grid, smem, dqkv, part_p, dq_hat, dk_hat, qkv, rstd_p, qw, kw, tokens, C, per_block); break;
-      case 4: launch_rows<4>(grid, smem, dqkv, part_p, dq_hat, dk_hat, qkv, rstd_p, qw, kw, tokens, C, per_block); break;
-      case 5: launch_rows<5>(grid, smem, dqkv, part_p, dq_hat, dk_hat, qkv, rstd_p, qw, kw, tokens, C, per_block); break;
-      case 8: launch_rows<8>(grid, smem, dqkv, part_p, dq_hat, dk_hat, qkv, rstd_p, qw, kw, tokens, C, per_block); break;
-      case 9: launch_rows<9>(grid, smem, dqkv, part_p, dq_hat, dk_hat, qkv, rstd_p, qw, kw, tokens, C, per_block); break;
-      default: launch_rows<kRowOctets>(grid, smem, dqkv, part_p, dq_hat, dk_hat, qkv, rstd_p, qw, kw, tokens, C, per_block); break;
-    }
+    auto bf = [](const Tensor& t) { return t.defined() ? static_cast<const __nv_bfloat16*>(t.data()) : nullptr; };
+    const size_t smem = need_dw ? static_cast<size_t>(C) * sizeof(float) : 0;  // the warp-order dw sum
+    rows<<<grid, 32 * kRowWarps, smem, stream()>>>(static_cast<__nv_bfloat16*>(dqkv.data()), part_p, bf(dq_hat),
+                                                   bf(dk_hat), bf(qkv), rstd_p, qw, kw, tokens, C, per_block);
+    GDNCP_CUDA_CHECK_LAUNCH("rms_bwd_rows_kernel");
   } else {
     const size_t smem = need_dw ? static_cast<size_t>(warps) * C * sizeof(float) : 0;
     allow_smem(rms_bwd_kernel, smem);
