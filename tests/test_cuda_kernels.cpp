@@ -62,7 +62,8 @@ Tensor channel(const Tensor& x, int c) {
   const std::vector<double> v = x.to_vector();
   std::vector<double> out(static_cast<size_t>(B * N * HD));
   for (int64_t t = 0; t < B * N; ++t)
-    for (int64_t e = 0; e < HD; ++e) out[static_cast<size_t>(t * HD + e)] = v[static_cast<size_t>((t * 3 + c) * HD + e)];
+    for (int64_t e = 0; e < HD; ++e)
+      out[static_cast<size_t>(t * HD + e)] = v[static_cast<size_t>((t * 3 + c) * HD + e)];
   return Tensor::from_vector(out, {B, N, s[3], s[4]}, DType::f64);
 }
 
@@ -74,7 +75,7 @@ void expect_close(const Tensor& actual, const Tensor& expected, double tol, cons
 }
 
 std::vector<Dims> twin_shapes() {
-  std::vector<Dims> v = {dims(1, 2, 16, 11, 1), dims(1, 2, 2, 2, 3), dims(2, 1, 12, 3, 5), dims(1, 2, 16, 11, 33),
+  std::vector<Dims> v = {dims(1, 2, 16, 11, 1),  dims(1, 2, 2, 2, 3),    dims(2, 1, 12, 3, 5), dims(1, 2, 16, 11, 33),
                          dims(2, 2, 112, 2, 33), dims(1, 2, 128, 3, 70), dims(1, 1, 64, 2, 17)};
   if (!small_only()) v.push_back(dims(1, 1, 112, 11, 920));
   return v;
@@ -107,7 +108,8 @@ TEST(CudaTwins, RmsStats) {
         const Prepared p = prepare(d, dt, ++seed, norm != 1, norm != 2);
         Tensor r = poisoned({d.B, d.N(), 2}, DType::f32);
         kernels::rms_stats(r, gpu(p.in.qkv), gpu(p.in.q_norm_w), gpu(p.in.k_norm_w), d, p.in.opt.norm_eps);
-        expect_close(r, p.rstd, tol::f32_short, "rms_stats " + dims_str(d) + " " + dtype_name(dt) + " norm " + std::to_string(norm));
+        expect_close(r, p.rstd, tol::f32_short,
+                     "rms_stats " + dims_str(d) + " " + dtype_name(dt) + " norm " + std::to_string(norm));
       }
 }
 
@@ -129,27 +131,30 @@ TEST(CudaTwins, PhaseA) {
       const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D};
       // forward
       Tensor P = Tensor::empty(mat, DType::f32), A = P.clone(), Pz = P.clone(), bz = Tensor::empty(vec, DType::f32);
-      cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, in.opt.k_scale, m);
+      cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, in.opt.k_scale,
+                       m);
       Tensor gP = poisoned(mat, DType::f32), gA = poisoned(mat, DType::f32), gPz = poisoned(mat, DType::f32),
              gbz = poisoned(vec, DType::f32);
       kernels::phase_a_fwd(gP, gA, gPz, gbz, gpu(in.qkv), gpu(p.rstd), gpu(in.k_norm_w), gpu(in.rope_cos),
-                        gpu(in.rope_sin), gpu(in.beta), d, in.opt.k_scale, m);
+                           gpu(in.rope_sin), gpu(in.beta), d, in.opt.k_scale, m);
       expect_close(gP, P, twin_tol(m), "phase_a_fwd P" + tag);
       expect_close(gA, A, twin_tol(m), "phase_a_fwd A" + tag);
       expect_close(gPz, Pz, twin_tol(m), "phase_a_fwd Pz" + tag);
       expect_close(gbz, bz, tol::f32, "phase_a_fwd bz" + tag);  // f32 sums in every mode
       // backward, fresh random upstream gradients
-      const Tensor dP = Tensor::randn(mat, DType::f32, Device::cpu, ++seed), dA = Tensor::randn(mat, DType::f32, Device::cpu, ++seed);
-      const Tensor dPz = Tensor::randn(mat, DType::f32, Device::cpu, ++seed), dbz = Tensor::randn(vec, DType::f32, Device::cpu, ++seed);
+      const Tensor dP = Tensor::randn(mat, DType::f32, Device::cpu, ++seed),
+                   dA = Tensor::randn(mat, DType::f32, Device::cpu, ++seed);
+      const Tensor dPz = Tensor::randn(mat, DType::f32, Device::cpu, ++seed),
+                   dbz = Tensor::randn(vec, DType::f32, Device::cpu, ++seed);
       const DType hat = grad_hat_dtype(m, dt);
       Tensor dk = Tensor::empty({d.B, d.N(), d.H, d.D}, hat), dqkv = Tensor::zeros(in.qkv.shape(), dt),
              dbeta = Tensor::empty(in.beta.shape(), in.beta.dtype());
-      cpu::phase_a_bwd(dk, dqkv, dbeta, dP, dA, dPz, dbz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta,
-                       d, in.opt.k_scale, m);
+      cpu::phase_a_bwd(dk, dqkv, dbeta, dP, dA, dPz, dbz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin,
+                       in.beta, d, in.opt.k_scale, m);
       Tensor gdk = poisoned(dk.shape(), hat), gdqkv = poisoned(in.qkv.shape(), dt),
              gdbeta = poisoned(in.beta.shape(), in.beta.dtype());
       kernels::phase_a_bwd(gdk, gdqkv, gdbeta, gpu(dP), gpu(dA), gpu(dPz), gpu(dbz), gpu(in.qkv), gpu(p.rstd),
-                        gpu(in.k_norm_w), gpu(in.rope_cos), gpu(in.rope_sin), gpu(in.beta), d, in.opt.k_scale, m);
+                           gpu(in.k_norm_w), gpu(in.rope_cos), gpu(in.rope_sin), gpu(in.beta), d, in.opt.k_scale, m);
       expect_close(gdk, dk, twin_tol(m), "phase_a_bwd dk_hat" + tag);
       expect_close(channel(gdqkv, 2), channel(dqkv, 2), twin_tol(m), "phase_a_bwd dv" + tag);
       EXPECT_TRUE(has_nonfinite(channel(gdqkv, 0))) << "phase_a_bwd must leave channel 0 of dqkv untouched" << tag;
@@ -245,10 +250,11 @@ TEST(CudaTwins, PhaseC) {
 
         const DType out_dt = divide ? dt : DType::f32;
         Tensor out = Tensor::empty(tok, out_dt), den = Tensor::empty({d.B, d.H, d.N()}, DType::f32);
-        cpu::phase_c_fwd(out, den, in.qkv, p.rstd, in.q_norm_w, in.rope_cos, in.rope_sin, M, z, d, in.opt.eps, divide, m);
+        cpu::phase_c_fwd(out, den, in.qkv, p.rstd, in.q_norm_w, in.rope_cos, in.rope_sin, M, z, d, in.opt.eps, divide,
+                         m);
         Tensor gout = poisoned(tok, out_dt), gden = poisoned({d.B, d.H, d.N()}, DType::f32);
         kernels::phase_c_fwd(gout, gden, gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w), gpu(in.rope_cos), gpu(in.rope_sin),
-                          gpu(M), gpu(z), d, in.opt.eps, divide, m);
+                             gpu(M), gpu(z), d, in.opt.eps, divide, m);
         expect_close(gout, out, twin_tol(m), "phase_c_fwd out" + tag);
         expect_close(gden, den, tol::f32, "phase_c_fwd den" + tag);  // f32 dot in every mode
 
@@ -261,7 +267,7 @@ TEST(CudaTwins, PhaseC) {
                          in.opt.eps, divide, m);
         Tensor gdq = poisoned(tok, hat), gdM = poisoned(mat, DType::f32), gdz = poisoned(vec, DType::f32);
         kernels::phase_c_bwd(gdq, gdM, gdz, gpu(dout), gpu(dden), gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w),
-                          gpu(in.rope_cos), gpu(in.rope_sin), gpu(M), gpu(z), d, in.opt.eps, divide, m);
+                             gpu(in.rope_cos), gpu(in.rope_sin), gpu(M), gpu(z), d, in.opt.eps, divide, m);
         expect_close(gdq, dq, twin_tol(m), "phase_c_bwd dq_hat" + tag);
         expect_close(gdM, dM, twin_tol(m), "phase_c_bwd dM" + tag);
         expect_close(gdz, dz, twin_tol(m), "phase_c_bwd dz" + tag);
@@ -270,22 +276,35 @@ TEST(CudaTwins, PhaseC) {
           kernels::phase_c_bwd(fdq, fdM, fdz, gpu(dout), gpu(dden), gpu(in.qkv), gpu(p.rstd), gpu(in.q_norm_w),
                                gpu(in.rope_cos), gpu(in.rope_sin), gpu(M), gpu(z), d, in.opt.eps, divide, m);
           expect_close(fdq, dq, twin_tol(m), "phase_c_bwd f32 dq_hat" + tag);
-          EXPECT_TRUE(bitwise_equal(fdM, gdM) && bitwise_equal(fdz, gdz)) << "phase_c_bwd dM, dz vs dq_hat dtype" << tag;
+          EXPECT_TRUE(bitwise_equal(fdM, gdM) && bitwise_equal(fdz, gdz))
+              << "phase_c_bwd dM, dz vs dq_hat dtype" << tag;
         }
       }
+}
+
+// The twin shapes plus the row-in-registers widths of the bf16 path: C = 2240 (production,
+// 9 octets a lane), 520 (a partial last octet round), 2560 (the widest, 10 octets); C = 2600
+// is past the widest and takes the generic loop in bf16 too. 2100 tokens: 420 blocks of 5
+// tokens, so a warp of the bf16 path keeps dw over two tokens, and the dw sum adds 420 partials.
+std::vector<Dims> rms_bwd_shapes() {
+  std::vector<Dims> v = twin_shapes();
+  for (const Dims& d : {dims(1, 20, 112, 2, 3), dims(2, 4, 130, 3, 5), dims(1, 20, 128, 1, 5), dims(1, 26, 100, 1, 3)})
+    v.push_back(d);
+  if (!small_only()) v.push_back(dims(1, 20, 112, 1, 2100));
+  return v;
 }
 
 TEST(CudaTwins, RmsNormBwd) {
   REQUIRE_GPU();
   uint64_t seed = 500;
-  for (const Dims& d : twin_shapes())
+  for (const Dims& d : rms_bwd_shapes())
     for (DType dt : {DType::f32, DType::bf16})
       for (int norm = 0; norm < 3; ++norm)
         for (DType hat : {DType::f32, DType::bf16}) {  // dq̂, dk̂: either hat-grad dtype
           const Prepared p = prepare(d, dt, ++seed, norm != 1, norm != 2);
           const LayerInputs& in = p.in;
-          const std::string tag = " " + dims_str(d) + " " + dtype_name(dt) + " norm " + std::to_string(norm) + " hat " +
-                                  dtype_name(hat);
+          const std::string tag =
+              " " + dims_str(d) + " " + dtype_name(dt) + " norm " + std::to_string(norm) + " hat " + dtype_name(hat);
           const Shape tok = {d.B, d.N(), d.H, d.D};
           const Tensor dqh = Tensor::randn(tok, hat, Device::cpu, ++seed);
           const Tensor dkh = Tensor::randn(tok, hat, Device::cpu, ++seed);
@@ -364,8 +383,10 @@ struct LayerCase {
 };
 
 std::vector<LayerCase> layer_cases() {
-  std::vector<LayerCase> v = {{dims(1, 2, 16, 11, 1), true, true},   {dims(1, 2, 16, 11, 33), true, true},
-                              {dims(2, 2, 112, 1, 33), true, true}, {dims(1, 3, 128, 2, 33), false, true},
+  std::vector<LayerCase> v = {{dims(1, 2, 16, 11, 1), true, true},
+                              {dims(1, 2, 16, 11, 33), true, true},
+                              {dims(2, 2, 112, 1, 33), true, true},
+                              {dims(1, 3, 128, 2, 33), false, true},
                               {dims(1, 2, 112, 3, 70), true, false}};
   if (!small_only()) {
     v.push_back({dims(1, 2, 112, 11, 920), true, true});
@@ -382,7 +403,8 @@ void check_layer(Precision precision, DType dtype, double tol, uint64_t seed) {
     const Tensor dout = Tensor::randn({c.d.B, c.d.N(), c.d.H, c.d.D}, dtype, Device::cpu, ++seed);
     const LayerResult ref = run_layer(convert(in, DType::f64), dout.to(DType::f64));
     const LayerResult got = run_layer(to_gpu(in), gpu(dout));
-    const std::string tag = std::string(" ") + dims_str(c.d) + " " + precision_name(precision) + " " + dtype_name(dtype);
+    const std::string tag =
+        std::string(" ") + dims_str(c.d) + " " + precision_name(precision) + " " + dtype_name(dtype);
     expect_close(got.out, ref.out, tol, "layer out" + tag);
     for (size_t i = 0; i < ref.grads.size(); ++i) {
       ASSERT_EQ(got.grads[i].defined(), ref.grads[i].defined()) << names[i] << tag;

@@ -9,10 +9,14 @@
 // overwritten. A stream whose weight is undefined is not normalised (r = 1,
 // dx = dx̂). dq_hat / dk_hat are read through In: f32 or bf16 (kernels.h,
 // hat-grad dtype; bf16 halves this pass's largest reads).
-// Note [fixed-order dw]: a block's warps own fixed tokens and keep their dw in
-// shared memory; blocks write partial sums that a second kernel adds in block
-// order — no atomics, so results are bitwise reproducible.
+// Note [fixed-order dw]: a block's warps own fixed tokens and keep their dw (in
+// shared memory, or in registers on the fast path); each block writes the warps'
+// sum in warp order as its partial, and a second kernel adds the partials in a
+// fixed order (strided subsets by warp, then the warps in order) — no atomics, so
+// results are bitwise reproducible. The path and the block count depend on the
+// shapes and dtypes only, never on the device.
 #include <algorithm>
+#include <cstdint>
 
 #include "kernels/cuda_common.cuh"
 
@@ -27,6 +31,16 @@ constexpr int kStatThreads = 256;
 // accumulators allow at the production C = 2240 (3 × 70 KB). Without the bound the
 // run-time f32/bf16 choice of In takes the kernel to 96 registers, i.e. 2 blocks an SM.
 constexpr int kBwdMaxWarps = 8, kBwdMinBlocks = 3;
+// Fast path (rms_bwd_rows_kernel): 4 warps a block; a lane holds at most kRowOctets
+// 16-byte octets of each row, i.e. C ≤ 32·8·kRowOctets = 2560. Registers: V octets of
+// dx̂ and of x (8V) plus dw (8V); V ≤ 9 is bounded to 168 (3 blocks an SM; V = 9, the
+// production C = 2240, spills a few bytes), V = 10 takes ~230 (2 blocks an SM).
+constexpr int kRowWarps = 4, kRowOctets = 10;
+// Blocks of the backward: at most this many partials to add (the count is fixed by the
+// token count, so the summation order is too).
+constexpr int64_t kBwdMaxBlocks = 512;
+// rms_dw_sum_kernel: 32 columns × kSumWarps warps a block.
+constexpr int kSumWarps = 32;
 
 // One warp per token; both streams.
 __global__ void __launch_bounds__(kStatThreads)
@@ -108,16 +122,146 @@ __global__ void __launch_bounds__(32 * kBwdMaxWarps, kBwdMinBlocks)
   }
 }
 
-// dw[c][e] = Σ_blk dw_part[c][blk][e], in block order.
-__global__ void rms_dw_sum_kernel(float* __restrict__ dqw, float* __restrict__ dkw, const float* __restrict__ dw_part,
-                                  int blocks, int C) {
-  const int e = blockIdx.x * blockDim.x + threadIdx.x, c = blockIdx.y;
+// 8 bf16 channels of a 16-byte octet as f32 (the lower channel sits in the low half).
+__device__ __forceinline__ void unpack8(float (&x)[8], uint4 u) {
+  const uint32_t h[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    x[2 * q] = __uint_as_float(h[q] << 16);
+    x[2 * q + 1] = __uint_as_float(h[q] & 0xffff0000u);
+  }
+}
+
+// Fast path: bf16 dx̂, x and dx, C % 8 == 0, 16-byte aligned rows. One warp a token as
+// above, but lane l holds octets l, l+32, … (< C/8) of the token's dx̂ and x rows in
+// registers, so each row is read once for both Σ w dx̂ x and dx; the lane owns those
+// columns for every token, so its dw stays in registers until the block's warp-order sum.
+// V = octets a lane holds (⌈C/256⌉ or a little more). Dynamic shared memory: C floats.
+template <int V>
+__global__ void __launch_bounds__(32 * kRowWarps, V <= 9 ? 3 : 2)
+    rms_bwd_rows_kernel(__nv_bfloat16* __restrict__ dqkv, float* __restrict__ dw_part,
+                        const __nv_bfloat16* __restrict__ dq_hat, const __nv_bfloat16* __restrict__ dk_hat,
+                        const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ rstd,
+                        const float* __restrict__ qw, const float* __restrict__ kw, int64_t tokens, int C,
+                        int64_t tokens_per_block) {
+  extern __shared__ __align__(16) float acc[];
+  const int c = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float* w = c == 0 ? qw : kw;
+  const __nv_bfloat16* dxh = c == 0 ? dq_hat : dk_hat;
+  if (!dxh) return;  // stream not asked for (the whole block leaves)
+  const int octets = C / 8;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * tokens_per_block;
+  const int64_t t1 = min(tokens, t0 + tokens_per_block);
+  const float invC = 1.f / static_cast<float>(C);
+  float dw[V][8];
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dw[j][i] = 0.f;
+
+  for (int64_t t = t0 + warp; t < t1; t += kRowWarps) {
+    const uint4* g_row = reinterpret_cast<const uint4*>(dxh + t * C);
+    const uint4* x_row = reinterpret_cast<const uint4*>(qkv + (t * 3 + c) * C);
+    uint4* dx_row = reinterpret_cast<uint4*>(dqkv + (t * 3 + c) * C);
+    uint4 gv[V], xv[V];
+    if (!w) {  // unnormalised stream: dx = dx̂, bit for bit
+#pragma unroll
+      for (int j = 0; j < V; ++j)
+        if (j * 32 + lane < octets) gv[j] = __ldg(g_row + j * 32 + lane);
+#pragma unroll
+      for (int j = 0; j < V; ++j)
+        if (j * 32 + lane < octets) dx_row[j * 32 + lane] = gv[j];
+      continue;
+    }
+    // All loads first: 2V 16-byte loads in flight per lane.
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+      if (j * 32 + lane < octets) gv[j] = __ldg(g_row + j * 32 + lane), xv[j] = __ldg(x_row + j * 32 + lane);
+    const float r = rstd[t * 2 + c];
+    float corr = 0.f;  // Σ_c w_c dx̂_c x_c
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int o = j * 32 + lane;
+      if (o >= octets) continue;
+      float g[8], x[8];
+      unpack8(g, gv[j]);
+      unpack8(x, xv[j]);
+      const float4 wa = __ldg(reinterpret_cast<const float4*>(w) + 2 * o),
+                   wb = __ldg(reinterpret_cast<const float4*>(w) + 2 * o + 1);
+      const float wo[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        corr = fmaf(wo[i] * g[i], x[i], corr);
+        dw[j][i] += g[i] * x[i] * r;
+      }
+    }
+    corr = warp_sum(corr);
+    const float k = r * r * r * invC * corr;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int o = j * 32 + lane;
+      if (o >= octets) continue;
+      float g[8], x[8], dx[8];
+      unpack8(g, gv[j]);
+      unpack8(x, xv[j]);
+      const float4 wa = __ldg(reinterpret_cast<const float4*>(w) + 2 * o),
+                   wb = __ldg(reinterpret_cast<const float4*>(w) + 2 * o + 1);
+      const float wo[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dx[i] = r * wo[i] * g[i] - k * x[i];
+      st8h(reinterpret_cast<__nv_bfloat16*>(dx_row + o), dx);
+    }
+  }
+  if (!w) return;
+  // This block's partial: warp 0's dw, plus warp 1's, … in warp order; the last warp writes it.
+  float* out = dw_part + (static_cast<int64_t>(c) * gridDim.x + blockIdx.x) * C;
+  for (int v = 0; v < kRowWarps; ++v) {
+    if (warp == v) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int o = j * 32 + lane;
+        if (o >= octets) continue;
+        float4* a = reinterpret_cast<float4*>(acc) + 2 * o;
+        float4 lo = make_float4(dw[j][0], dw[j][1], dw[j][2], dw[j][3]);
+        float4 hi = make_float4(dw[j][4], dw[j][5], dw[j][6], dw[j][7]);
+        if (v > 0) {
+          const float4 p = a[0], q = a[1];
+          lo = make_float4(p.x + lo.x, p.y + lo.y, p.z + lo.z, p.w + lo.w);
+          hi = make_float4(q.x + hi.x, q.y + hi.y, q.z + hi.z, q.w + hi.w);
+        }
+        float4* dst = v == kRowWarps - 1 ? reinterpret_cast<float4*>(out) + 2 * o : a;
+        dst[0] = lo, dst[1] = hi;
+      }
+    }
+    if (v < kRowWarps - 1) __syncthreads();
+  }
+}
+
+// dw[c][e] = Σ_blk dw_part[c][blk][e]. A block sums 32 columns: warp v adds partials
+// v, v + kSumWarps, … in order (one 128-byte row each), then lane e of warp 0 adds the
+// warps' sums in warp order — a fixed order that depends on `blocks` only.
+__global__ void __launch_bounds__(32 * kSumWarps)
+    rms_dw_sum_kernel(float* __restrict__ dqw, float* __restrict__ dkw, const float* __restrict__ dw_part, int blocks,
+                      int C) {
+  __shared__ float warp_sums[kSumWarps][32];
+  const int c = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* dst = c == 0 ? dqw : dkw;
-  if (e >= C || !dst) return;
-  const float* p = dw_part + static_cast<int64_t>(c) * blocks * C + e;
+  if (!dst) return;
+  const int e = blockIdx.x * 32 + lane;
   float s = 0.f;
-  for (int b = 0; b < blocks; ++b) s += p[static_cast<int64_t>(b) * C];
-  dst[e] = s;
+  if (e < C) {
+    const float* p = dw_part + static_cast<int64_t>(c) * blocks * C + e;
+#pragma unroll 8
+    for (int b = warp; b < blocks; b += kSumWarps) s += __ldg(p + static_cast<int64_t>(b) * C);
+  }
+  warp_sums[warp][lane] = s;
+  __syncthreads();
+  if (warp == 0 && e < C) {
+    float t = 0.f;
+#pragma unroll
+    for (int v = 0; v < kSumWarps; ++v) t += warp_sums[v][lane];
+    dst[e] = t;
+  }
 }
 
 }  // namespace
@@ -136,6 +280,28 @@ void rms_stats(Tensor& rstd, const Tensor& qkv, const Tensor& q_norm_w, const Te
   GDNCP_CUDA_CHECK_LAUNCH("rms_stats_kernel");
 }
 
+namespace {
+
+bool aligned16(const Tensor& t) { return !t.defined() || reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
+bool bf16_or_none(const Tensor& t) { return !t.defined() || t.dtype() == DType::bf16; }
+
+using RowsKernel = decltype(&rms_bwd_rows_kernel<1>);
+
+// The fast-path kernel for C: the narrowest instantiated V ≥ ⌈C/256⌉ octets a lane (null: none fits).
+RowsKernel rows_kernel(int C) {
+  const int need = (C / 8 + 31) / 32;
+  if (need <= 1) return rms_bwd_rows_kernel<1>;
+  if (need <= 2) return rms_bwd_rows_kernel<2>;
+  if (need <= 4) return rms_bwd_rows_kernel<4>;
+  if (need <= 5) return rms_bwd_rows_kernel<5>;
+  if (need <= 8) return rms_bwd_rows_kernel<8>;
+  if (need <= 9) return rms_bwd_rows_kernel<9>;
+  if (need <= kRowOctets) return rms_bwd_rows_kernel<kRowOctets>;
+  return nullptr;
+}
+
+}  // namespace
+
 void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tensor& dq_hat, const Tensor& dk_hat,
                   const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& k_norm_w,
                   const Dims& d) {
@@ -143,28 +309,52 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
   GDNCP_CHECK(dq_hat.defined() || dk_hat.defined(), "cuda rms_norm_bwd: dq_hat and dk_hat are both undefined");
   const int C = static_cast<int>(d.C());
   const int64_t tokens = d.B * d.N();
-  // Warps per block so that their dw accumulators fit in shared memory.
-  const int warps = static_cast<int>(std::min<int64_t>(kBwdMaxWarps, (160 * 1024) / (static_cast<int64_t>(C) * 4)));
+  // Views first: they check dtypes and devices for both paths.
+  const Out dx_view = out_of(dqkv, "dqkv");
+  const In dq_view = in_of(dq_hat, "dq_hat"), dk_view = in_of(dk_hat, "dk_hat"), x_view = in_of(qkv, "qkv");
+  const float* rstd_p = f32_or_null(rstd, "rstd");
+  const float* qw = f32_or_null(q_norm_w, "q_norm_w");
+  const float* kw = f32_or_null(k_norm_w, "k_norm_w");
+  // The fast path needs bf16 rows in 16-byte octets. With dq̂ and dk̂ of one dtype (as the layer
+  // gives them) the choice does not depend on which streams are asked for, so a stream's bits
+  // do not either.
+  const bool octets = C % 8 == 0 && dqkv.dtype() == DType::bf16 && qkv.dtype() == DType::bf16 && bf16_or_none(dq_hat) &&
+                      bf16_or_none(dk_hat) && aligned16(dqkv) && aligned16(qkv) && aligned16(dq_hat) &&
+                      aligned16(dk_hat) && aligned16(q_norm_w) && aligned16(k_norm_w);
+  const RowsKernel rows = octets ? rows_kernel(C) : nullptr;
+  // Warps per block: the fast path keeps dw in registers; the generic one in shared memory,
+  // as many warps as their accumulators fit.
+  const int warps =
+      rows ? kRowWarps
+           : static_cast<int>(std::min<int64_t>(kBwdMaxWarps, (160 * 1024) / (static_cast<int64_t>(C) * 4)));
   GDNCP_CHECK(warps >= 1, "cuda rms_norm_bwd: C = H·D = ", C, " is too large for the shared-memory accumulators");
   // A fixed number of blocks (independent of the device) keeps the summation order fixed.
-  const int64_t blocks = std::min<int64_t>(512, (tokens + warps - 1) / warps);
+  const int64_t blocks = std::min<int64_t>(kBwdMaxBlocks, (tokens + warps - 1) / warps);
   const int64_t per_block = (tokens + blocks - 1) / blocks;
   const int64_t used = (tokens + per_block - 1) / per_block;
   const bool need_dw = q_norm_w.defined() || k_norm_w.defined();
   Tensor part;
   if (need_dw) part = Tensor::empty({2, used, C}, DType::f32, Device::cuda);
-  const size_t smem = need_dw ? static_cast<size_t>(warps) * C * sizeof(float) : 0;
-  allow_smem(rms_bwd_kernel, smem);
-  rms_bwd_kernel<<<dim3(static_cast<unsigned>(used), 2), 32 * warps, smem, stream()>>>(
-      out_of(dqkv, "dqkv"), need_dw ? static_cast<float*>(part.data()) : nullptr, in_of(dq_hat, "dq_hat"),
-      in_of(dk_hat, "dk_hat"), in_of(qkv, "qkv"), f32_or_null(rstd, "rstd"), f32_or_null(q_norm_w, "q_norm_w"),
-      f32_or_null(k_norm_w, "k_norm_w"), tokens, C, per_block);
-  GDNCP_CUDA_CHECK_LAUNCH("rms_bwd_kernel");
+  float* part_p = need_dw ? static_cast<float*>(part.data()) : nullptr;
+  const dim3 grid(static_cast<unsigned>(used), 2);
+  if (rows) {
+    auto bf = [](const Tensor& t) { return t.defined() ? static_cast<const __nv_bfloat16*>(t.data()) : nullptr; };
+    const size_t smem = need_dw ? static_cast<size_t>(C) * sizeof(float) : 0;  // the warp-order dw sum
+    rows<<<grid, 32 * kRowWarps, smem, stream()>>>(static_cast<__nv_bfloat16*>(dqkv.data()), part_p, bf(dq_hat),
+                                                   bf(dk_hat), bf(qkv), rstd_p, qw, kw, tokens, C, per_block);
+    GDNCP_CUDA_CHECK_LAUNCH("rms_bwd_rows_kernel");
+  } else {
+    const size_t smem = need_dw ? static_cast<size_t>(warps) * C * sizeof(float) : 0;
+    allow_smem(rms_bwd_kernel, smem);
+    rms_bwd_kernel<<<grid, 32 * warps, smem, stream()>>>(dx_view, part_p, dq_view, dk_view, x_view, rstd_p, qw, kw,
+                                                         tokens, C, per_block);
+    GDNCP_CUDA_CHECK_LAUNCH("rms_bwd_kernel");
+  }
   const bool q = dq_hat.defined(), k = dk_hat.defined();
   float* dqw = (q && q_norm_w.defined() && dq_norm_w.defined()) ? f32_out(dq_norm_w, "dq_norm_w") : nullptr;
   float* dkw = (k && k_norm_w.defined() && dk_norm_w.defined()) ? f32_out(dk_norm_w, "dk_norm_w") : nullptr;
   if (dqw || dkw) {
-    rms_dw_sum_kernel<<<dim3(static_cast<unsigned>((C + 255) / 256), 2), 256, 0, stream()>>>(
+    rms_dw_sum_kernel<<<dim3(static_cast<unsigned>((C + 31) / 32), 2), 32 * kSumWarps, 0, stream()>>>(
         dqw, dkw, static_cast<const float*>(part.data()), static_cast<int>(used), C);
     GDNCP_CUDA_CHECK_LAUNCH("rms_dw_sum_kernel");
   }
