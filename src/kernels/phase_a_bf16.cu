@@ -177,12 +177,14 @@ void fwd(const FwdArgs& a) {
 // matrices), the token tiles kʳ, v, k⁺ as bf16 [s][d]; the raw rows of the next tile are
 // staged with cp.async into the other of two buffers while the current tile is multiplied,
 // and the epilogue re-derives kʳ, k⁺ (f32) and the RoPE rows from the staged raw rows, so dβ
-// and the relu mask see unrounded values. Ps = dP + dPᵀ is formed in f32 in a scratch area
-// and rounded once, as the f32 path rounds it.
+// and the relu mask see unrounded values. The three matrices are made once per frame by
+// phase_a_bwd_mats_kernel (Ps = dP + dPᵀ formed in f32 and rounded once, as the f32 path
+// rounds it), already padded and pitched as the blocks keep them: each of a frame's token
+// blocks streams them in with cp.async behind its first tile instead of converting them
+// itself (a latency-bound prologue that every block of a frame repeated).
 template <int DP>
 struct HTile {
-  static constexpr int WN = DP / 16 < 8 ? DP / 16 : 8, WM = 8 / WN, TM = DP == 128 ? 2 : 1, TN = 2,
-                       KS = 16 * WM * TM;
+  static constexpr int WN = DP / 16 < 8 ? DP / 16 : 8, WM = 8 / WN, TM = DP == 128 ? 2 : 1, TN = 2, KS = 16 * WM * TM;
   static constexpr int OPR = DP / 8, RSTEP = kThreads / OPR, TPT = KS / RSTEP;  // octets per row, rows per pass
 };
 
@@ -200,9 +202,30 @@ HLayout h_layout(int D) {
   l.stage_bytes = static_cast<size_t>(Tl::KS) * D * (2 * 4 + 2 * 2) + 2 * Tl::KS * 4;  // cos, sin, k, v, r, β
   l.small = l.stage0 + 2 * l.stage_bytes;
   l.total = l.small + (2 * static_cast<size_t>(DP) + Tl::KS * Tl::WN) * 4;
-  const size_t scratch_end = l.tiles + static_cast<size_t>(DP) * DP * 4;  // f32 scratch over tiles + stages
-  if (scratch_end > l.small) l.total += scratch_end - l.small, l.small = scratch_end;
   return l;
+}
+
+// The gradient matrices of phase_a_bwd_h_kernel, per frame: [Ps, dA, Pzs], each [DP][LH] bf16
+// with zeros beyond D (padding rows, columns and the pitch). blockIdx = (b·h·f, which); Ps and
+// Pzs symmetrise through a transposing f32 tile in shared memory ([D][D + 1]: conflict-free).
+template <int DP>
+__global__ void __launch_bounds__(kThreads)
+    phase_a_bwd_mats_kernel(__nv_bfloat16* __restrict__ mats, const float* __restrict__ dP,
+                            const float* __restrict__ dA, const float* __restrict__ dPz, int D) {
+  constexpr int LH = pitch_ld(DP);
+  extern __shared__ float T[];
+  const int bhf = blockIdx.x, which = blockIdx.y, tid = threadIdx.x;
+  const int64_t DD = static_cast<int64_t>(D) * D;
+  const float* src = (which == 0 ? dP : which == 1 ? dA : dPz) + bhf * DD;
+  __nv_bfloat16* dst = mats + (static_cast<int64_t>(bhf) * 3 + which) * DP * LH;
+  for (int e = tid; e < D * D; e += kThreads) T[(e / D) * (D + 1) + e % D] = src[e];
+  __syncthreads();
+  for (int e = tid; e < DP * LH; e += kThreads) {
+    const int i = e / LH, j = e % LH;
+    float v = 0.f;
+    if (i < D && j < D) v = which == 1 ? T[i * (D + 1) + j] : T[i * (D + 1) + j] + T[j * (D + 1) + i];
+    dst[e] = __float2bfloat16_rn(v);
+  }
 }
 
 // One staged buffer: raw rows of a KS-token tile.
@@ -224,54 +247,37 @@ __device__ __forceinline__ KRaw k_raw(unsigned char* base, int KS, int D) {
 
 template <int DP>
 __global__ void __launch_bounds__(kThreads, 1)
-    phase_a_bwd_h_kernel(Out dk_hat, Out dqkv, Out dbeta, const float* __restrict__ dP, const float* __restrict__ dA,
-                         const float* __restrict__ dPz, const float* __restrict__ dbz,
-                         const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ rstd,
-                         const float* __restrict__ kw, const float* __restrict__ rope_cos,
-                         const float* __restrict__ rope_sin, In beta, int H, int D, int F, int S, int tiles_per_block,
-                         float k_scale, HLayout lay) {
+    phase_a_bwd_h_kernel(Out dk_hat, Out dqkv, Out dbeta, const __nv_bfloat16* __restrict__ mats,
+                         const float* __restrict__ dbz, const __nv_bfloat16* __restrict__ qkv,
+                         const float* __restrict__ rstd, const float* __restrict__ kw,
+                         const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, In beta, int H, int D,
+                         int F, int S, int tiles_per_block, float k_scale, HLayout lay) {
   using Tl = HTile<DP>;
   constexpr int KS = Tl::KS, TM = Tl::TM, TN = Tl::TN, LH = pitch_ld(DP), RSTEP = Tl::RSTEP;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* HP = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // Ps  [j][i] (B of kʳ Ps; symmetric)
-  __nv_bfloat16* HA = HP + DP * LH;                                 // dA  [i][j] (B of v dAᵀ by rows, of kʳ dA by columns)
-  __nv_bfloat16* HPz = HA + DP * LH;                                // Pzs [j][i]
+  __nv_bfloat16* HA = HP + DP * LH;   // dA  [i][j] (B of v dAᵀ by rows, of kʳ dA by columns)
+  __nv_bfloat16* HPz = HA + DP * LH;  // Pzs [j][i]
   __nv_bfloat16* Krh = reinterpret_cast<__nv_bfloat16*>(smem_raw + lay.tiles);  // kʳ [KS][LH] (A operands)
-  __nv_bfloat16* Vh = Krh + KS * LH;                                             // v
-  __nv_bfloat16* Kph = Vh + KS * LH;                                             // k⁺
-  float* T = reinterpret_cast<float*>(smem_raw + lay.tiles);  // scratch [DP][DP] while the gradients are loaded
-  float* db = reinterpret_cast<float*>(smem_raw + lay.small);  // dbz [DP]
-  float* wks = db + DP;                                         // k norm weight [DP]
-  float* part = wks + DP;                                       // dβ partials [KS][WN]
+  __nv_bfloat16* Vh = Krh + KS * LH;                                            // v
+  __nv_bfloat16* Kph = Vh + KS * LH;                                            // k⁺
+  float* db = reinterpret_cast<float*>(smem_raw + lay.small);                   // dbz [DP]
+  float* wks = db + DP;                                                         // k norm weight [DP]
+  float* part = wks + DP;                                                       // dβ partials [KS][WN]
 
   const int bhf = blockIdx.y, bh = bhf / F, f = bhf % F, b = bh / H, h = bh % H;
-  const int64_t N = static_cast<int64_t>(F) * S, DD = static_cast<int64_t>(D) * D, mat0 = bhf * DD;
+  const int64_t N = static_cast<int64_t>(F) * S;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-  // dA straight from global; Ps and Pzs through the f32 scratch.
-  for (int e = tid; e < DP * DP; e += kThreads) {
-    const int i = e / DP, j = e % DP;
-    HA[i * LH + j] = __float2bfloat16_rn((i < D && j < D) ? dA[mat0 + i * D + j] : 0.f);
-  }
-  for (int which = 0; which < 2; ++which) {
-    const float* src = which == 0 ? dP : dPz;
-    __nv_bfloat16* dst = which == 0 ? HP : HPz;
-    __syncthreads();  // scratch free
-    for (int e = tid; e < DP * DP; e += kThreads) {
-      const int i = e / DP, j = e % DP;
-      T[e] = (i < D && j < D) ? src[mat0 + i * D + j] : 0.f;
-    }
-    __syncthreads();
-    for (int e = tid; e < DP * DP; e += kThreads) {
-      const int i = e / DP, j = e % DP;
-      dst[i * LH + j] = __float2bfloat16_rn(T[i * DP + j] + T[j * DP + i]);
-    }
-  }
+  // The frame's three matrices, copied as they lie (HP, HA, HPz are contiguous); they land
+  // with the first tile's copies, which the loop waits for.
+  const __nv_bfloat16* mats_f = mats + static_cast<int64_t>(bhf) * 3 * DP * LH;
+  for (int e = tid; e < 3 * DP * LH / 8; e += kThreads) cp_async16(HP + 8 * e, mats_f + 8 * e, true);
+  cp_async_commit();
   for (int d = tid; d < DP; d += kThreads) {
     db[d] = d < D ? dbz[static_cast<int64_t>(bhf) * D + d] : 0.f;
     wks[d] = d < D ? (kw ? kw[h * D + d] : 1.f) : 0.f;
   }
-  __syncthreads();  // scratch no longer needed: the stages may be filled
 
   // Issues the copies of tile s0 into raw[buf] (and fetches its r and β into registers).
   float pr = 0.f, pb = 0.f;
@@ -279,10 +285,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int valid = min(KS, S - s0);
     const int64_t n0f = static_cast<int64_t>(f) * S + s0;
     const KRaw st = k_raw(smem_raw + lay.stage0 + buf * lay.stage_bytes, KS, D);
-    stage_rows<kThreads>(st.k, [&](int r) { return qkv + qkv_index(b, n0f + r, 1, h, 0, N, H, D); }, KS, valid, D);
-    stage_rows<kThreads>(st.v, [&](int r) { return qkv + qkv_index(b, n0f + r, 2, h, 0, N, H, D); }, KS, valid, D);
-    stage_rows<kThreads>(st.cs, [&](int r) { return rope_cos + (n0f + r) * D; }, KS, valid, D);
-    stage_rows<kThreads>(st.sn, [&](int r) { return rope_sin + (n0f + r) * D; }, KS, valid, D);
+    stage_rows<kThreads>(
+        st.k, [&](int r) { return qkv + qkv_index(b, n0f + r, 1, h, 0, N, H, D); }, KS, valid, D);
+    stage_rows<kThreads>(
+        st.v, [&](int r) { return qkv + qkv_index(b, n0f + r, 2, h, 0, N, H, D); }, KS, valid, D);
+    stage_rows<kThreads>(
+        st.cs, [&](int r) { return rope_cos + (n0f + r) * D; }, KS, valid, D);
+    stage_rows<kThreads>(
+        st.sn, [&](int r) { return rope_sin + (n0f + r) * D; }, KS, valid, D);
     cp_async_commit();
     if (tid < KS) {
       const bool ok = tid < valid;
@@ -412,11 +422,18 @@ void bwd(const BwdArgs& a) {
   const int splits = wave_splits(z.BHF, sms, std::min(4, ntiles));
   const int per_block = (ntiles + splits - 1) / splits;
   const dim3 grid(static_cast<unsigned>((ntiles + per_block - 1) / per_block), static_cast<unsigned>(z.BHF));
+  Tensor mats = Tensor::empty({z.BHF, 3, DP, pitch_ld(DP)}, DType::bf16, Device::cuda);
+  const size_t mats_smem = static_cast<size_t>(z.D) * (z.D + 1) * sizeof(float);
+  allow_smem(phase_a_bwd_mats_kernel<DP>, mats_smem);
+  phase_a_bwd_mats_kernel<DP><<<dim3(static_cast<unsigned>(z.BHF), 3), kThreads, mats_smem, stream()>>>(
+      static_cast<__nv_bfloat16*>(mats.data()), a.dP, a.dA, a.dPz, z.D);
+  GDNCP_CUDA_CHECK_LAUNCH("phase_a_bwd_mats_kernel");
   const HLayout lay = h_layout<DP>(z.D);
   allow_smem(phase_a_bwd_h_kernel<DP>, lay.total);
   phase_a_bwd_h_kernel<DP><<<grid, kThreads, lay.total, stream()>>>(
-      a.dk_hat, a.dqkv, a.dbeta, a.dP, a.dA, a.dPz, a.dbz, static_cast<const __nv_bfloat16*>(a.qkv.p), a.rstd, a.kw,
-      a.cos, a.sin, a.beta, z.H, z.D, z.F, z.S, per_block, a.k_scale, lay);
+      a.dk_hat, a.dqkv, a.dbeta, static_cast<const __nv_bfloat16*>(mats.data()), a.dbz,
+      static_cast<const __nv_bfloat16*>(a.qkv.p), a.rstd, a.kw, a.cos, a.sin, a.beta, z.H, z.D, z.F, z.S, per_block,
+      a.k_scale, lay);
   GDNCP_CUDA_CHECK_LAUNCH("phase_a_bwd_h_kernel");
 }
 
