@@ -177,18 +177,22 @@ __global__ void __launch_bounds__(32 * kRowWarps, V <= 9 ? 3 : 2)
 #pragma unroll
     for (int j = 0; j < V; ++j)
       if (j * 32 + lane < octets) gv[j] = __ldg(g_row + j * 32 + lane), xv[j] = __ldg(x_row + j * 32 + lane);
+    // Octet o (register slot j) of the row: dx̂ and x as f32, and the weights.
+    const auto octet = [&](int j, int o, float(&g)[8], float(&x)[8], float(&wo)[8]) {
+      unpack8(g, gv[j]);
+      unpack8(x, xv[j]);
+      const float4 wa = __ldg(reinterpret_cast<const float4*>(w) + 2 * o),
+                   wb = __ldg(reinterpret_cast<const float4*>(w) + 2 * o + 1);
+      wo[0] = wa.x, wo[1] = wa.y, wo[2] = wa.z, wo[3] = wa.w, wo[4] = wb.x, wo[5] = wb.y, wo[6] = wb.z, wo[7] = wb.w;
+    };
     const float r = rstd[t * 2 + c];
     float corr = 0.f;  // Σ_c w_c dx̂_c x_c
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int o = j * 32 + lane;
       if (o >= octets) continue;
-      float g[8], x[8];
-      unpack8(g, gv[j]);
-      unpack8(x, xv[j]);
-      const float4 wa = __ldg(reinterpret_cast<const float4*>(w) + 2 * o),
-                   wb = __ldg(reinterpret_cast<const float4*>(w) + 2 * o + 1);
-      const float wo[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+      float g[8], x[8], wo[8];
+      octet(j, o, g, x, wo);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         corr = fmaf(wo[i] * g[i], x[i], corr);
@@ -201,12 +205,8 @@ __global__ void __launch_bounds__(32 * kRowWarps, V <= 9 ? 3 : 2)
     for (int j = 0; j < V; ++j) {
       const int o = j * 32 + lane;
       if (o >= octets) continue;
-      float g[8], x[8], dx[8];
-      unpack8(g, gv[j]);
-      unpack8(x, xv[j]);
-      const float4 wa = __ldg(reinterpret_cast<const float4*>(w) + 2 * o),
-                   wb = __ldg(reinterpret_cast<const float4*>(w) + 2 * o + 1);
-      const float wo[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+      float g[8], x[8], wo[8], dx[8];
+      octet(j, o, g, x, wo);
 #pragma unroll
       for (int i = 0; i < 8; ++i) dx[i] = r * wo[i] * g[i] - k * x[i];
       st8h(reinterpret_cast<__nv_bfloat16*>(dx_row + o), dx);
