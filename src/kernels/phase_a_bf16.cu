@@ -377,24 +377,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int half = 0; half < 2; ++half) {
           const int r = m0 + 16 * i + g + 8 * half, s = s0 + r;
           if (s >= S) continue;
-          const float a1 = x1[i][j][2 * half], b1 = x1[i][j][2 * half + 1];
-          const float a2 = x2[i][j][2 * half], b2 = x2[i][j][2 * half + 1];
-          const float a3 = x3[i][j][2 * half], b3 = x3[i][j][2 * half + 1];
-          const float a4 = x4[i][j][2 * half], b4 = x4[i][j][2 * half + 1];
+          const float2 a1 = make_float2(x1[i][j][2 * half], x1[i][j][2 * half + 1]);
+          const float2 a2 = make_float2(x2[i][j][2 * half], x2[i][j][2 * half + 1]);
+          const float2 a3 = make_float2(x3[i][j][2 * half], x3[i][j][2 * half + 1]);
+          const float2 a4 = make_float2(x4[i][j][2 * half], x4[i][j][2 * half + 1]);
           const float btr = st.bt[r];
           const float2 c = ld2(st.cs + r * D + col), sn = ld2(st.sn + r * D + col);
           float2 kp, kr;
           prep_pair(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(st.k + r * D + col)), st.r[r], w,
                     k_scale, c, sn, kp, kr);
-          dbeta_part[i][half] += kr.x * (0.5f * a1 + a2) + kr.y * (0.5f * b1 + b2) + kp.x * (0.5f * a4 + dbv.x) +
-                                 kp.y * (0.5f * b4 + dbv.y);
+          dbeta_part[i][half] += dbeta_pair(kr, kp, a1, a2, a4, dbv);
           const int64_t n = static_cast<int64_t>(f) * S + s;
-          const float dkr0 = btr * (a1 + a2), dkr1 = btr * (b1 + b2);
-          const float dkp0 = btr * (a4 + dbv.x) + dkr0 * c.x + dkr1 * sn.y;
-          const float dkp1 = btr * (b4 + dbv.y) + dkr1 * c.y + dkr0 * sn.x;
-          dk_hat.set_pair(((b * N + n) * H + h) * D + col, kp.x != 0.f ? dkp0 * k_scale : 0.f,
-                          kp.y != 0.f ? dkp1 * k_scale : 0.f);
-          dqkv.set_pair(qkv_index(b, n, 2, h, col, N, H, D), btr * a3, btr * b3);
+          store_k_grads(dk_hat, dqkv, ((b * N + n) * H + h) * D + col, qkv_index(b, n, 2, h, col, N, H, D), btr, a1, a2,
+                        a3, a4, dbv, kp, c, sn, k_scale);
         }
       }
 #pragma unroll

@@ -26,6 +26,23 @@ struct FwdArgs {
   const float *rstd, *kw, *cos, *sin;
   float k_scale;
 };
+// Phase A's backward at one token and one channel pair (phase_a.cu has the formulas), from
+// that pair of x1 = kʳ Ps, x2 = v dAᵀ, x3 = kʳ dA, x4 = k⁺ Pzs and of db: the pair's part of dβ,
+__device__ __forceinline__ float dbeta_pair(float2 kr, float2 kp, float2 x1, float2 x2, float2 x4, float2 db) {
+  return kr.x * (0.5f * x1.x + x2.x) + kr.y * (0.5f * x1.y + x2.y) + kp.x * (0.5f * x4.x + db.x) +
+         kp.y * (0.5f * x4.y + db.y);
+}
+// and its dk̂ (unrope, relu mask, k_scale) and dv = β x3, stored at k_at of dk_hat and v_at of dqkv.
+__device__ __forceinline__ void store_k_grads(const detail::Out& dk_hat, const detail::Out& dqkv, int64_t k_at,
+                                              int64_t v_at, float bt, float2 x1, float2 x2, float2 x3, float2 x4,
+                                              float2 db, float2 kp, float2 c, float2 sn, float k_scale) {
+  const float dkr0 = bt * (x1.x + x2.x), dkr1 = bt * (x1.y + x2.y);
+  const float dkp0 = bt * (x4.x + db.x) + dkr0 * c.x + dkr1 * sn.y;
+  const float dkp1 = bt * (x4.y + db.y) + dkr1 * c.y + dkr0 * sn.x;
+  dk_hat.set_pair(k_at, kp.x != 0.f ? dkp0 * k_scale : 0.f, kp.y != 0.f ? dkp1 * k_scale : 0.f);
+  dqkv.set_pair(v_at, bt * x3.x, bt * x3.y);
+}
+
 // The arguments of phase_a_bwd (kernels.h) as the kernels see them.
 struct BwdArgs {
   detail::FrameSizes z;

@@ -29,13 +29,11 @@ struct FwdTile {  // 2 × 4 warps over the DP×DP product
 // forward
 // ---------------------------------------------------------------------------
 template <int DP, MathMode MODE>
-__global__ void __launch_bounds__(kThreads, 2) phase_a_fwd_kernel(float* __restrict__ P, float* __restrict__ A,
-                                                               float* __restrict__ Pz, float* __restrict__ bz, In qkv,
-                                                               const float* __restrict__ rstd,
-                                                               const float* __restrict__ kw,
-                                                               const float* __restrict__ rope_cos,
-                                                               const float* __restrict__ rope_sin, In beta, int H,
-                                                               int D, int F, int S, float k_scale) {
+__global__ void __launch_bounds__(kThreads, 2)
+    phase_a_fwd_kernel(float* __restrict__ P, float* __restrict__ A, float* __restrict__ Pz, float* __restrict__ bz,
+                       In qkv, const float* __restrict__ rstd, const float* __restrict__ kw,
+                       const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, In beta, int H, int D,
+                       int F, int S, float k_scale) {
   using Tl = FwdTile<DP>;
   constexpr int KS = Tl::KS, LD = pitch_km(DP, MODE);
   __shared__ __align__(16) float Xs[KS * LD];  // β·(kʳ or k⁺), [s][d]
@@ -130,7 +128,9 @@ struct BwdTile {  // each warp owns a column slice of all four products of a KS-
 // Pitches of the three gradients in shared memory: Ps and Pzs are read as [k][n] in bf16 mode
 // (DP + 2 is conflict-free there), dA both ways. The total stays under the 227 KB limit at DP = 128.
 template <int DP, MathMode MODE>
-constexpr int sym_pitch() { return MODE == MathMode::bf16 ? DP + 2 : DP + 4; }
+constexpr int sym_pitch() {
+  return MODE == MathMode::bf16 ? DP + 2 : DP + 4;
+}
 
 template <int DP, MathMode MODE>
 constexpr size_t bwd_smem_floats() {
@@ -141,23 +141,23 @@ constexpr size_t bwd_smem_floats() {
 
 template <int DP, MathMode MODE>
 __global__ void __launch_bounds__(kThreads, 1)
-    phase_a_bwd_kernel(Out dk_hat, Out dqkv, Out dbeta, const float* __restrict__ dP,
-                       const float* __restrict__ dA, const float* __restrict__ dPz, const float* __restrict__ dbz,
-                       In qkv, const float* __restrict__ rstd, const float* __restrict__ kw,
-                       const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, In beta, int H, int D,
-                       int F, int S, int tiles_per_block, float k_scale) {
+    phase_a_bwd_kernel(Out dk_hat, Out dqkv, Out dbeta, const float* __restrict__ dP, const float* __restrict__ dA,
+                       const float* __restrict__ dPz, const float* __restrict__ dbz, In qkv,
+                       const float* __restrict__ rstd, const float* __restrict__ kw, const float* __restrict__ rope_cos,
+                       const float* __restrict__ rope_sin, In beta, int H, int D, int F, int S, int tiles_per_block,
+                       float k_scale) {
   using Tl = BwdTile<DP>;
   constexpr int KS = Tl::KS, LDS = sym_pitch<DP, MODE>(), LDA = DP + 4, LDT = pitch_mk(DP, MODE);
   extern __shared__ __align__(16) float smem[];
-  float* SA = smem;             // dA            [DP][LDA]  (first: 16-byte aligned rows)
-  float* SP = SA + DP * LDA;    // dP + dPᵀ      [DP][LDS]
-  float* SPz = SP + DP * LDS;   // dPz + dPzᵀ    [DP][LDS]
-  float* Kr = SPz + DP * LDS;   // kʳ            [KS][LDT]
-  float* Vt = Kr + KS * LDT;    // v
-  float* Kp = Vt + KS * LDT;    // k⁺
-  float* bs = Kp + KS * LDT;    // β             [KS]
-  float* db = bs + KS;          // dbz           [DP]
-  float* part = db + DP;        // dβ partials   [KS][WN]
+  float* SA = smem;            // dA            [DP][LDA]  (first: 16-byte aligned rows)
+  float* SP = SA + DP * LDA;   // dP + dPᵀ      [DP][LDS]
+  float* SPz = SP + DP * LDS;  // dPz + dPzᵀ    [DP][LDS]
+  float* Kr = SPz + DP * LDS;  // kʳ            [KS][LDT]
+  float* Vt = Kr + KS * LDT;   // v
+  float* Kp = Vt + KS * LDT;   // k⁺
+  float* bs = Kp + KS * LDT;   // β             [KS]
+  float* db = bs + KS;         // dbz           [DP]
+  float* part = db + DP;       // dβ partials   [KS][WN]
 
   const int bhf = blockIdx.y, bh = bhf / F, f = bhf % F, b = bh / H, h = bh % H;
   const int64_t N = static_cast<int64_t>(F) * S, DD = static_cast<int64_t>(D) * D, mat0 = bhf * DD;
@@ -269,23 +269,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = m0 + g + 8 * half, s = s0 + r;
-        const float a1 = x1[0][j][2 * half], b1 = x1[0][j][2 * half + 1];
-        const float a2 = x2[0][j][2 * half], b2 = x2[0][j][2 * half + 1];
-        const float a3 = x3[0][j][2 * half], b3 = x3[0][j][2 * half + 1];
-        const float a4 = x4[0][j][2 * half], b4 = x4[0][j][2 * half + 1];
+        const float2 a1 = make_float2(x1[0][j][2 * half], x1[0][j][2 * half + 1]);
+        const float2 a2 = make_float2(x2[0][j][2 * half], x2[0][j][2 * half + 1]);
+        const float2 a3 = make_float2(x3[0][j][2 * half], x3[0][j][2 * half + 1]);
+        const float2 a4 = make_float2(x4[0][j][2 * half], x4[0][j][2 * half + 1]);
         const float bt = bs[r];
         const float2 kr = ld2(Kr + r * LDT + col), kp = ld2(Kp + r * LDT + col), dbv = ld2(db + col);
-        dbeta_part[half] += kr.x * (0.5f * a1 + a2) + kr.y * (0.5f * b1 + b2) + kp.x * (0.5f * a4 + dbv.x) +
-                            kp.y * (0.5f * b4 + dbv.y);
+        dbeta_part[half] += dbeta_pair(kr, kp, a1, a2, a4, dbv);
         if (s >= S || col >= D) continue;
         const int64_t n = static_cast<int64_t>(f) * S + s;
-        const float dkr0 = bt * (a1 + a2), dkr1 = bt * (b1 + b2);
-        const float2 c = ec[half][j], sn = es[half][j];
-        const float dkp0 = bt * (a4 + dbv.x) + dkr0 * c.x + dkr1 * sn.y;
-        const float dkp1 = bt * (b4 + dbv.y) + dkr1 * c.y + dkr0 * sn.x;
-        dk_hat.set_pair(((b * N + n) * H + h) * D + col, kp.x != 0.f ? dkp0 * k_scale : 0.f,
-                        kp.y != 0.f ? dkp1 * k_scale : 0.f);
-        dqkv.set_pair(qkv_index(b, n, 2, h, col, N, H, D), bt * a3, bt * b3);
+        store_k_grads(dk_hat, dqkv, ((b * N + n) * H + h) * D + col, qkv_index(b, n, 2, h, col, N, H, D), bt, a1, a2,
+                      a3, a4, dbv, kp, ec[half][j], es[half][j], k_scale);
       }
     }
 #pragma unroll
@@ -314,7 +308,7 @@ void fwd_f32(const FwdArgs& a, MathMode mode) {
     constexpr MathMode MODE = decltype(md)::value;
     const dim3 grid(3, static_cast<unsigned>(z.BHF));
     phase_a_fwd_kernel<DP, MODE><<<grid, kThreads, 0, stream()>>>(a.P, a.A, a.Pz, a.bz, a.qkv, a.rstd, a.kw, a.cos,
-                                                                   a.sin, a.beta, z.H, z.D, z.F, z.S, a.k_scale);
+                                                                  a.sin, a.beta, z.H, z.D, z.F, z.S, a.k_scale);
     GDNCP_CUDA_CHECK_LAUNCH("phase_a_fwd_kernel");
   });
 }
@@ -332,9 +326,9 @@ void bwd_f32(const BwdArgs& a, MathMode mode) {
     const dim3 grid(static_cast<unsigned>((ntiles + per_block - 1) / per_block), static_cast<unsigned>(z.BHF));
     const size_t smem = bwd_smem_floats<DP, MODE>() * sizeof(float);
     allow_smem(phase_a_bwd_kernel<DP, MODE>, smem);
-    phase_a_bwd_kernel<DP, MODE><<<grid, kThreads, smem, stream()>>>(
-        a.dk_hat, a.dqkv, a.dbeta, a.dP, a.dA, a.dPz, a.dbz, a.qkv, a.rstd, a.kw, a.cos, a.sin, a.beta, z.H, z.D, z.F,
-        z.S, per_block, a.k_scale);
+    phase_a_bwd_kernel<DP, MODE><<<grid, kThreads, smem, stream()>>>(a.dk_hat, a.dqkv, a.dbeta, a.dP, a.dA, a.dPz,
+                                                                     a.dbz, a.qkv, a.rstd, a.kw, a.cos, a.sin, a.beta,
+                                                                     z.H, z.D, z.F, z.S, per_block, a.k_scale);
     GDNCP_CUDA_CHECK_LAUNCH("phase_a_bwd_kernel");
   });
 }
