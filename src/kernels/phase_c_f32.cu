@@ -16,6 +16,27 @@ namespace {
 using namespace detail;
 using namespace phase_c;
 
+// What both kernels load first: M_f as [i][j] at pitch ld and z_f, zeros beyond D.
+template <int DP>
+__device__ __forceinline__ void load_frame_state(float* Ms, int ld, float* zs, const float* M_f, const float* z_f,
+                                                 int D, int tid) {
+  for (int e = tid; e < DP * DP; e += kThreads) {
+    const int i = e / DP, j = e % DP;
+    Ms[i * ld + j] = (i < D && j < D) ? M_f[i * D + j] : 0.f;
+  }
+  if (tid < DP) zs[tid] = tid < D ? z_f[tid] : 0.f;
+}
+
+// The q norm weights of the channel pairs this lane owns (d = 2·lane + 64j), zeros beyond D.
+template <int PPL>
+__device__ __forceinline__ void q_weight_pairs(float2 (&wq)[PPL], const float* qw, int h, int D, int lane) {
+#pragma unroll
+  for (int j = 0; j < PPL; ++j) {
+    const int d = 2 * lane + 64 * j;
+    wq[j] = d < D ? weight_pair(qw, h * D + d) : make_float2(0.f, 0.f);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // forward
 // ---------------------------------------------------------------------------
@@ -26,8 +47,8 @@ struct FwdTile {  // 2 × 4 warps over a KS×DP output tile
 
 template <int DP, MathMode MODE>
 constexpr size_t fwd_smem_bytes() {  // M_f f32 [k][n], qʳ, z_f, den
-  return (static_cast<size_t>(DP) * pitch_km(DP, MODE) + FwdTile<DP>::KS * pitch_mk(DP, MODE) + DP +
-          FwdTile<DP>::KS) * 4;
+  return (static_cast<size_t>(DP) * pitch_km(DP, MODE) + FwdTile<DP>::KS * pitch_mk(DP, MODE) + DP + FwdTile<DP>::KS) *
+         4;
 }
 
 template <int DP, MathMode MODE>
@@ -48,20 +69,12 @@ __global__ void __launch_bounds__(kThreads)
   const int bhf = blockIdx.y, bh = bhf / F, f = bhf % F, b = bh / H, h = bh % H;
   const int64_t N = static_cast<int64_t>(F) * S, mat0 = static_cast<int64_t>(bhf) * D * D;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  for (int e = tid; e < DP * DP; e += kThreads) {
-    const int i = e / DP, j = e % DP;
-    Ms[i * LDM + j] = (i < D && j < D) ? M[mat0 + i * D + j] : 0.f;
-  }
-  if (tid < DP) zs[tid] = tid < D ? z[static_cast<int64_t>(bhf) * D + tid] : 0.f;
+  load_frame_state<DP>(Ms, LDM, zs, M + mat0, z + static_cast<int64_t>(bhf) * D, D, tid);
 
   // Loads: warp w owns rows w, w+8, ...; lane l owns channel pairs d = 2l + 64j (j < PPL).
   constexpr int RPW = KS / 8, PPL = DP >= 64 ? DP / 64 : 1, BATCH = 4;
   float2 wq[PPL];
-#pragma unroll
-  for (int j = 0; j < PPL; ++j) {
-    const int d = 2 * lane + 64 * j;
-    wq[j] = d < D ? weight_pair(qw, h * D + d) : make_float2(0.f, 0.f);
-  }
+  q_weight_pairs(wq, qw, h, D, lane);
 
   const int wm = warp / Tl::WN, wn = warp % Tl::WN;
   const int m0 = wm * Tl::TM * 16, n0 = wn * Tl::TN * 8, Kd = round16(D);
@@ -127,8 +140,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < Tl::TN; ++j) {
           const int col = n0 + 8 * j + 2 * t;
           if (col < D)
-            out.set_pair(((b * N + n) * H + h) * D + col, acc[i][j][2 * half] * scale,
-                         acc[i][j][2 * half + 1] * scale);
+            out.set_pair(((b * N + n) * H + h) * D + col, acc[i][j][2 * half] * scale, acc[i][j][2 * half + 1] * scale);
         }
       }
   }
@@ -147,17 +159,17 @@ struct BwdTile {
 template <int DP, MathMode MODE>
 constexpr size_t bwd_smem_bytes() {  // M_f f32 [i][j], then the token tiles
   constexpr int KS = BwdTile<DP>::KS;
-  return (static_cast<size_t>(DP) * pitch_mk(DP, MODE) + KS * pitch_km(DP, MODE) + 3 * KS * (DP + 8) +
-          KS * (DP + 4) + DP + 3 * KS + KS * BwdTile<DP>::WN) * 4;
+  return (static_cast<size_t>(DP) * pitch_mk(DP, MODE) + KS * pitch_km(DP, MODE) + 3 * KS * (DP + 8) + KS * (DP + 4) +
+          DP + 3 * KS + KS * BwdTile<DP>::WN) *
+         4;
 }
 
 template <int DP, MathMode MODE>
 __global__ void __launch_bounds__(kThreads, 1)
     phase_c_bwd_kernel(Out dq_hat, float* __restrict__ dM, float* __restrict__ dz, In dout, In dden, In qkv,
-                       const float* __restrict__ rstd, const float* __restrict__ qw,
-                       const float* __restrict__ rope_cos, const float* __restrict__ rope_sin,
-                       const float* __restrict__ M, const float* __restrict__ z, int H, int D, int F, int S,
-                       float eps, bool divide) {
+                       const float* __restrict__ rstd, const float* __restrict__ qw, const float* __restrict__ rope_cos,
+                       const float* __restrict__ rope_sin, const float* __restrict__ M, const float* __restrict__ z,
+                       int H, int D, int F, int S, float eps, bool divide) {
   static_assert(MODE != MathMode::bf16, "bf16 mode runs phase_c_bwd_ld_kernel");
   using Tl = BwdTile<DP>;
   // dnum is read both ways (A of dnum Mᵀ, B of qʳᵀ dnum): DP + 4 keeps both at most 2-way.
@@ -165,32 +177,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* Ms = reinterpret_cast<float*>(smem_raw);  // M_f [i][j]: B of dnum Mᵀ, (n = i, k = j)
   float* Qr = Ms + DP * LDM;                       // qʳ [KS][LDR] (A of qʳᵀ dnum)
-  float* Qp = Qr + KS * LDR;    // q⁺    [KS][LDP]
-  float* Cs = Qp + KS * LDP;    // cos   [KS][LDP]  (for the epilogue's unrope)
-  float* Sn = Cs + KS * LDP;    // sin   [KS][LDP]
-  float* Dn = Sn + KS * LDP;    // dnum  [KS][LDD]  (A of dnum Mᵀ; B of qʳᵀ dnum)
-  float* zs = Dn + KS * LDD;    // z_f   [DP]
-  float* dpe = zs + DP;         // den + eps [KS]
-  float* dd = dpe + KS;         // dden  [KS]
-  float* rowdot = dd + KS;      // [KS]  (spare)
-  float* part = rowdot + KS;    // qʳ·dqʳ partials [KS][WN]
+  float* Qp = Qr + KS * LDR;                       // q⁺    [KS][LDP]
+  float* Cs = Qp + KS * LDP;                       // cos   [KS][LDP]  (for the epilogue's unrope)
+  float* Sn = Cs + KS * LDP;                       // sin   [KS][LDP]
+  float* Dn = Sn + KS * LDP;                       // dnum  [KS][LDD]  (A of dnum Mᵀ; B of qʳᵀ dnum)
+  float* zs = Dn + KS * LDD;                       // z_f   [DP]
+  float* dpe = zs + DP;                            // den + eps [KS]
+  float* dd = dpe + KS;                            // dden  [KS]
+  float* rowdot = dd + KS;                         // [KS]  (spare)
+  float* part = rowdot + KS;                       // qʳ·dqʳ partials [KS][WN]
 
   const int bhf = blockIdx.x, bh = bhf / F, f = bhf % F, b = bh / H, h = bh % H;
   const int64_t N = static_cast<int64_t>(F) * S, mat0 = static_cast<int64_t>(bhf) * D * D;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  for (int e = tid; e < DP * DP; e += kThreads) {
-    const int i = e / DP, j = e % DP;
-    Ms[i * LDM + j] = (i < D && j < D) ? M[mat0 + i * D + j] : 0.f;
-  }
-  if (tid < DP) zs[tid] = tid < D ? z[static_cast<int64_t>(bhf) * D + tid] : 0.f;
+  load_frame_state<DP>(Ms, LDM, zs, M + mat0, z + static_cast<int64_t>(bhf) * D, D, tid);
 
   constexpr int RPW = KS / 8, PPL = DP >= 64 ? DP / 64 : 1;
   float2 wq[PPL];
-#pragma unroll
-  for (int j = 0; j < PPL; ++j) {
-    const int d = 2 * lane + 64 * j;
-    wq[j] = d < D ? weight_pair(qw, h * D + d) : make_float2(0.f, 0.f);
-  }
+  q_weight_pairs(wq, qw, h, D, lane);
 
   const int wm = warp / Tl::WN, wn = warp % Tl::WN, Kd = round16(D);
   const int m1 = wm * Tl::TM1 * 16, n1 = wn * Tl::TN1 * 8;
@@ -326,8 +330,8 @@ void fwd_f32(const FwdArgs& a, MathMode mode) {
       const size_t smem = fwd_smem_bytes<DP, MODE>();
       allow_smem(phase_c_fwd_kernel<DP, MODE>, smem);
       phase_c_fwd_kernel<DP, MODE><<<grid, kThreads, smem, stream()>>>(a.out, a.den, a.qkv, a.rstd, a.qw, a.cos, a.sin,
-                                                                        a.M, a.z_f, sz.H, sz.D, sz.F, sz.S, per_block,
-                                                                        a.eps, a.divide);
+                                                                       a.M, a.z_f, sz.H, sz.D, sz.F, sz.S, per_block,
+                                                                       a.eps, a.divide);
       GDNCP_CUDA_CHECK_LAUNCH("phase_c_fwd_kernel");
     }
   });
