@@ -65,12 +65,8 @@ std::vector<double> from_rank(int root, std::vector<double> v) {
   return v;
 }
 
-// A scratch directory named by rank 0's pid, the same on every rank.
-std::string scratch_dir(const std::string& name) {
-  long pid = static_cast<long>(getpid());
-  MPI_Bcast(&pid, 1, MPI_LONG, 0, MPI_COMM_WORLD);
-  return (std::filesystem::temp_directory_path() / ("gdncp_train_test_" + std::to_string(pid)) / name).string();
-}
+// A scratch directory of this binary (not created).
+std::string scratch_dir(const std::string& name) { return gdncp::test::scratch_dir("gdncp_train_test", name); }
 
 train::Config small() {
   train::Config c;

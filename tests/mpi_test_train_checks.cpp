@@ -28,15 +28,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
+using gdncp::test::scratch_dir;
 using gdncp::test::world_rank;
 
 #if GDNCP_HAVE_TRAINER
 
-// A scratch directory named by rank 0's pid, the same on every rank; made empty.
+// A scratch directory of this binary (scratch_dir), made empty.
 std::string scratch(const std::string& name) {
-  long pid = static_cast<long>(getpid());
-  MPI_Bcast(&pid, 1, MPI_LONG, 0, MPI_COMM_WORLD);
-  const fs::path p = fs::temp_directory_path() / ("gdncp_train_checks_" + std::to_string(pid)) / name;
+  const fs::path p = scratch_dir("gdncp_train_checks", name);
   if (world_rank() == 0) {
     fs::remove_all(p);
     fs::create_directories(p);

@@ -1,12 +1,16 @@
 // tests/mpi_train_fixtures.h — shared pieces of the in-process trainer tests
-// (tests/mpi_test_train*.cpp): the world rank, a fixture that fails every rank
-// when one failed, and a main() that reduces RUN_ALL_TESTS over the ranks.
+// (tests/mpi_test_train*.cpp): the world rank, a scratch directory shared by the
+// ranks, a fixture that fails every rank when one failed, and a main() that
+// reduces RUN_ALL_TESTS over the ranks.
 #pragma once
 
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <unistd.h>
 
+#include <filesystem>
 #include <functional>
+#include <string>
 
 namespace gdncp {
 namespace test {
@@ -15,6 +19,14 @@ inline int world_rank() {
   int r = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
   return r;
+}
+
+// <temp>/<prefix>_<pid of rank 0>/<name>: the same path on every rank, and another
+// for each run of the binary. Not created.
+inline std::string scratch_dir(const std::string& prefix, const std::string& name) {
+  long pid = static_cast<long>(getpid());
+  MPI_Bcast(&pid, 1, MPI_LONG, 0, MPI_COMM_WORLD);
+  return (std::filesystem::temp_directory_path() / (prefix + "_" + std::to_string(pid)) / name).string();
 }
 
 // Every rank fails if any rank failed.
