@@ -41,8 +41,11 @@ TEST(MpiCommWatchdog, RankSkippingACallRaisesOnEveryOtherRank) {
 }
 
 // A rank stopped by SIGSTOP before a layer call: every other rank raises at
-// its deadline (5 s), within 10 s. Rank 0 then continues it; it issues the
-// forward whose all-gather the others abandoned, so no request stays open.
+// its deadline (5 s), within 10 s. Rank 0 then continues it, once every other
+// rank has raised (continued earlier, it would complete the all-gather a slower
+// rank still waits in, and that rank would wait out a second deadline in the
+// next one); it issues the forward whose all-gather the others abandoned, so no
+// request stays open.
 TEST(MpiCommWatchdog, StoppedRankRaisesOnEveryOtherRankInTime) {
   if (nranks() == 1) GTEST_SKIP() << "needs two ranks";
   auto c = cp::make_mpi_communicator(MPI_COMM_WORLD);
@@ -51,6 +54,8 @@ TEST(MpiCommWatchdog, StoppedRankRaisesOnEveryOtherRankInTime) {
   int pid = static_cast<int>(getpid());
   std::vector<int> pids(static_cast<size_t>(nranks()));
   MPI_Allgather(&pid, 1, MPI_INT, pids.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  MPI_Comm others = MPI_COMM_NULL;  // every rank but the stopped one
+  MPI_Comm_split(MPI_COMM_WORLD, rank() == last ? MPI_UNDEFINED : 0, rank(), &others);
   layer_step(*c, 2);
   if (rank() == last) {
     raise(SIGSTOP);  // continued by rank 0 below
@@ -62,7 +67,9 @@ TEST(MpiCommWatchdog, StoppedRankRaisesOnEveryOtherRankInTime) {
     const auto t0 = Clock::now();
     c.reset();  // the destructor of an aborted communicator does not wait
     EXPECT_LT(since(t0), 0.5);
+    MPI_Barrier(others);
     if (rank() == 0) kill(pids[static_cast<size_t>(last)], SIGCONT);
+    MPI_Comm_free(&others);
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }
