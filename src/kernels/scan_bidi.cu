@@ -1,6 +1,6 @@
 // src/kernels/scan_bidi.cu — CUDA twin of the single-rank bidirectional frame
-// scan (docs/design.md §4), forward and backward, in plain f32 (docs/design.md §8: scan state,
-// products and merge run in f32 whatever the matrix-unit mode).
+// scan (docs/design.md §4), forward and backward, at f32 accuracy whatever the matrix-unit
+// mode (docs/design.md §8): f32 state and merge, step products as 3xTF32 (Note [3xTF32 steps]).
 //
 // Forward, per (b, h):
 //   Mf_f = g_f (I − P_f) Mf_{f−1} + A_f,              Mf_{−1} = 0
@@ -27,6 +27,17 @@
 // walks the frames with its slice on chip (the z vector is one more block).
 // The forward's two directions of a column block form a cluster of 2; after
 // both finished, each writes half of the frames of Msum = Mf + Mr.
+//
+// Note [3xTF32 steps]: the product op(P) X of a step runs on the tensor cores as
+// three TF32 products, hi·hi + hi·lo + lo·hi with x = hi + lo split by rounding
+// to TF32 (11 bits each), which keeps the f32 accuracy of the scan (the dropped
+// lo·lo term is 2^-22 relative) at a third of the instructions of f32 FMAs. Warp
+// w owns rows [16w, 16w + 16) of the slice: it stages its own panel of P_p (the
+// 16 rows of P, or for the adjoint the 16 columns) with cp.async and starts the
+// next frame's panel as soon as its product is done, so the load runs under the
+// block's barrier and state update. The state lives in registers in the
+// accumulator layout; a copy in shared memory is the B operand of the next step,
+// and the thread writes its own elements of each frame to global memory.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -40,158 +51,222 @@ namespace {
 using namespace detail;
 namespace cg = cooperative_groups;
 
-constexpr int kScanThreads = 256;  // thread = (row, half of the columns): D ≤ 128
-constexpr int kCols = 16;          // state columns per block
-constexpr int kHalf = kCols / 2;   // columns per thread
+constexpr int kScanThreads = 256;  // 8 warps of 16 rows: D ≤ 128
+constexpr int kCols = 16;          // state columns per block: two n-tiles of 8
+constexpr int kRows = 16;          // rows per warp: one m-tile
+constexpr int kLdX = kCols + 4;    // pitch of [k][16] tiles: words (2t + j)·kLdX + g are conflict-free
 
-size_t scan_smem_bytes(int D) {
-  const size_t p = (static_cast<size_t>(D) * (D + 1) + 3) / 4 * 4;
-  return (p + 2 * static_cast<size_t>(D) * kCols) * sizeof(float);
+// Shared memory of one block, in floats: one panel of P per warp that owns rows, then the
+// state slice X as [Kp][kLdX].
+struct ScanLayout {
+  int Kp;     // D rounded up to a k-slab of 8
+  int ldp;    // forward panel [16][Kp] pitch, ≡ 8 (mod 16): 8-byte loads g·ldp + 2t are conflict-free
+  int panel;  // floats a panel: forward [16][ldp], adjoint [Kp][kLdX] (16 columns of P)
+  int tiles;  // warps that own rows
+  __host__ __device__ ScanLayout(int D, bool fwd)
+      : Kp((D + 7) / 8 * 8), ldp((Kp + 15) / 16 * 16 + 8), panel(fwd ? kRows * ldp : Kp * kLdX), tiles((D + 15) / 16) {}
+  __host__ __device__ size_t floats() const {
+    return static_cast<size_t>(tiles) * panel + static_cast<size_t>(Kp) * kLdX;
+  }
+};
+
+size_t scan_smem_bytes(int D, bool fwd) { return ScanLayout(D, fwd).floats() * sizeof(float); }
+
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = tf32_of(x);
+  lo = tf32_of(x - __uint_as_float(hi));
 }
 
-// One direction of one column block (Note [column blocks]).
-//   FWD:  X ← g_p (X − P_p X) + U_u          (P_p read as [i][k])
-//   !FWD: X ← g_p (X − P_pᵀ X) + U_u         (the adjoint recurrences)
-// blockIdx = (direction, column block, b·h); column block ncb is the z vector.
-// Each step stages P_p and the block's slice of U_u in shared memory (cp.async); the state
-// lives in registers (two rows per thread) and in X for the broadcast reads; states are
-// written to global memory from X, coalesced, at the start of the following step.
+// One direction of one column block (Note [column blocks], Note [3xTF32 steps]).
+//   FWD:  X ← g_p (X − P_p X) + U_u          (panel: rows of P)
+//   !FWD: X ← g_p (X − P_pᵀ X) + U_u         (the adjoint recurrences; panel: columns of P)
+// blockIdx = (direction, column block, b·h); column block ncb is the z vector. vec4: D % 4 == 0
+// and P, Pz 16-byte aligned, so panels are staged in 16-byte copies.
 template <bool FWD, bool CLIPS>
 __global__ void __launch_bounds__(kScanThreads)
     scan_kernel(float* __restrict__ out0, float* __restrict__ out1, float* __restrict__ zout0,
                 float* __restrict__ zout1, float* __restrict__ msum, float* __restrict__ zsum,
                 const float* __restrict__ P, const float* __restrict__ U, const float* __restrict__ Pz,
-                const float* __restrict__ Uz, In decay, const float* __restrict__ clip, int H, int D, int F, int ncb) {
+                const float* __restrict__ Uz, In decay, const float* __restrict__ clip, int H, int D, int F, int ncb,
+                bool vec4) {
   extern __shared__ __align__(16) float smem[];
-  const int ldp = D + 1;  // odd pitch: both P[i][k] (lanes over i) and P[k][i] are conflict-free
-  float* Ps = smem;
-  float* X = smem + (D * ldp + 3) / 4 * 4;  // [D][kCols] state slice
-  float* Us = X + D * kCols;                // [D][kCols] injected slice of this step
-
+  const ScanLayout L(D, FWD);
   const int dir = blockIdx.x, cb = blockIdx.y, bh = blockIdx.z, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, m0 = warp * kRows;
+  const bool owner = warp < L.tiles;
+  float* panel = smem + warp * L.panel;  // this warp's P rows (or columns) [m0, m0 + 16)
+  float* Xs = smem + L.tiles * L.panel;  // the state slice, [Kp][kLdX]
+
   const bool isz = cb == ncb;
-  const int c0 = isz ? 0 : cb * kCols, nc = isz ? 1 : min(kCols, D - c0);
+  const int c0 = isz ? 0 : cb * kCols, nc = isz ? 1 : min(kCols, D - c0), ntiles = nc > 8 ? 2 : 1;
   const int64_t DD = static_cast<int64_t>(D) * D, mstride = isz ? D : DD;
   const float* Pm = (isz ? Pz : P) + bh * F * DD;
   const float* Um = (isz ? Uz : U) + bh * F * mstride;
   float* out = (isz ? (dir ? zout1 : zout0) : (dir ? out1 : out0)) + bh * F * mstride;
-  // This thread's row and columns [ch, ch + kHalf) of the slice; rows ≥ D only help with copies.
-  const int row = tid & 127, ch = (tid >> 7) * kHalf, rw = min(row, D - 1);
-  const bool active = row < D;
-  // Element e of the slice, enumerated so that consecutive threads touch consecutive addresses.
-  const int slice = isz ? D : D * kCols;
-  const auto slice_row = [&](int e) { return isz ? e : e >> 4; };
-  const auto slice_col = [&](int e) { return isz ? 0 : e & (kCols - 1); };
   const auto at = [&](int f, int i, int c) -> int64_t {
     return f * mstride + (isz ? i : static_cast<int64_t>(i) * D + c0 + c);
   };
-
-  float x[kHalf];
+  // This thread's elements of the slice: rows m0 + g + 8h, columns 8j + 2t and + 1, in the
+  // accumulator layout (v[j][2h], v[j][2h + 1]).
+  const auto load_u = [&](int u, float (&v)[2][4]) {
 #pragma unroll
-  for (int c = 0; c < kHalf; ++c) x[c] = 0.f;
-
-  const auto publish = [&]() {  // registers -> X (all columns, zeros beyond nc)
-    if (active)
+    for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int c = 0; c < kHalf; ++c) X[row * kCols + ch + c] = x[c];
+      for (int h = 0; h < 2; ++h) {
+        const int i = m0 + g + 8 * h, c = 8 * j + 2 * t;
+        float2 e = make_float2(0.f, 0.f);
+        if (owner && i < D && c < nc) e = isz ? make_float2(__ldg(Um + at(u, i, 0)), 0.f) : ldg2(Um + at(u, i, c));
+        v[j][2 * h] = e.x;
+        v[j][2 * h + 1] = e.y;
+      }
   };
-  const auto copy_out = [&](int f) {  // X -> out[f], coalesced (X must be complete)
-    for (int e = tid; e < slice; e += kScanThreads) {
-      const int i = slice_row(e), c = slice_col(e);
-      if (c < nc) out[at(f, i, c)] = X[i * kCols + c];
-    }
-  };
-  const auto set_u = [&](int u) {
+  // The state to X (rows ≥ D as zeros: the padded k of the next product) and, for f ≥ 0, to frame f.
+  const auto store_state = [&](const float (&x)[2][4], int f) {
+    if (!owner) return;
 #pragma unroll
-    for (int c = 0; c < kHalf; ++c) x[c] = (active && ch + c < nc) ? Um[at(u, row, ch + c)] : 0.f;
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = m0 + g + 8 * h, c = 8 * j + 2 * t;
+        const bool in = i < D && c < nc;
+        const float a = in ? x[j][2 * h] : 0.f, b = in ? x[j][2 * h + 1] : 0.f;
+        if (i < L.Kp) st2(Xs + i * kLdX + c, a, b);
+        if (f >= 0 && in) {
+          if (isz)
+            out[at(f, i, 0)] = a;
+          else
+            st2(out + at(f, i, c), a, b);
+        }
+      }
   };
-  int pending = -1;  // the frame whose state X holds and that is not written yet
-  const auto flush = [&]() {
-    __syncthreads();
-    if (pending >= 0) copy_out(pending);
-    pending = -1;
-    __syncthreads();
-  };
-  // x ← g_p (x − op(P_p) x) + U_u; the result is frame `fstore`'s state.
-  const auto step = [&](int p, int u, int fstore) {
+  // This warp's panel of P_p (zeros beyond D), one cp.async group.
+  const auto stage_panel = [&](int p) {
     const float* Pp = Pm + p * DD;
-    for (int i = tid >> 6; i < D; i += kScanThreads / 64)
-      for (int k = tid & 63; k < D; k += 64) cp_async4(Ps + i * ldp + k, Pp + static_cast<int64_t>(i) * D + k);
-    for (int e = tid; e < slice; e += kScanThreads) {
-      const int i = slice_row(e), c = slice_col(e);
-      if (c < nc) cp_async4(Us + i * kCols + c, Um + at(u, i, c));
+    if (FWD) {  // rows m0 .. m0 + 15, columns 0 .. Kp − 1, as [16][ldp]
+      for (int r = 0; r < kRows; ++r) {
+        const int i = m0 + r;
+        if (vec4)
+          for (int k = 4 * lane; k < L.Kp; k += 128) {
+            const bool ok = i < D && k < D;
+            cp_async16(panel + r * L.ldp + k, ok ? Pp + static_cast<int64_t>(i) * D + k : Pp, ok);
+          }
+        else
+          for (int k = lane; k < L.Kp; k += 32) {
+            const bool ok = i < D && k < D;
+            cp_async4(panel + r * L.ldp + k, ok ? Pp + static_cast<int64_t>(i) * D + k : Pp, ok);
+          }
+      }
+    } else if (vec4) {  // columns m0 .. m0 + 15 of rows 0 .. Kp − 1, as [Kp][kLdX]
+      for (int k = lane >> 2; k < L.Kp; k += 8) {
+        const int q = 4 * (lane & 3);
+        const bool ok = k < D && m0 + q < D;
+        cp_async16(panel + k * kLdX + q, ok ? Pp + static_cast<int64_t>(k) * D + m0 + q : Pp, ok);
+      }
+    } else {
+      for (int k = lane >> 4; k < L.Kp; k += 2) {
+        const int q = lane & 15;
+        const bool ok = k < D && m0 + q < D;
+        cp_async4(panel + k * kLdX + q, ok ? Pp + static_cast<int64_t>(k) * D + m0 + q : Pp, ok);
+      }
     }
+    cp_async_commit();
+  };
+  // y = op(P_p) X for this warp's rows, 3xTF32 (Note [3xTF32 steps]). Slot t of a k-slab takes
+  // k0 + 2t and slot t + 4 takes k0 + 2t + 1 (Note [warp tiles]), in A and B alike.
+  const auto product = [&](float (&y)[2][4]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[j][e] = 0.f;
+    for (int k0 = 0; k0 < L.Kp; k0 += 8) {
+      float a[4];
+      if (FWD) {
+        const float2 lo = ld2(panel + g * L.ldp + k0 + 2 * t), hi = ld2(panel + (g + 8) * L.ldp + k0 + 2 * t);
+        a[0] = lo.x, a[1] = hi.x, a[2] = lo.y, a[3] = hi.y;
+      } else {
+        const float* r = panel + (k0 + 2 * t) * kLdX + g;
+        a[0] = r[0], a[1] = r[8], a[2] = r[kLdX], a[3] = r[kLdX + 8];
+      }
+      uint32_t ahi[4], alo[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) split_tf32(a[e], ahi[e], alo[e]);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        if (j < ntiles) {
+          const float* xb = Xs + (k0 + 2 * t) * kLdX + 8 * j + g;
+          uint32_t bhi[2], blo[2];
+          split_tf32(xb[0], bhi[0], blo[0]);
+          split_tf32(xb[kLdX], bhi[1], blo[1]);
+          mma_tf32(y[j], alo, bhi);  // the small terms first
+          mma_tf32(y[j], ahi, blo);
+          mma_tf32(y[j], ahi, bhi);
+        }
+    }
+  };
+  // Step s of this block's sweep: X ← g_p (X − op(P_p) X) + U_u becomes frame fs.
+  const int nsteps = FWD ? (dir == 0 ? F : F - 1) : (dir == 0 ? F - 1 : max(F - 2, 0));
+  const auto frames = [&](int s, int& p, int& u, int& fs) {
+    if (FWD && dir == 0) p = u = fs = s;                            // Mf: frames 0 .. F−1
+    else if (FWD) fs = F - 2 - s, p = u = fs + 1;                   // Mr: frames F−2 .. 0
+    else if (dir == 0) fs = u = F - 2 - s, p = fs + 1;              // G: frames F−2 .. 0
+    else p = u = 1 + s, fs = p + 1;                                 // G̃' (slot f holds G̃_{f−1})
+  };
+
+  float x[2][4] = {};
+  if (FWD) {
+    store_state(x, dir == 1 ? F - 1 : -1);  // Mr_{F−1} = 0
+  } else if (dir == 0) {                    // G_{F−1} = dMsum_{F−1}
+    load_u(F - 1, x);
+    store_state(x, F - 1);
+  } else {  // slot 0 = 0, slot 1 = G̃_0 = dMsum_0
+    store_state(x, 0);
+    if (F > 1) {
+      load_u(0, x);
+      store_state(x, 1);
+    }
+  }
+  int p, u, fs;
+  if (nsteps > 0 && owner) {
+    frames(0, p, u, fs);
+    stage_panel(p);
+  }
+  for (int s = 0; s < nsteps; ++s) {
+    frames(s, p, u, fs);
+    float un[2][4];
+    load_u(u, un);
     const bool cut = CLIPS && p > 0 && __ldg(clip + static_cast<int64_t>(bh / H) * F + p) != 0.f;
     const float gp = cut ? 0.f : decay[static_cast<int64_t>(bh) * F + p];
     const bool drop = FWD && cut && dir == 1;  // Mr_{p−1} = 0: frame p − 1 ends its clip
     cp_async_wait_all();
-    __syncthreads();  // P_p, U_u and X visible
-    if (pending >= 0) copy_out(pending);
-    float y[kHalf];
-#pragma unroll
-    for (int c = 0; c < kHalf; ++c) y[c] = 0.f;
-    const float* pr = FWD ? Ps + rw * ldp : Ps + rw;  // P[row][k] at pr[k], or P[k][row] at pr[k·ldp]
-    const int pk = FWD ? 1 : ldp;
-#pragma unroll 4
-    for (int k = 0; k < D; ++k) {
-      const float pv = pr[k * pk];
-      const float4 v0 = *reinterpret_cast<const float4*>(X + k * kCols + ch);
-      const float4 v1 = *reinterpret_cast<const float4*>(X + k * kCols + ch + 4);
-      y[0] = fmaf(pv, v0.x, y[0]);
-      y[1] = fmaf(pv, v0.y, y[1]);
-      y[2] = fmaf(pv, v0.z, y[2]);
-      y[3] = fmaf(pv, v0.w, y[3]);
-      y[4] = fmaf(pv, v1.x, y[4]);
-      y[5] = fmaf(pv, v1.y, y[5]);
-      y[6] = fmaf(pv, v1.z, y[6]);
-      y[7] = fmaf(pv, v1.w, y[7]);
-    }
-    const float4 u0 = *reinterpret_cast<const float4*>(Us + rw * kCols + ch);
-    const float4 u1 = *reinterpret_cast<const float4*>(Us + rw * kCols + ch + 4);
-    const float uu[kHalf] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-#pragma unroll
-    for (int c = 0; c < kHalf; ++c) x[c] = drop ? 0.f : gp * (x[c] - y[c]) + (ch + c < nc ? uu[c] : 0.f);
-    __syncthreads();  // everyone is done reading P_p, U_u and X
-    publish();
-    pending = fstore;
-  };
-
-  publish();
-  if (FWD) {
-    if (dir == 0) {  // Mf: frames 0 .. F−1
-      for (int f = 0; f < F; ++f) step(f, f, f);
-    } else {  // Mr: frames F−1 .. 0
-      pending = F - 1;  // zeros
-      for (int f = F - 2; f >= 0; --f) step(f + 1, f + 1, f);
-    }
-  } else {
-    if (dir == 0) {  // G: frames F−1 .. 0
-      set_u(F - 1);
-      publish();
-      pending = F - 1;
-      for (int f = F - 2; f >= 0; --f) step(f + 1, f, f);
-    } else {  // G̃' (slot f holds G̃_{f−1}): slots 0 .. F−1
-      pending = 0;  // zeros
-      if (F > 1) {
-        flush();
-        set_u(0);
-        publish();
-        pending = 1;
-        for (int f = 1; f + 1 < F; ++f) step(f, f, f + 1);
+    __syncthreads();  // this warp's panel of P_p and the whole of X are visible
+    if (owner) {
+      float y[2][4];
+      product(y);
+      __syncwarp();  // the panel is free: start the next frame's
+      if (s + 1 < nsteps) {
+        int pn, un_, fn;
+        frames(s + 1, pn, un_, fn);
+        stage_panel(pn);
       }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[j][e] = drop ? 0.f : gp * (x[j][e] - y[j][e]) + un[j][e];
     }
+    __syncthreads();  // every warp is done reading X
+    store_state(x, fs);
   }
-  flush();
 
   if (FWD) {  // Msum = Mf + Mr: the two directions of the cluster split the frames
     __threadfence();
     cg::this_cluster().sync();
+    const int slice = isz ? D : D * kCols;
     const float* a = (isz ? zout0 : out0) + bh * F * mstride;
     const float* bb = (isz ? zout1 : out1) + bh * F * mstride;
     float* sum = (isz ? zsum : msum) + bh * F * mstride;
     for (int f = dir; f < F; f += 2)
       for (int e = tid; e < slice; e += kScanThreads) {
-        const int i = slice_row(e), c = slice_col(e);
+        const int i = isz ? e : e >> 4, c = isz ? 0 : e & (kCols - 1);
         if (c >= nc) continue;
         const int64_t o = at(f, i, c);
         sum[o] = __ldcg(a + o) + __ldcg(bb + o);
@@ -314,6 +389,12 @@ __global__ void __launch_bounds__(kGradThreads)
   }
 }
 
+// Panels of P and Pz can be staged in 16-byte copies: rows of D floats keep 16-byte alignment.
+bool panels_vec4(const Tensor& P, const Tensor& Pz, int D) {
+  const auto aligned = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; };
+  return D % 4 == 0 && aligned(P) && aligned(Pz);
+}
+
 void check_dims(const Dims& d) {
   GDNCP_CHECK(d.D >= 2 && d.D <= kMaxHeadDim && d.D % 2 == 0, "cuda scan: D must be even in [2, ", kMaxHeadDim,
               "], got ", d.D);
@@ -330,9 +411,10 @@ void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr,
                    const Dims& d) {
   check_dims(d);
   const int D = static_cast<int>(d.D), F = static_cast<int>(d.F), ncb = (D + kCols - 1) / kCols;
-  const size_t smem = scan_smem_bytes(D);
+  const size_t smem = scan_smem_bytes(D, true);
   // Without a mask the kernels are compiled without the clip tests (Note [clips are a template]).
   const float* clip = f32_or_null(clip_starts, "clip_starts");
+  const bool vec4 = panels_vec4(P, Pz, D);
   auto* kernel = clip ? scan_kernel<true, true> : scan_kernel<true, false>;
   allow_smem(kernel, smem);
   cudaLaunchConfig_t cfg = {};
@@ -351,7 +433,7 @@ void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr,
                                       f32_out(zr, "zr"), f32_out(Msum, "Msum"), f32_out(zsum, "zsum"),
                                       f32_or_null(P, "P"), f32_or_null(A, "A"), f32_or_null(Pz, "Pz"),
                                       f32_or_null(bz, "bz"), in_of(decay, "decay"),
-                                      clip, static_cast<int>(d.H), D, F, ncb));
+                                      clip, static_cast<int>(d.H), D, F, ncb, vec4));
   GDNCP_CUDA_CHECK_LAUNCH("scan_kernel<true>");
 }
 
@@ -369,13 +451,14 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
   const In dec = in_of(decay, "decay");
   const float* clip = f32_or_null(clip_starts, "clip_starts");
   const int H = static_cast<int>(d.H);
-  const size_t smem = scan_smem_bytes(D);
+  const size_t smem = scan_smem_bytes(D, false);
   auto* kernel = clip ? scan_kernel<false, true> : scan_kernel<false, false>;
   allow_smem(kernel, smem);
   const dim3 grid(2, static_cast<unsigned>(ncb + 1), static_cast<unsigned>(BH));
   kernel<<<grid, kScanThreads, smem, stream()>>>(
       f32_out(G, "G"), f32_out(Gt, "Gt"), f32_out(gz, "gz"), f32_out(gzt, "gzt"), nullptr, nullptr, f32_or_null(P, "P"),
-      f32_or_null(dMsum, "dMsum"), f32_or_null(Pz, "Pz"), f32_or_null(dzsum, "dzsum"), dec, clip, H, D, F, ncb);
+      f32_or_null(dMsum, "dMsum"), f32_or_null(Pz, "Pz"), f32_or_null(dzsum, "dzsum"), dec, clip, H, D, F, ncb,
+      panels_vec4(P, Pz, D));
   GDNCP_CUDA_CHECK_LAUNCH("scan_kernel<false>");
   (clip ? scan_grads_kernel<true> : scan_grads_kernel<false>)<<<static_cast<unsigned>(BH * F), kGradThreads, 0,
                                                                  stream()>>>(
