@@ -11,6 +11,7 @@
 //   G̃_f  = dMsum_f + g_f (I − P_f)ᵀ G̃_{f−1},           G̃_0 = dMsum_0             (adjoint of Mr)
 //   with G̃'_f = G̃_{f−1} (G̃'_0 = 0) and Z_f = G_f Mf_{f−1}ᵀ + G̃'_f Mr_fᵀ:
 //   dA_f = G_f + G̃'_f,  dP_f = −g_f Z_f,  dg_f = tr Z_f − ⟨P_f, Z_f⟩  (+ the same terms of z).
+//   Z is two strided-batched cuBLAS f32 GEMMs into dP's storage, then one element-wise pass.
 // Gradient rule: dP, dA, dPz, dbz, ddecay are overwritten.
 //
 // Note [clips are a template]: the kernels take CLIPS as a template argument,
@@ -39,9 +40,12 @@
 // accumulator layout; a copy in shared memory is the B operand of the next step,
 // and the thread writes its own elements of each frame to global memory.
 #include <cooperative_groups.h>
+#include <cublas_v2.h>
 
 #include <algorithm>
+#include <cstdint>
 
+#include "kernels/cublas_handle.h"
 #include "kernels/cuda_common.cuh"
 
 namespace gdncp {
@@ -274,93 +278,30 @@ __global__ void __launch_bounds__(kScanThreads)
   }
 }
 
-// Parameter gradients of one frame (bh, f) from the adjoints (256 threads):
-// Z = G Mf_{f−1}ᵀ + G̃' Mr_fᵀ as an f32 GEMM with K = 2D in chunks of 16, then the
-// element-wise terms. Each thread owns an 8×8 block of Z.
-constexpr int kGradThreads = 256, kKc = 16, kLdT = 128 + 4;
+// Parameter gradients of one frame (bh, f), element-wise (kGradThreads threads a block). Z_f
+// is already in dP (scan_bidi_bwd's two GEMMs); at f = 0 and at a cut frame its true value is
+// 0 (G̃'_0 = 0 and Mf_{−1} = 0; a cut drops both terms), whatever the GEMMs wrote there.
+// vec: every D×D operand is 16-byte aligned, so the frame (D·D a multiple of 4, D even) is
+// walked in float4s over its flat index; otherwise one float at a time.
+constexpr int kGradThreads = 512;
 
 template <bool CLIPS>
 __global__ void __launch_bounds__(kGradThreads)
     scan_grads_kernel(float* __restrict__ dP, float* __restrict__ dA, float* __restrict__ dPz, float* __restrict__ dbz,
                       Out ddecay, const float* __restrict__ G, const float* __restrict__ Gt,
                       const float* __restrict__ gz, const float* __restrict__ gzt, const float* __restrict__ P,
-                      const float* __restrict__ Pz, In decay, const float* __restrict__ Mf,
-                      const float* __restrict__ Mr, const float* __restrict__ zf, const float* __restrict__ zr,
-                      const float* __restrict__ clip, int H, int D, int F) {
-  __shared__ __align__(16) float At[kKc * kLdT];  // A chunk, [c][i]
-  __shared__ __align__(16) float Bt[kKc * kLdT];  // B chunk, [c][j]
+                      const float* __restrict__ Pz, In decay, const float* __restrict__ zf,
+                      const float* __restrict__ zr, const float* __restrict__ clip, int H, int D, int F, bool vec) {
   __shared__ float red[kGradThreads / 32];
   __shared__ float zv[4][128];  // gz, g̃z', z_{f−1}, zr_f
 
   const int bhf = blockIdx.x, f = bhf % F, tid = threadIdx.x;
   const int64_t DD = static_cast<int64_t>(D) * D, m0 = static_cast<int64_t>(bhf) * DD;
-  const int ty = tid / 16, tx = tid % 16;
   const float gf = decay[bhf];
   // A clip start: Mf_f = A_f and Mr_{f−1} = 0, so f's transition gets nothing and dA_f = G_f.
   const bool cut = CLIPS && f > 0 && __ldg(clip + static_cast<int64_t>(bhf / F / H) * F + f) != 0.f;
+  const bool zero = f == 0 || cut;  // Z_f = 0
 
-  float acc[8][8];
-#pragma unroll
-  for (int a = 0; a < 8; ++a)
-#pragma unroll
-    for (int c = 0; c < 8; ++c) acc[a][c] = 0.f;
-
-  for (int half = 0; half < 2; ++half) {
-    const float* Aop = (half ? Gt : G) + m0;
-    const float* Bop = half ? Mr + m0 : (f > 0 ? Mf + m0 - DD : nullptr);
-    if (!Bop || cut) continue;  // Mf_{−1} = 0, or a cut transition
-    for (int k0 = 0; k0 < D; k0 += kKc) {
-      __syncthreads();
-      {  // thread: row i = tid / 2, 8 consecutive columns
-        const int i = tid >> 1, cc = (tid & 1) * 8;
-#pragma unroll
-        for (int q = 0; q < 8; q += 2) {
-          const int c = k0 + cc + q;
-          float2 a = make_float2(0.f, 0.f), b = a;
-          if (i < D && c < D) {
-            a = ld2(Aop + static_cast<int64_t>(i) * D + c);
-            b = ld2(Bop + static_cast<int64_t>(i) * D + c);
-          }
-          At[(cc + q) * kLdT + i] = a.x;
-          At[(cc + q + 1) * kLdT + i] = a.y;
-          Bt[(cc + q) * kLdT + i] = b.x;
-          Bt[(cc + q + 1) * kLdT + i] = b.y;
-        }
-      }
-      __syncthreads();
-#pragma unroll 4
-      for (int k = 0; k < kKc; ++k) {
-        const float4 a0 = *reinterpret_cast<const float4*>(At + k * kLdT + 4 * ty);
-        const float4 a1 = *reinterpret_cast<const float4*>(At + k * kLdT + 64 + 4 * ty);
-        const float4 b0 = *reinterpret_cast<const float4*>(Bt + k * kLdT + 4 * tx);
-        const float4 b1 = *reinterpret_cast<const float4*>(Bt + k * kLdT + 64 + 4 * tx);
-        const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-        const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-        for (int a = 0; a < 8; ++a)
-#pragma unroll
-          for (int c = 0; c < 8; ++c) acc[a][c] = fmaf(av[a], bv[c], acc[a][c]);
-      }
-    }
-  }
-
-  // dP = −g Z;  dg += tr Z − ⟨P, Z⟩ (this thread's part)
-  float dg = 0.f;
-#pragma unroll
-  for (int a = 0; a < 8; ++a) {
-    const int i = a < 4 ? 4 * ty + a : 64 + 4 * ty + a - 4;
-    if (i >= D) continue;
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      const int j = c < 4 ? 4 * tx + c : 64 + 4 * tx + c - 4;
-      if (j >= D) continue;
-      const int64_t e = m0 + static_cast<int64_t>(i) * D + j;
-      dP[e] = -gf * acc[a][c];
-      dg += (i == j ? acc[a][c] : 0.f) - P[e] * acc[a][c];
-    }
-  }
-  // dA = G + G̃'
-  for (int64_t e = tid; e < DD; e += kGradThreads) dA[m0 + e] = cut ? G[m0 + e] : G[m0 + e] + Gt[m0 + e];
   // z: Zz = gz z_{f−1}ᵀ + g̃z' zr_fᵀ (rank two)
   const int64_t v0 = static_cast<int64_t>(bhf) * D;
   if (tid < 128) {
@@ -371,13 +312,53 @@ __global__ void __launch_bounds__(kGradThreads)
     zv[3][tid] = in ? zr[v0 + tid] : 0.f;
   }
   __syncthreads();
-  for (int64_t e = tid; e < DD; e += kGradThreads) {
-    const int i = static_cast<int>(e / D), j = static_cast<int>(e % D);
-    const float zz = zv[0][i] * zv[2][j] + zv[1][i] * zv[3][j];
-    dPz[m0 + e] = -gf * zz;
-    dg += (i == j ? zz : 0.f) - Pz[m0 + e] * zz;
-  }
   if (tid < D) dbz[v0 + tid] = zv[0][tid] + zv[1][tid];
+
+  // Element (i, j): dP = −g Z, dA = G + G̃', dPz = −g Zz, and this thread's part of
+  // dg = tr Z − ⟨P, Z⟩ + tr Zz − ⟨Pz, Zz⟩.
+  float dg = 0.f;
+  const auto element = [&](int i, int j, float z, float g, float gt, float p, float pz, float& dp, float& da,
+                           float& dpz) {
+    z = zero ? 0.f : z;
+    dp = -gf * z;
+    da = cut ? g : g + gt;
+    const float zz = zv[0][i] * zv[2][j] + zv[1][i] * zv[3][j];
+    dpz = -gf * zz;
+    dg += (i == j ? z : 0.f) - p * z;
+    dg += (i == j ? zz : 0.f) - pz * zz;
+  };
+  if (vec) {
+    const auto ld4 = [](const float* q) { return __ldg(reinterpret_cast<const float4*>(q)); };
+    for (int e = 4 * tid; e < DD; e += 4 * kGradThreads) {
+      const int64_t o = m0 + e;
+      const float4 z = *reinterpret_cast<const float4*>(dP + o);
+      const float4 g = ld4(G + o), gt = ld4(Gt + o), p = ld4(P + o), pz = ld4(Pz + o);
+      float4 dp, da, dpz;
+      int i = e / D, j = e - i * D;
+      const auto next = [&]() {  // D even: the four elements span at most two rows
+        if (++j == D) {
+          j = 0;
+          ++i;
+        }
+      };
+      element(i, j, z.x, g.x, gt.x, p.x, pz.x, dp.x, da.x, dpz.x);
+      next();
+      element(i, j, z.y, g.y, gt.y, p.y, pz.y, dp.y, da.y, dpz.y);
+      next();
+      element(i, j, z.z, g.z, gt.z, p.z, pz.z, dp.z, da.z, dpz.z);
+      next();
+      element(i, j, z.w, g.w, gt.w, p.w, pz.w, dp.w, da.w, dpz.w);
+      *reinterpret_cast<float4*>(dP + o) = dp;
+      *reinterpret_cast<float4*>(dA + o) = da;
+      *reinterpret_cast<float4*>(dPz + o) = dpz;
+    }
+  } else {
+    for (int e = tid; e < DD; e += kGradThreads) {
+      const int64_t o = m0 + e;
+      const int i = e / D, j = e % D;
+      element(i, j, dP[o], G[o], Gt[o], P[o], Pz[o], dP[o], dA[o], dPz[o]);
+    }
+  }
 
   dg = warp_sum(dg);
   if ((tid & 31) == 0) red[tid >> 5] = dg;
@@ -389,11 +370,21 @@ __global__ void __launch_bounds__(kGradThreads)
   }
 }
 
-// Panels of P and Pz can be staged in 16-byte copies: rows of D floats keep 16-byte alignment.
-bool panels_vec4(const Tensor& P, const Tensor& Pz, int D) {
-  const auto aligned = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; };
-  return D % 4 == 0 && aligned(P) && aligned(Pz);
+// C_j = A_j·B_jᵀ (+ C_j when accumulate) for `batch` row-major D×D frames a frame apart, in
+// IEEE f32. Column-major, the buffers hold A_jᵀ, B_jᵀ, C_jᵀ, and C_jᵀ = B_j·A_jᵀ = op_T(B_jᵀ)·op_N(A_jᵀ)
+// (Note [row-major through cuBLAS] in matmul.cu).
+void frame_gemm_nt(cublasHandle_t handle, float* C, const float* A, const float* B, int D, int batch, bool accumulate) {
+  const float one = 1.f, beta = accumulate ? 1.f : 0.f;
+  const int64_t DD = static_cast<int64_t>(D) * D;
+  GDNCP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, D, D, D, &one, B, CUDA_R_32F, D, DD,
+                                                A, CUDA_R_32F, D, DD, &beta, C, CUDA_R_32F, D, DD, batch,
+                                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Panels of P and Pz can be staged in 16-byte copies: rows of D floats keep 16-byte alignment.
+bool panels_vec4(const Tensor& P, const Tensor& Pz, int D) { return D % 4 == 0 && aligned16(P.data()) && aligned16(Pz.data()); }
 
 void check_dims(const Dims& d) {
   GDNCP_CHECK(d.D >= 2 && d.D <= kMaxHeadDim && d.D % 2 == 0, "cuda scan: D must be even in [2, ", kMaxHeadDim,
@@ -460,12 +451,28 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
       f32_or_null(dMsum, "dMsum"), f32_or_null(Pz, "Pz"), f32_or_null(dzsum, "dzsum"), dec, clip, H, D, F, ncb,
       panels_vec4(P, Pz, D));
   GDNCP_CUDA_CHECK_LAUNCH("scan_kernel<false>");
-  (clip ? scan_grads_kernel<true> : scan_grads_kernel<false>)<<<static_cast<unsigned>(BH * F), kGradThreads, 0,
-                                                                 stream()>>>(
-      f32_out(dP, "dP"), f32_out(dA, "dA"), f32_out(dPz, "dPz"), f32_out(dbz, "dbz"), out_of(ddecay, "ddecay"),
-      static_cast<const float*>(G.data()), static_cast<const float*>(Gt.data()), static_cast<const float*>(gz.data()),
-      static_cast<const float*>(gzt.data()), f32_or_null(P, "P"), f32_or_null(Pz, "Pz"), dec, f32_or_null(Mf, "Mf"),
-      f32_or_null(Mr, "Mr"), f32_or_null(zf, "zf"), f32_or_null(zr, "zr"), clip, H, D, F);
+  // Z_f into dP's storage: Z_j = G̃'_j Mr_jᵀ over all frames j = bh·F + f, then Z_j += G_j Mf_{j−1}ᵀ
+  // for j ≥ 1 (at f = 0 that mixes in the previous (b, h)'s last frame: scan_grads_kernel reads
+  // Z as 0 there).
+  const int64_t N = checked_mul(BH, d.F, "cuda scan: B·H·F");
+  GDNCP_CHECK(N <= INT32_MAX, "cuda scan: B·H·F = ", N, " exceeds cuBLAS's 32-bit batch count");
+  const auto f32_in = [](const Tensor& t, const char* what) {
+    require_f32(t, what);
+    return static_cast<const float*>(t.data());
+  };
+  float *dp = f32_out(dP, "dP"), *da = f32_out(dA, "dA"), *dpz = f32_out(dPz, "dPz"), *db = f32_out(dbz, "dbz");
+  const Out dg = out_of(ddecay, "ddecay");
+  const float *mf = f32_in(Mf, "Mf"), *mr = f32_in(Mr, "Mr"), *p = f32_in(P, "P"), *pz = f32_in(Pz, "Pz");
+  const float *gp = static_cast<const float*>(G.data()), *gtp = static_cast<const float*>(Gt.data());
+  const int64_t DD = d.D * d.D;
+  cublasHandle_t handle = cublas_handle();
+  frame_gemm_nt(handle, dp, gtp, mr, D, static_cast<int>(N), false);
+  if (N > 1) frame_gemm_nt(handle, dp + DD, gp + DD, mf, D, static_cast<int>(N - 1), true);
+  const bool vec = aligned16(dp) && aligned16(da) && aligned16(dpz) && aligned16(gp) && aligned16(gtp) &&
+                   aligned16(p) && aligned16(pz);
+  (clip ? scan_grads_kernel<true> : scan_grads_kernel<false>)<<<static_cast<unsigned>(N), kGradThreads, 0, stream()>>>(
+      dp, da, dpz, db, dg, gp, gtp, static_cast<const float*>(gz.data()), static_cast<const float*>(gzt.data()), p, pz,
+      dec, f32_or_null(zf, "zf"), f32_or_null(zr, "zr"), clip, H, D, F, vec);
   GDNCP_CUDA_CHECK_LAUNCH("scan_grads_kernel");
 }
 
