@@ -264,17 +264,43 @@ __global__ void __launch_bounds__(kScanThreads)
   if (FWD) {  // Msum = Mf + Mr: the two directions of the cluster split the frames
     __threadfence();
     cg::this_cluster().sync();
-    const int slice = isz ? D : D * kCols;
     const float* a = (isz ? zout0 : out0) + bh * F * mstride;
     const float* bb = (isz ? zout1 : out1) + bh * F * mstride;
     float* sum = (isz ? zsum : msum) + bh * F * mstride;
-    for (int f = dir; f < F; f += 2)
-      for (int e = tid; e < slice; e += kScanThreads) {
-        const int i = isz ? e : e >> 4, c = isz ? 0 : e & (kCols - 1);
-        if (c >= nc) continue;
-        const int64_t o = at(f, i, c);
-        sum[o] = __ldcg(a + o) + __ldcg(bb + o);
+    // Element pairs (f, i, c) of this block's frames f = dir, dir + 2, …, loaded kBatch at a time
+    // before any is stored: the loads are independent, and one at a time each waits out L2.
+    constexpr int kBatch = 4;
+    const int pairs = isz ? 1 : kCols / 2, per_frame = D * pairs, total = (F - dir + 1) / 2 * per_frame;
+    for (int e0 = tid; e0 < total; e0 += kBatch * kScanThreads) {
+      float2 va[kBatch], vb[kBatch];
+      int64_t o[kBatch];
+      bool ok[kBatch];
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) {
+        const int e = e0 + q * kScanThreads, fr = e / per_frame, r = e - fr * per_frame;
+        const int i = r / pairs, c = 2 * (r - i * pairs);
+        ok[q] = e < total && c < nc;
+        o[q] = ok[q] ? at(dir + 2 * fr, i, c) : 0;
+        va[q] = vb[q] = make_float2(0.f, 0.f);
+        if (ok[q]) {
+          if (isz) {
+            va[q].x = __ldcg(a + o[q]);
+            vb[q].x = __ldcg(bb + o[q]);
+          } else {
+            va[q] = __ldcg(reinterpret_cast<const float2*>(a + o[q]));
+            vb[q] = __ldcg(reinterpret_cast<const float2*>(bb + o[q]));
+          }
+        }
       }
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q)
+        if (ok[q]) {
+          if (isz)
+            sum[o[q]] = va[q].x + vb[q].x;
+          else
+            st2(sum + o[q], va[q].x + vb[q].x, va[q].y + vb[q].y);
+        }
+    }
   }
 }
 
