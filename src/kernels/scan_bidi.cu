@@ -30,9 +30,9 @@
 // both finished, each writes half of the frames of Msum = Mf + Mr.
 //
 // Note [3xTF32 steps]: the product op(P) X of a step runs on the tensor cores as
-// three TF32 products, hi·hi + hi·lo + lo·hi with x = hi + lo split by rounding
-// to TF32 (11 bits each), which keeps the f32 accuracy of the scan (the dropped
-// lo·lo term is 2^-22 relative) at a third of the instructions of f32 FMAs. Warp
+// three TF32 products, hi·hi + (hi·lo + lo·hi) with x = hi + lo split at TF32's
+// 11 bits, which keeps the f32 accuracy of the scan (the dropped lo·lo term and
+// lo's truncation are 2^-21 relative) at a fraction of the instructions of f32 FMAs. Warp
 // w owns rows [16w, 16w + 16) of the slice: it stages its own panel of P_p (the
 // 16 rows of P, or for the adjoint the 16 columns) with cp.async and starts the
 // next frame's panel as soon as its product is done, so the load runs under the
@@ -76,9 +76,11 @@ struct ScanLayout {
 
 size_t scan_smem_bytes(int D, bool fwd) { return ScanLayout(D, fwd).floats() * sizeof(float); }
 
+// x = hi + lo: hi is x rounded to TF32 (half an ulp added, the 13 low bits cleared: two integer
+// ops where cvt.rna.tf32 costs four), lo the exact rest, which the matrix unit truncates to TF32.
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = tf32_of(x);
-  lo = tf32_of(x - __uint_as_float(hi));
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 // One direction of one column block (Note [column blocks], Note [3xTF32 steps]).
@@ -87,7 +89,7 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
 // blockIdx = (direction, column block, b·h); column block ncb is the z vector. vec4: D % 4 == 0
 // and P, Pz 16-byte aligned, so panels are staged in 16-byte copies.
 template <bool FWD, bool CLIPS>
-__global__ void __launch_bounds__(kScanThreads)
+__global__ void __launch_bounds__(kScanThreads, 3)  // 3 blocks an SM: ≤ 85 registers
     scan_kernel(float* __restrict__ out0, float* __restrict__ out1, float* __restrict__ zout0,
                 float* __restrict__ zout1, float* __restrict__ msum, float* __restrict__ zsum,
                 const float* __restrict__ P, const float* __restrict__ U, const float* __restrict__ Pz,
@@ -178,10 +180,11 @@ __global__ void __launch_bounds__(kScanThreads)
   // y = op(P_p) X for this warp's rows, 3xTF32 (Note [3xTF32 steps]). Slot t of a k-slab takes
   // k0 + 2t and slot t + 4 takes k0 + 2t + 1 (Note [warp tiles]), in A and B alike.
   const auto product = [&](float (&y)[2][4]) {
+    float ylo[2][4];  // the small terms: a second accumulator chain
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) y[j][e] = 0.f;
+      for (int e = 0; e < 4; ++e) y[j][e] = ylo[j][e] = 0.f;
     for (int k0 = 0; k0 < L.Kp; k0 += 8) {
       float a[4];
       if (FWD) {
@@ -201,11 +204,15 @@ __global__ void __launch_bounds__(kScanThreads)
           uint32_t bhi[2], blo[2];
           split_tf32(xb[0], bhi[0], blo[0]);
           split_tf32(xb[kLdX], bhi[1], blo[1]);
-          mma_tf32(y[j], alo, bhi);  // the small terms first
-          mma_tf32(y[j], ahi, blo);
+          mma_tf32(ylo[j], alo, bhi);
+          mma_tf32(ylo[j], ahi, blo);
           mma_tf32(y[j], ahi, bhi);
         }
     }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[j][e] += ylo[j][e];
   };
   // Step s of this block's sweep: X ← g_p (X − op(P_p) X) + U_u becomes frame fs.
   const int nsteps = FWD ? (dir == 0 ? F : F - 1) : (dir == 0 ? F - 1 : max(F - 2, 0));
