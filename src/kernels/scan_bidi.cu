@@ -113,60 +113,80 @@ __global__ void __launch_bounds__(kScanThreads, 3)  // 3 blocks an SM: ≤ 85 re
     return f * mstride + (isz ? i : static_cast<int64_t>(i) * D + c0 + c);
   };
   // This thread's elements of the slice: rows m0 + g + 8h, columns 8j + 2t and + 1, in the
-  // accumulator layout (v[j][2h], v[j][2h + 1]).
+  // accumulator layout (v[j][2h], v[j][2h + 1]); their offsets in a frame (< D·D) and in X,
+  // computed once.
+  int eoff[2][2], xoff[2][2];
+  unsigned in_slice = 0, in_x = 0;  // bit 2j + h
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = m0 + g + 8 * h, c = 8 * j + 2 * t;
+      eoff[j][h] = isz ? i : i * D + c0 + c;
+      xoff[j][h] = i * kLdX + c;
+      in_slice |= (owner && i < D && c < nc ? 1u : 0u) << (2 * j + h);
+      in_x |= (owner && i < L.Kp ? 1u : 0u) << (2 * j + h);
+    }
   const auto load_u = [&](int u, float (&v)[2][4]) {
+    const float* base = Um + u * mstride;
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int i = m0 + g + 8 * h, c = 8 * j + 2 * t;
         float2 e = make_float2(0.f, 0.f);
-        if (owner && i < D && c < nc) e = isz ? make_float2(__ldg(Um + at(u, i, 0)), 0.f) : ldg2(Um + at(u, i, c));
+        if (in_slice >> (2 * j + h) & 1u)
+          e = isz ? make_float2(__ldg(base + eoff[j][h]), 0.f) : ldg2(base + eoff[j][h]);
         v[j][2 * h] = e.x;
         v[j][2 * h + 1] = e.y;
       }
   };
   // The state to X (rows ≥ D as zeros: the padded k of the next product) and, for f ≥ 0, to frame f.
   const auto store_state = [&](const float (&x)[2][4], int f) {
-    if (!owner) return;
+    float* base = out + (f >= 0 ? f : 0) * mstride;
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int i = m0 + g + 8 * h, c = 8 * j + 2 * t;
-        const bool in = i < D && c < nc;
+        const bool in = in_slice >> (2 * j + h) & 1u;
         const float a = in ? x[j][2 * h] : 0.f, b = in ? x[j][2 * h + 1] : 0.f;
-        if (i < L.Kp) st2(Xs + i * kLdX + c, a, b);
+        if (in_x >> (2 * j + h) & 1u) st2(Xs + xoff[j][h], a, b);
         if (f >= 0 && in) {
           if (isz)
-            out[at(f, i, 0)] = a;
+            base[eoff[j][h]] = a;
           else
-            st2(out + at(f, i, c), a, b);
+            st2(base + eoff[j][h], a, b);
         }
       }
   };
-  // This warp's panel of P_p (zeros beyond D), one cp.async group.
+  // This warp's panel of P_p (zeros beyond D), one cp.async group. With 16-byte copies a lane
+  // owns one 16-byte chunk of each row it visits (Kp ≤ 128), so the addresses step by a row.
   const auto stage_panel = [&](int p) {
     const float* Pp = Pm + p * DD;
-    if (FWD) {  // rows m0 .. m0 + 15, columns 0 .. Kp − 1, as [16][ldp]
+    if (FWD && vec4) {  // rows m0 .. m0 + 15, columns 0 .. Kp − 1, as [16][ldp]
+      const int k = 4 * lane;
+      if (k < L.Kp) {
+        const float* src = Pp + static_cast<int64_t>(m0) * D + k;
+        float* dst = panel + k;
+        for (int r = 0; r < kRows; ++r, src += D, dst += L.ldp) {
+          const bool ok = k < D && m0 + r < D;
+          cp_async16(dst, ok ? src : Pp, ok);
+        }
+      }
+    } else if (FWD) {
       for (int r = 0; r < kRows; ++r) {
         const int i = m0 + r;
-        if (vec4)
-          for (int k = 4 * lane; k < L.Kp; k += 128) {
-            const bool ok = i < D && k < D;
-            cp_async16(panel + r * L.ldp + k, ok ? Pp + static_cast<int64_t>(i) * D + k : Pp, ok);
-          }
-        else
-          for (int k = lane; k < L.Kp; k += 32) {
-            const bool ok = i < D && k < D;
-            cp_async4(panel + r * L.ldp + k, ok ? Pp + static_cast<int64_t>(i) * D + k : Pp, ok);
-          }
+        for (int k = lane; k < L.Kp; k += 32) {
+          const bool ok = i < D && k < D;
+          cp_async4(panel + r * L.ldp + k, ok ? Pp + static_cast<int64_t>(i) * D + k : Pp, ok);
+        }
       }
     } else if (vec4) {  // columns m0 .. m0 + 15 of rows 0 .. Kp − 1, as [Kp][kLdX]
-      for (int k = lane >> 2; k < L.Kp; k += 8) {
-        const int q = 4 * (lane & 3);
+      const int q = 4 * (lane & 3);
+      const float* src = Pp + static_cast<int64_t>(lane >> 2) * D + m0 + q;
+      float* dst = panel + (lane >> 2) * kLdX + q;
+      for (int k = lane >> 2; k < L.Kp; k += 8, src += 8 * D, dst += 8 * kLdX) {
         const bool ok = k < D && m0 + q < D;
-        cp_async16(panel + k * kLdX + q, ok ? Pp + static_cast<int64_t>(k) * D + m0 + q : Pp, ok);
+        cp_async16(dst, ok ? src : Pp, ok);
       }
     } else {
       for (int k = lane >> 4; k < L.Kp; k += 2) {
