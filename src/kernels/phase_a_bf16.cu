@@ -2,9 +2,9 @@
 // the coding): bf16 mode with bf16 qkv and D % 8 == 0 at a padded head dim of 64 or 128.
 //
 // Forward: the k prep runs once per token (phase_a_prep_kernel), not once per product, and
-// writes the bf16 operands of the three products; the products are strided-batched GEMMs on
-// cuBLAS (one matrix per frame, all S tokens at once) rather than blocks that multiply chunks
-// of 32 tokens between rounds of prep.
+// writes the bf16 k operands of the three products; the products are batched GEMMs on cuBLAS
+// (one matrix per frame, all S tokens at once) rather than blocks that multiply chunks of 32
+// tokens between rounds of prep. v is read where it lies in qkv, not copied.
 // Backward: the raw rows of the next token tile are staged with cp.async while the current
 // one is multiplied (Note [staged loads]); operand tiles are bf16 in shared memory, read with
 // ldmatrix (Note [ldmatrix tiles]).
@@ -26,13 +26,16 @@ using namespace phase_a;
 // ---------------------------------------------------------------------------
 // forward: prep, then P = Xᵀ kʳ, A = Xᵀ v, Pz = Xpᵀ k⁺ on cuBLAS
 // ---------------------------------------------------------------------------
-// The prep writes, per (b, h, f), S rows of D bf16 channels each ((B, H, F, S, D) layout):
-//   X = bf16(β·kʳ),  Kr = bf16(kʳ),  Xp = bf16(β·k⁺),  Kp = bf16(k⁺),  Vf = v (a copy)
+// The prep writes four operands, per (b, h, f) S rows of D bf16 channels each ((B, H, F, S, D)
+// layout):
+//   X = bf16(β·kʳ),  Kr = bf16(kʳ),  Xp = bf16(β·k⁺),  Kp = bf16(k⁺)
 // with kʳ, k⁺ the f32 values of prep_octet; and b_f = Σ_s β_s k⁺_s in f32 from the unrounded
 // values. A thread owns one octet of channels (16-byte accesses) of kPrepRows rows; a block
 // owns kThreads / (D/8) row groups of them, a chunk of one frame's tokens. Each block writes
 // its chunk's part of b_f; phase_a_bz_kernel adds the chunks in order (no atomics, so b is
-// bitwise the same run to run and under graph capture).
+// bitwise the same run to run and under graph capture). A = Xᵀ v reads v in place in qkv
+// through a pointer-array batched GEMM (frame_gemm_v): a copy of v would cost a read and a
+// write of it and its memory.
 constexpr int kPrepRows = 2;  // rows per thread: their loads are all issued before the math
 
 inline int prep_row_groups(int D) { return kThreads / (D / 8); }
@@ -40,7 +43,7 @@ inline int prep_chunk_rows(int D) { return prep_row_groups(D) * kPrepRows; }
 
 __global__ void __launch_bounds__(kThreads)
     phase_a_prep_kernel(__nv_bfloat16* __restrict__ X, __nv_bfloat16* __restrict__ Kr, __nv_bfloat16* __restrict__ Xp,
-                        __nv_bfloat16* __restrict__ Kp, __nv_bfloat16* __restrict__ Vf, float* __restrict__ b_part,
+                        __nv_bfloat16* __restrict__ Kp, float* __restrict__ b_part,
                         const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ rstd,
                         const float* __restrict__ kw, const float* __restrict__ rope_cos,
                         const float* __restrict__ rope_sin, In beta, int H, int D, int F, int S, int chunks,
@@ -63,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
     float w[8];
 #pragma unroll
     for (int q = 0; q < 8; ++q) w[q] = kw ? __ldg(kw + h * D + d0 + q) : 1.f;
-    uint4 kraw[kPrepRows], vraw[kPrepRows];
+    uint4 kraw[kPrepRows];
     float4 cs[kPrepRows][2], sn[kPrepRows][2];
     float rk[kPrepRows], bt[kPrepRows];
 #pragma unroll
@@ -71,7 +74,6 @@ __global__ void __launch_bounds__(kThreads)
       const int s = min(s0 + g + rg * i, S - 1);  // rows past S load a valid row and store nothing
       const int64_t n = static_cast<int64_t>(f) * S + s;
       kraw[i] = __ldg(reinterpret_cast<const uint4*>(qkv + qkv_index(b, n, 1, h, d0, N, H, D)));
-      vraw[i] = __ldg(reinterpret_cast<const uint4*>(qkv + qkv_index(b, n, 2, h, d0, N, H, D)));
       cs[i][0] = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0));
       cs[i][1] = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0 + 4));
       sn[i][0] = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0));
@@ -99,7 +101,6 @@ __global__ void __launch_bounds__(kThreads)
       st8h(Kr + o, kr);
       st8h(Xp + o, xp);
       st8h(Kp + o, kp);
-      *reinterpret_cast<uint4*>(Vf + o) = vraw[i];
     }
 #pragma unroll
     for (int q = 0; q < 8; ++q) part[g * D + d0 + q] = bsum[q];
@@ -135,6 +136,32 @@ void frame_gemm(cublasHandle_t handle, float* C, const __nv_bfloat16* Xf, const 
                                                 CUBLAS_GEMM_DEFAULT));
 }
 
+// The pointer arrays of frame_gemm_v, per frame bhf = (b·H + h)·F + f: xs[bhf] its X rows,
+// vs[bhf] its first v row in qkv (rows 3·H·D apart), cs[bhf] its D×D block of A.
+__global__ void phase_a_ptrs_kernel(const void** __restrict__ xs, const void** __restrict__ vs, void** __restrict__ cs,
+                                    const __nv_bfloat16* X, const __nv_bfloat16* qkv, float* A, int H, int D, int F,
+                                    int S, int64_t BHF) {
+  const int64_t N = static_cast<int64_t>(F) * S;
+  GDNCP_GRID_STRIDE(bhf, BHF) {
+    const int64_t bh = bhf / F, b = bh / H;
+    const int f = static_cast<int>(bhf % F), h = static_cast<int>(bh % H);
+    xs[bhf] = X + bhf * S * D;
+    vs[bhf] = qkv + qkv_index(b, static_cast<int64_t>(f) * S, 2, h, 0, N, H, D);
+    cs[bhf] = A + bhf * D * D;
+  }
+}
+
+// frame_gemm with Yf the frames' v rows in qkv: the column-major D×S matrix of a frame has
+// ld 3·H·D, and the frames are not one stride apart, so the batch goes by pointer arrays. A v
+// row starts at a multiple of D elements, 16-byte aligned with D % 8 == 0 (cuBLAS's fast path).
+void frame_gemm_v(cublasHandle_t handle, void* const* cs, const void* const* xs, const void* const* vs, int D, int S,
+                  int ldv, int frames) {
+  const float one = 1.f, zero = 0.f;
+  GDNCP_CUBLAS_CHECK(cublasGemmBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, D, D, S, &one, vs, CUDA_R_16BF, ldv, xs,
+                                         CUDA_R_16BF, D, &zero, cs, CUDA_R_32F, D, frames, CUBLAS_COMPUTE_32F,
+                                         CUBLAS_GEMM_DEFAULT));
+}
+
 void fwd(const FwdArgs& a) {
   const FrameSizes& z = a.z;
   GDNCP_CHECK(z.BHF <= INT32_MAX, "cuda phase A: B·H·F = ", z.BHF, " exceeds cuBLAS's 32-bit batch count");
@@ -142,32 +169,44 @@ void fwd(const FwdArgs& a) {
   const int64_t frame_stride = checked_mul(z.S, z.D, "cuda phase A: S·D");
   const int64_t blocks = checked_mul(z.BHF, chunks, "cuda phase A: prep blocks");
   GDNCP_CHECK(blocks <= INT32_MAX, "cuda phase A: ", blocks, " prep blocks exceed the grid's limit");
-  // The five operands live only inside this call (5 · B·H·F·S·D bf16, ≈ 0.2 GiB at the
+  const int64_t ldv = checked_mul(3, checked_mul(z.H, z.D, "cuda phase A: H·D"), "cuda phase A: 3·H·D");
+  GDNCP_CHECK(ldv <= INT32_MAX, "cuda phase A: qkv's row stride 3·H·D = ", ldv, " exceeds cuBLAS's 32-bit ld");
+  // The four operands live only inside this call (4 · B·H·F·S·D bf16, ≈ 0.17 GiB at the
   // production shape, B = 1, where the layer's peak is still in its backward; at B = 8 they
-  // raise the peak by about 9 %: docs/perf.md).
+  // raise the peak: docs/perf.md).
   const Shape rows = {z.BHF, z.S, z.D};
   Tensor X = Tensor::empty(rows, DType::bf16, Device::cuda), Kr = Tensor::empty(rows, DType::bf16, Device::cuda),
-         Xp = Tensor::empty(rows, DType::bf16, Device::cuda), Kp = Tensor::empty(rows, DType::bf16, Device::cuda),
-         Vf = Tensor::empty(rows, DType::bf16, Device::cuda);
+         Xp = Tensor::empty(rows, DType::bf16, Device::cuda), Kp = Tensor::empty(rows, DType::bf16, Device::cuda);
+  // frame_gemm_v's pointer arrays [xs | vs | cs], B·H·F pointers each, in a buffer of 8-byte
+  // elements (f64: Tensor has no pointer dtype).
+  static_assert(sizeof(double) == sizeof(void*), "a pointer array element is 8 bytes");
+  Tensor ptrs = Tensor::empty({checked_mul(3, z.BHF, "cuda phase A: 3·B·H·F")}, DType::f64, Device::cuda);
   // One chunk per frame: the block's sum is b_f itself.
   Tensor b_part;
   if (chunks > 1) b_part = Tensor::empty({z.BHF, chunks, z.D}, DType::f32, Device::cuda);
   float* bp = chunks > 1 ? static_cast<float*>(b_part.data()) : a.bz;
   const auto bf = [](Tensor& t) { return static_cast<__nv_bfloat16*>(t.data()); };
   phase_a_prep_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
-      bf(X), bf(Kr), bf(Xp), bf(Kp), bf(Vf), bp, static_cast<const __nv_bfloat16*>(a.qkv.p), a.rstd, a.kw, a.cos, a.sin,
-      a.beta, z.H, z.D, z.F, z.S, chunks, a.k_scale);
+      bf(X), bf(Kr), bf(Xp), bf(Kp), bp, static_cast<const __nv_bfloat16*>(a.qkv.p), a.rstd, a.kw, a.cos, a.sin, a.beta,
+      z.H, z.D, z.F, z.S, chunks, a.k_scale);
   GDNCP_CUDA_CHECK_LAUNCH("phase_a_prep_kernel");
   if (chunks > 1) {
     const int64_t n = z.BHF * z.D;
     phase_a_bz_kernel<<<blocks_for(n), kGridThreads, 0, stream()>>>(a.bz, bp, n, z.D, chunks);
     GDNCP_CUDA_CHECK_LAUNCH("phase_a_bz_kernel");
   }
+  void** const xs = static_cast<void**>(ptrs.data());
+  void** const vs = xs + z.BHF;
+  void** const cs = vs + z.BHF;
+  phase_a_ptrs_kernel<<<blocks_for(z.BHF), kGridThreads, 0, stream()>>>(
+      const_cast<const void**>(xs), const_cast<const void**>(vs), cs, bf(X), static_cast<const __nv_bfloat16*>(a.qkv.p),
+      a.A, z.H, z.D, z.F, z.S, z.BHF);
+  GDNCP_CUDA_CHECK_LAUNCH("phase_a_ptrs_kernel");
   const int frames = static_cast<int>(z.BHF);
   cublasHandle_t handle = cublas_handle();
-  frame_gemm(handle, a.P, bf(X), bf(Kr), z.D, z.S, frames, frame_stride);    // P  = Xᵀ kʳ
-  frame_gemm(handle, a.A, bf(X), bf(Vf), z.D, z.S, frames, frame_stride);    // A  = Xᵀ v
-  frame_gemm(handle, a.Pz, bf(Xp), bf(Kp), z.D, z.S, frames, frame_stride);  // Pz = Xpᵀ k⁺
+  frame_gemm(handle, a.P, bf(X), bf(Kr), z.D, z.S, frames, frame_stride);     // P  = Xᵀ kʳ
+  frame_gemm_v(handle, cs, xs, vs, z.D, z.S, static_cast<int>(ldv), frames);  // A  = Xᵀ v
+  frame_gemm(handle, a.Pz, bf(Xp), bf(Kp), z.D, z.S, frames, frame_stride);   // Pz = Xpᵀ k⁺
 }
 
 // ---------------------------------------------------------------------------
