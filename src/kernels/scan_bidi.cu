@@ -11,8 +11,7 @@
 //   G̃_f  = dMsum_f + g_f (I − P_f)ᵀ G̃_{f−1},           G̃_0 = dMsum_0             (adjoint of Mr)
 //   with G̃'_f = G̃_{f−1} (G̃'_0 = 0) and Z_f = G_f Mf_{f−1}ᵀ + G̃'_f Mr_fᵀ:
 //   dA_f = G_f + G̃'_f,  dP_f = −g_f Z_f,  dg_f = tr Z_f − ⟨P_f, Z_f⟩  (+ the same terms of z).
-//   Z is one 3xTF32 tensor-core kernel into dP's storage (Note [Z on the tensor cores]), then one
-//   element-wise pass.
+//   Z is two strided-batched cuBLAS f32 GEMMs into dP's storage, then one element-wise pass.
 // Gradient rule: dP, dA, dPz, dbz, ddecay are overwritten.
 //
 // Note [clips are a template]: the kernels take CLIPS as a template argument,
@@ -41,10 +40,12 @@
 // accumulator layout; a copy in shared memory is the B operand of the next step,
 // and the thread writes its own elements of each frame to global memory.
 #include <cooperative_groups.h>
+#include <cublas_v2.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cublas_handle.h"
 #include "kernels/cuda_common.cuh"
 
 namespace gdncp {
@@ -330,163 +331,9 @@ __global__ void __launch_bounds__(kScanThreads, 3)  // 3 blocks an SM: ≤ 85 re
   }
 }
 
-// Note [Z on the tensor cores]: Z_j = G̃'_j Mr_jᵀ + G_j Mf_{j−1}ᵀ for frame j = bh·F + f, f > 0
-// (at f = 0 Z is 0: scan_grads_kernel takes it so). Both products are "row-major times
-// row-major transposed", Z[i][n] = Σ_k A[i][k] B[n][k], so A and B are alike [row][k] tiles and a
-// fragment is one 8-byte load of k-slots (k0 + 2t, k0 + 2t + 1) (Note [warp tiles]). A block owns
-// one frame and half of its n-tiles; warp w owns rows [16w, 16w + 16). The two terms are one k loop
-// over two stagings into the same tiles, 3xTF32 as in Note [3xTF32 steps]. Every warp reads all of
-// B, so B is split into hi and lo once, at staging; A's fragments are split by the one warp that
-// reads them. The tiles hold zeros beyond D (padded rows and k), so padding adds nothing to Z.
-constexpr int kZThreads = 256;  // 8 warps of 16 rows: D ≤ 128
-
-// Shared memory of scan_z_kernel, in floats: A as [16·tiles][ld], then B's hi and lo halves as
-// [8·bt][ld] each (bits of TF32 values).
-struct ZLayout {
-  int Kp;      // D rounded up to a k-slab of 8
-  int ld;      // row pitch ≡ 8 (mod 16): the 8-byte fragment loads g·ld + 2t are conflict-free
-  int tiles;   // m-tiles of 16 rows: warps that own rows
-  int ntiles;  // n-tiles of 8 columns in a frame
-  int bt;      // n-tiles of the first column block (the second has ntiles − bt)
-  __host__ __device__ explicit ZLayout(int D)
-      : Kp((D + 7) / 8 * 8),
-        ld((Kp + 15) / 16 * 16 + 8),
-        tiles((D + 15) / 16),
-        ntiles((D + 7) / 8),
-        bt((ntiles + 1) / 2) {}
-  __host__ __device__ size_t floats() const { return static_cast<size_t>(16 * tiles + 2 * 8 * bt) * ld; }
-};
-
-// Z_j into Z (dP's storage) for the frames with f > 0 (Note [Z on the tensor cores]).
-// blockIdx = (frame among those with f > 0, column block). vec4: D % 4 == 0 and G, G̃', Mf, Mr
-// 16-byte aligned (rows stay 16-byte aligned: 16-byte copies and loads). pairs: Z 8-byte aligned.
-__global__ void __launch_bounds__(kZThreads, 2)  // 2 blocks an SM: ≤ 128 registers
-    scan_z_kernel(float* __restrict__ Z, const float* __restrict__ G, const float* __restrict__ Gt,
-                  const float* __restrict__ Mf, const float* __restrict__ Mr, int D, int F, bool vec4, bool pairs) {
-  extern __shared__ __align__(16) float smem[];
-  const ZLayout L(D);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, m0 = 16 * warp;
-  // Frame j = bh·F + f with bh = x / (F − 1), f = 1 + x mod (F − 1).
-  const int64_t x = blockIdx.x, j = x + x / (F - 1) + 1;
-  const int nb = blockIdx.y == 0 ? L.bt : L.ntiles - L.bt;  // this block's n-tiles
-  const int c0 = 8 * L.bt * static_cast<int>(blockIdx.y);   // its first column
-  float* As = smem;
-  uint32_t* Bhi = reinterpret_cast<uint32_t*>(smem + 16 * L.tiles * L.ld);
-  uint32_t* Blo = Bhi + 8 * L.bt * L.ld;
-  const int cpr = L.Kp / 4;  // 4-float chunks of a row
-
-  // A: rows 0 .. 16·tiles − 1 of the frame by cp.async (one group); B: rows c0 .. c0 + 8·nb − 1,
-  // loaded kBatch chunks at a time before any is split and stored. Zeros beyond D.
-  const auto stage = [&](const float* A, const float* B) {
-    if (vec4) {
-      for (int e = tid; e < 16 * L.tiles * cpr; e += kZThreads) {
-        const int r = e / cpr, k = 4 * (e - r * cpr);
-        const bool ok = r < D && k < D;
-        cp_async16(As + r * L.ld + k, ok ? A + r * D + k : A, ok);
-      }
-    } else {
-      for (int e = tid; e < 16 * L.tiles * L.Kp; e += kZThreads) {
-        const int r = e / L.Kp, k = e - r * L.Kp;
-        const bool ok = r < D && k < D;
-        cp_async4(As + r * L.ld + k, ok ? A + r * D + k : A, ok);
-      }
-    }
-    cp_async_commit();
-    constexpr int kBatch = 4;
-    const int total = 8 * nb * cpr;
-    for (int e0 = tid; e0 < total; e0 += kBatch * kZThreads) {
-      float4 v[kBatch];
-#pragma unroll
-      for (int q = 0; q < kBatch; ++q) {
-        const int e = e0 + q * kZThreads, r = e / cpr, k = 4 * (e - r * cpr), n = c0 + r;
-        v[q] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (e < total && n < D && k < D) {
-          const float* src = B + n * D + k;
-          if (vec4) {
-            v[q] = __ldg(reinterpret_cast<const float4*>(src));
-          } else {  // D even: k + 1 < D; k + 2 and k + 3 may lie beyond the row
-            v[q].x = __ldg(src);
-            v[q].y = __ldg(src + 1);
-            if (k + 2 < D) v[q].z = __ldg(src + 2);
-            if (k + 3 < D) v[q].w = __ldg(src + 3);
-          }
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < kBatch; ++q) {
-        const int e = e0 + q * kZThreads, r = e / cpr, k = 4 * (e - r * cpr);
-        if (e < total) {
-          uint4 hi, lo;
-          split_tf32(v[q].x, hi.x, lo.x);
-          split_tf32(v[q].y, hi.y, lo.y);
-          split_tf32(v[q].z, hi.z, lo.z);
-          split_tf32(v[q].w, hi.w, lo.w);
-          *reinterpret_cast<uint4*>(Bhi + r * L.ld + k) = hi;
-          *reinterpret_cast<uint4*>(Blo + r * L.ld + k) = lo;
-        }
-      }
-    }
-  };
-  // acc += A Bᵀ for this warp's rows and the block's columns, 3xTF32 (the small terms in acc_lo).
-  float acc[8][4] = {}, acc_lo[8][4] = {};
-  const auto product = [&]() {
-    const float* a0 = As + (m0 + g) * L.ld + 2 * t;  // row g; row g + 8 is 8·ld further
-    const uint32_t* bhi = Bhi + g * L.ld + 2 * t;    // column g of n-tile 0
-    const uint32_t* blo = Blo + g * L.ld + 2 * t;
-    for (int k0 = 0; k0 < L.Kp; k0 += 8) {
-      const float2 rg = ld2(a0 + k0), rg8 = ld2(a0 + 8 * L.ld + k0);
-      const float a[4] = {rg.x, rg8.x, rg.y, rg8.y};  // (g, slot t), (g + 8, slot t), then slot t + 4
-      uint32_t ahi[4], alo[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) split_tf32(a[e], ahi[e], alo[e]);
-#pragma unroll
-      for (int n = 0; n < 8; ++n)
-        if (n < nb) {
-          const uint2 h = *reinterpret_cast<const uint2*>(bhi + 8 * n * L.ld + k0);
-          const uint2 l = *reinterpret_cast<const uint2*>(blo + 8 * n * L.ld + k0);
-          const uint32_t bh[2] = {h.x, h.y}, bl[2] = {l.x, l.y};
-          mma_tf32(acc_lo[n], alo, bh);
-          mma_tf32(acc_lo[n], ahi, bl);
-          mma_tf32(acc[n], ahi, bh);
-        }
-    }
-  };
-
-  const int64_t DD = static_cast<int64_t>(D) * D, o = j * DD;
-  const bool owner = m0 < D;
-  stage(Gt + o, Mr + o);
-  cp_async_wait_all();
-  __syncthreads();
-  if (owner) product();
-  __syncthreads();  // every warp is done with the tiles
-  stage(G + o, Mf + o - DD);
-  cp_async_wait_all();
-  __syncthreads();
-  if (!owner) return;
-  product();
-  float* Zj = Z + o;
-#pragma unroll
-  for (int n = 0; n < 8; ++n)
-    if (n < nb) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = m0 + g + 8 * h, c = c0 + 8 * n + 2 * t;  // D even: c < D takes c + 1 too
-        if (i < D && c < D) {
-          const float z0 = acc[n][2 * h] + acc_lo[n][2 * h], z1 = acc[n][2 * h + 1] + acc_lo[n][2 * h + 1];
-          if (pairs) {
-            st2(Zj + i * D + c, z0, z1);
-          } else {
-            Zj[i * D + c] = z0;
-            Zj[i * D + c + 1] = z1;
-          }
-        }
-      }
-    }
-}
-
 // Parameter gradients of one frame (bh, f), element-wise (kGradThreads threads a block). Z_f
-// is already in dP (scan_z_kernel); at f = 0 and at a cut frame its true value is 0 (G̃'_0 = 0
-// and Mf_{−1} = 0; a cut drops both terms), whatever dP holds there.
+// is already in dP (scan_bidi_bwd's two GEMMs); at f = 0 and at a cut frame its true value is
+// 0 (G̃'_0 = 0 and Mf_{−1} = 0; a cut drops both terms), whatever the GEMMs wrote there.
 // vec: every D×D operand is 16-byte aligned, so the frame (D·D a multiple of 4, D even) is
 // walked in float4s over its flat index; otherwise one float at a time.
 constexpr int kGradThreads = 512;
@@ -576,8 +423,18 @@ __global__ void __launch_bounds__(kGradThreads)
   }
 }
 
+// C_j = A_j·B_jᵀ (+ C_j when accumulate) for `batch` row-major D×D frames a frame apart, in
+// IEEE f32. Column-major, the buffers hold A_jᵀ, B_jᵀ, C_jᵀ, and C_jᵀ = B_j·A_jᵀ = op_T(B_jᵀ)·op_N(A_jᵀ)
+// (Note [row-major through cuBLAS] in matmul.cu).
+void frame_gemm_nt(cublasHandle_t handle, float* C, const float* A, const float* B, int D, int batch, bool accumulate) {
+  const float one = 1.f, beta = accumulate ? 1.f : 0.f;
+  const int64_t DD = static_cast<int64_t>(D) * D;
+  GDNCP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, D, D, D, &one, B, CUDA_R_32F, D, DD,
+                                                A, CUDA_R_32F, D, DD, &beta, C, CUDA_R_32F, D, DD, batch,
+                                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
 
 // Panels of P and Pz can be staged in 16-byte copies: rows of D floats keep 16-byte alignment.
 bool panels_vec4(const Tensor& P, const Tensor& Pz, int D) { return D % 4 == 0 && aligned16(P.data()) && aligned16(Pz.data()); }
@@ -647,9 +504,11 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
       f32_or_null(dMsum, "dMsum"), f32_or_null(Pz, "Pz"), f32_or_null(dzsum, "dzsum"), dec, clip, H, D, F, ncb,
       panels_vec4(P, Pz, D));
   GDNCP_CUDA_CHECK_LAUNCH("scan_kernel<false>");
-  // Z_f into dP's storage for every frame with f > 0 (Note [Z on the tensor cores]).
+  // Z_f into dP's storage: Z_j = G̃'_j Mr_jᵀ over all frames j = bh·F + f, then Z_j += G_j Mf_{j−1}ᵀ
+  // for j ≥ 1 (at f = 0 that mixes in the previous (b, h)'s last frame: scan_grads_kernel reads
+  // Z as 0 there).
   const int64_t N = checked_mul(BH, d.F, "cuda scan: B·H·F");
-  GDNCP_CHECK(N <= INT32_MAX, "cuda scan: B·H·F = ", N, " exceeds the grid's 32-bit frame count");
+  GDNCP_CHECK(N <= INT32_MAX, "cuda scan: B·H·F = ", N, " exceeds cuBLAS's 32-bit batch count");
   const auto f32_in = [](const Tensor& t, const char* what) {
     require_f32(t, what);
     return static_cast<const float*>(t.data());
@@ -658,15 +517,10 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
   const Out dg = out_of(ddecay, "ddecay");
   const float *mf = f32_in(Mf, "Mf"), *mr = f32_in(Mr, "Mr"), *p = f32_in(P, "P"), *pz = f32_in(Pz, "Pz");
   const float *gp = static_cast<const float*>(G.data()), *gtp = static_cast<const float*>(Gt.data());
-  if (F > 1) {
-    const ZLayout L(D);
-    const size_t zsmem = L.floats() * sizeof(float);
-    allow_smem(scan_z_kernel, zsmem);
-    const bool zvec4 = D % 4 == 0 && aligned16(gp) && aligned16(gtp) && aligned16(mf) && aligned16(mr);
-    const dim3 zgrid(static_cast<unsigned>(N - BH), L.ntiles > 1 ? 2u : 1u);
-    scan_z_kernel<<<zgrid, kZThreads, zsmem, stream()>>>(dp, gp, gtp, mf, mr, D, F, zvec4, aligned8(dp));
-    GDNCP_CUDA_CHECK_LAUNCH("scan_z_kernel");
-  }
+  const int64_t DD = d.D * d.D;
+  cublasHandle_t handle = cublas_handle();
+  frame_gemm_nt(handle, dp, gtp, mr, D, static_cast<int>(N), false);
+  if (N > 1) frame_gemm_nt(handle, dp + DD, gp + DD, mf, D, static_cast<int>(N - 1), true);
   const bool vec = aligned16(dp) && aligned16(da) && aligned16(dpz) && aligned16(gp) && aligned16(gtp) &&
                    aligned16(p) && aligned16(pz);
   (clip ? scan_grads_kernel<true> : scan_grads_kernel<false>)<<<static_cast<unsigned>(N), kGradThreads, 0, stream()>>>(
