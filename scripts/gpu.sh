@@ -6,7 +6,9 @@
 #     tests     every ctest entry (ctest -j 4)
 #     kernels   the single-GPU tests (ctest -R "$CTEST_REGEX", default Cuda: the CUDA twins
 #               against the CPU twins, the layer against the f64 CPU layer); NCU=1 adds an
-#               Nsight Compute profile of one forward+backward of the layer
+#               Nsight Compute profile of one forward+backward of the layer; NCU_SOURCE=<kernel
+#               regex> adds the source view of the first matching kernel, summed by CUDA line
+#               (bench/ncu_lines.py: where its instructions and stalls go; builds with -lineinfo)
 #     cp        the CP GPU tests (mpi_test_cp_gpu) on 1 and $NP GPUs; the CP layer benchmark
 #               (gdncp_bench --cp) on $NP GPUs, or with one GPU the emulated rank of a group
 #               of $EMULATE (gdncp_bench --cp --emulate, stand-in peers), NCU_ROWS adding
@@ -30,7 +32,7 @@
 #   BASE=HEAD~3 OUT=/tmp/out scripts/gpu.sh bench cp
 #   NCU_ROWS="1 3" EMULATE=2 scripts/gpu.sh cp        # one GPU: rows 1 and 3 of the emulated table
 # Knobs: OUT, BUILD_DIR, JOBS, NP (GPUs for cp/train, default min(#GPUs, 2)), CTEST_REGEX,
-#        BENCH_ARGS (gdncp_bench), CP_BENCH_ARGS (gdncp_bench --cp), EMULATE, NCU, NCU_ROWS,
+#        BENCH_ARGS (gdncp_bench), CP_BENCH_ARGS (gdncp_bench --cp), EMULATE, NCU, NCU_SOURCE, NCU_ROWS,
 #        NCU_BASE, SWEEP_DETAIL, SWEEP_ROW, TRAIN_STEPS, SANITIZER_FILTER, SANITIZER_TIMEOUT,
 #        BASE, BASE_DIR.
 set -uo pipefail
@@ -86,7 +88,8 @@ fi
 build() {  # source-dir build-dir targets...
   local src=$1 dir=$2
   shift 2
-  cmake -S "$src" -B "$dir" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DGDNCP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real &&
+  cmake -S "$src" -B "$dir" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DGDNCP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+    -DCMAKE_CUDA_FLAGS="${NCU_SOURCE:+-lineinfo}" &&
     cmake --build "$dir" -j "$JOBS" --target "$@"
 }
 t0=$(date +%s)
@@ -140,6 +143,14 @@ if has kernels && [ "${NCU:-0}" = 1 ]; then
     --section Occupancy --section LaunchStats --section WarpStateStats \
     "$(bin ours gdncp_bench)" --profile --batches 1 --dims 112 >"$OUT/ncu.log" 2>&1 || fail
   say "ncu gdncp_bench --profile: in $(($(date +%s) - t0)) s (ncu.log)"
+fi
+if has kernels && [ -n "${NCU_SOURCE:-}" ]; then
+  t0=$(date +%s)
+  timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none -k "regex:$NCU_SOURCE" -c 1 --section SourceCounters \
+    --page source --print-source sass,cuda --csv "$(bin ours gdncp_bench)" --profile --batches 1 --dims 112 \
+    >"$OUT/ncu_source.csv" 2>"$OUT/ncu_source.err" || fail
+  say "ncu source view of $NCU_SOURCE: in $(($(date +%s) - t0)) s (ncu_source.csv)"
+  python3 bench/ncu_lines.py "$OUT/ncu_source.csv" --top 25 | tee -a "$SUMMARY"
 fi
 
 # --- bench: the layer on one GPU, the CP scan kernels ----------------------------------------
