@@ -557,7 +557,6 @@ void check_dims(const SweepSpec& s) {
   GDNCP_CHECK(s.E == 1 || s.E == s.D, "cp cuda scan: E = ", s.E, " must be 1 or D");
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int current_device() {
@@ -677,9 +676,9 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
       a.H = static_cast<int>(s.H);
       a.descending = s.descending;
       a.transpose = s.transpose;
-      a.vec = s.D % 4 == 0 && aligned16(a.P);
-      a.vec_states = s.E % 4 == 0 && aligned16(a.ob) && aligned16(a.oa) && aligned16(a.fin) && aligned16(a.vb) &&
-                     aligned16(a.ua) && aligned16(a.init);
+      a.vec = s.D % 4 == 0 && cc::aligned16(a.P);
+      a.vec_states = s.E % 4 == 0 && cc::aligned16(a.ob) && cc::aligned16(a.oa) && cc::aligned16(a.fin) && cc::aligned16(a.vb) &&
+                     cc::aligned16(a.ua) && cc::aligned16(a.init);
       a.tiles = static_cast<int>(cdiv(s.E, kTileCols));
       units[k] = s.BH;
     }
@@ -770,7 +769,7 @@ void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D)
     const float *C = f32_or_null(c.C, "C"), *v = f32_or_null(c.v, "v");
     GDNCP_CHECK(X && C && v, "scan_correct: X, C and v must be defined");
     if (c.E == 1) {
-      const bool vec = D % 4 == 0 && aligned16(C) && aligned16(v);
+      const bool vec = D % 4 == 0 && cc::aligned16(C) && cc::aligned16(v);
       correct_z_kernel<<<static_cast<unsigned>(BH * F), 32 * kZcWarps, 0, stream()>>>(X, C, v, static_cast<int>(D),
                                                                                       static_cast<int>(F), vec);
       GDNCP_CUDA_CHECK_LAUNCH("correct_z_kernel");
@@ -810,8 +809,8 @@ void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
       a.E = static_cast<int>(f.E);
       a.n = static_cast<int>(f.order.size());
       a.transpose = f.transpose;
-      a.vec = D % 4 == 0 && a.M && aligned16(a.M) && f.m_off % 4 == 0 && f.m_stride % 4 == 0;
-      a.vec_states = f.E % 4 == 0 && aligned16(a.X) && aligned16(a.init) && aligned16(a.H) && f.h_off % 4 == 0 &&
+      a.vec = D % 4 == 0 && a.M && cc::aligned16(a.M) && f.m_off % 4 == 0 && f.m_stride % 4 == 0;
+      a.vec_states = f.E % 4 == 0 && cc::aligned16(a.X) && cc::aligned16(a.init) && cc::aligned16(a.H) && f.h_off % 4 == 0 &&
                      f.h_stride % 4 == 0;
       std::copy(f.order.begin(), f.order.end(), a.order);
       a.tiles = static_cast<int>(cdiv(f.E, kTileCols));

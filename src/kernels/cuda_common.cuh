@@ -200,6 +200,12 @@ inline float* f32_out(Tensor& t, const char* what) {
   return static_cast<float*>(t.data());
 }
 inline float* f32_out_or_null(Tensor& t, const char* what) { return t.defined() ? f32_out(t, what) : nullptr; }
+inline const float* f32_in(const Tensor& t, const char* what) {  // a required f32 input
+  require_f32(t, what);
+  return static_cast<const float*>(t.data());
+}
+// 16-byte vector loads and stores (and 16-byte cp.async) need 16-byte aligned pointers.
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Typed pointers and element conversions for the kernels templated on the storage type
 // (GDNCP_CUDA_FLOAT_SWITCH); Tensor::data_ptr knows only the host bf16 type.
@@ -416,6 +422,13 @@ __device__ __forceinline__ uint32_t tf32_of(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;
+}
+// 3xTF32: x = hi + lo, hi is x rounded to TF32 (half an ulp added, the 13 low bits cleared: two
+// integer ops where cvt.rna.tf32 costs four), lo the exact rest, which the matrix unit truncates
+// to TF32. hi·hi + hi·lo + lo·hi keeps f32 accuracy (the dropped terms are 2^-21 relative).
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
 }
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(

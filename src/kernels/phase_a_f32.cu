@@ -20,6 +20,32 @@ namespace {
 using namespace detail;
 using namespace phase_a;
 
+// The raw inputs of token s of frame (b, h, f) for lane `lane`'s channel pairs d = 2·lane + 64j:
+// the k pairs, the v pairs (when want_v), the RoPE pairs (when want_rope), k's rstd and β; zeros
+// for s ≥ S, for channels ≥ D and for the loads not wanted.
+template <int PPL>
+__device__ __forceinline__ void load_k_row(float2 (&xk)[PPL], float2 (&xv)[PPL], float2 (&xc)[PPL],
+                                           float2 (&xs)[PPL], float& rk, float& bt, const In& qkv,
+                                           const float* __restrict__ rstd, const float* __restrict__ rope_cos,
+                                           const float* __restrict__ rope_sin, const In& beta, int b, int h, int f,
+                                           int s, int bhf, int lane, int H, int D, int S, int64_t N, bool want_v,
+                                           bool want_rope) {
+  const bool valid = s < S;
+  const int64_t n = static_cast<int64_t>(f) * S + s;
+  rk = valid ? __ldg(rstd + (b * N + n) * 2 + 1) : 0.f;
+  bt = valid ? beta[static_cast<int64_t>(bhf) * S + s] : 0.f;
+#pragma unroll
+  for (int j = 0; j < PPL; ++j) {
+    const int d = 2 * lane + 64 * j;
+    const bool ok = valid && d < D;
+    const float2 zero = make_float2(0.f, 0.f);
+    xk[j] = ok ? qkv.pair(qkv_index(b, n, 1, h, d, N, H, D)) : zero;
+    xv[j] = (ok && want_v) ? qkv.pair(qkv_index(b, n, 2, h, d, N, H, D)) : zero;
+    xc[j] = (ok && want_rope) ? ldg2(rope_cos + n * D + d) : zero;
+    xs[j] = (ok && want_rope) ? ldg2(rope_sin + n * D + d) : zero;
+  }
+}
+
 template <int DP>
 struct FwdTile {  // 2 × 4 warps over the DP×DP product
   static constexpr int WM = 2, WN = 4, TM = DP / (16 * WM), TN = DP / (8 * WN), KS = 32;
@@ -65,23 +91,9 @@ __global__ void __launch_bounds__(kThreads, 2)
       float2 xk[BATCH][PPL], xv[BATCH][PPL], xc[BATCH][PPL], xs[BATCH][PPL];
       float rk[BATCH], bt[BATCH];
 #pragma unroll
-      for (int i = 0; i < BATCH; ++i) {
-        const int s = s0 + warp + 8 * (i0 + i);
-        const bool valid = s < S;
-        const int64_t n = static_cast<int64_t>(f) * S + s;
-        rk[i] = valid ? __ldg(rstd + (b * N + n) * 2 + 1) : 0.f;
-        bt[i] = valid ? beta[static_cast<int64_t>(bhf) * S + s] : 0.f;
-#pragma unroll
-        for (int j = 0; j < PPL; ++j) {
-          const int d = 2 * lane + 64 * j;
-          const bool ok = valid && d < D;
-          const float2 zero = make_float2(0.f, 0.f);
-          xk[i][j] = ok ? qkv.pair(qkv_index(b, n, 1, h, d, N, H, D)) : zero;
-          xv[i][j] = (ok && prod == 1) ? qkv.pair(qkv_index(b, n, 2, h, d, N, H, D)) : zero;
-          xc[i][j] = (ok && prod != 2) ? ldg2(rope_cos + n * D + d) : zero;
-          xs[i][j] = (ok && prod != 2) ? ldg2(rope_sin + n * D + d) : zero;
-        }
-      }
+      for (int i = 0; i < BATCH; ++i)
+        load_k_row(xk[i], xv[i], xc[i], xs[i], rk[i], bt[i], qkv, rstd, rope_cos, rope_sin, beta, b, h, f,
+                   s0 + warp + 8 * (i0 + i), bhf, lane, H, D, S, N, prod == 1, prod != 2);
 #pragma unroll
       for (int i = 0; i < BATCH; ++i) {
         const int r = warp + 8 * (i0 + i);
@@ -206,23 +218,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       float2 xk[RPW][PPL], xv[RPW][PPL], xc[RPW][PPL], xs[RPW][PPL];
       float rk[RPW], bt[RPW];
 #pragma unroll
-      for (int i = 0; i < RPW; ++i) {
-        const int s = s0 + warp + 8 * i;
-        const bool valid = s < S;
-        const int64_t n = static_cast<int64_t>(f) * S + s;
-        rk[i] = valid ? __ldg(rstd + (b * N + n) * 2 + 1) : 0.f;
-        bt[i] = valid ? beta[static_cast<int64_t>(bhf) * S + s] : 0.f;
-#pragma unroll
-        for (int j = 0; j < PPL; ++j) {
-          const int d = 2 * lane + 64 * j;
-          const bool ok = valid && d < D;
-          const float2 zero = make_float2(0.f, 0.f);
-          xk[i][j] = ok ? qkv.pair(qkv_index(b, n, 1, h, d, N, H, D)) : zero;
-          xv[i][j] = ok ? qkv.pair(qkv_index(b, n, 2, h, d, N, H, D)) : zero;
-          xc[i][j] = ok ? ldg2(rope_cos + n * D + d) : zero;
-          xs[i][j] = ok ? ldg2(rope_sin + n * D + d) : zero;
-        }
-      }
+      for (int i = 0; i < RPW; ++i)
+        load_k_row(xk[i], xv[i], xc[i], xs[i], rk[i], bt[i], qkv, rstd, rope_cos, rope_sin, beta, b, h, f,
+                   s0 + warp + 8 * i, bhf, lane, H, D, S, N, true, true);
 #pragma unroll
       for (int i = 0; i < RPW; ++i) {
         const int r = warp + 8 * i;

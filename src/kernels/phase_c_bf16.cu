@@ -454,7 +454,6 @@ __global__ void sum_parts_kernel(float* __restrict__ dst, const float* __restric
 // ---------------------------------------------------------------------------
 // launch helpers
 // ---------------------------------------------------------------------------
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 template <typename Kernel>
 int blocks_per_sm(Kernel kernel, int threads, size_t smem) {

@@ -282,7 +282,7 @@ void rms_stats(Tensor& rstd, const Tensor& qkv, const Tensor& q_norm_w, const Te
 
 namespace {
 
-bool aligned16(const Tensor& t) { return !t.defined() || reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
+bool aligned16(const Tensor& t) { return !t.defined() || detail::aligned16(t.data()); }
 bool bf16_or_none(const Tensor& t) { return !t.defined() || t.dtype() == DType::bf16; }
 
 using RowsKernel = decltype(&rms_bwd_rows_kernel<1>);

@@ -76,13 +76,6 @@ struct ScanLayout {
 
 size_t scan_smem_bytes(int D, bool fwd) { return ScanLayout(D, fwd).floats() * sizeof(float); }
 
-// x = hi + lo: hi is x rounded to TF32 (half an ulp added, the 13 low bits cleared: two integer
-// ops where cvt.rna.tf32 costs four), lo the exact rest, which the matrix unit truncates to TF32.
-__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
-  lo = __float_as_uint(x - __uint_as_float(hi));
-}
-
 // One direction of one column block (Note [column blocks], Note [3xTF32 steps]).
 //   FWD:  X ← g_p (X − P_p X) + U_u          (panel: rows of P)
 //   !FWD: X ← g_p (X − P_pᵀ X) + U_u         (the adjoint recurrences; panel: columns of P)
@@ -122,7 +115,7 @@ __global__ void __launch_bounds__(kScanThreads, 3)  // 3 blocks an SM: ≤ 85 re
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = m0 + g + 8 * h, c = 8 * j + 2 * t;
-      eoff[j][h] = isz ? i : i * D + c0 + c;
+      eoff[j][h] = static_cast<int>(at(0, i, c));
       xoff[j][h] = i * kLdX + c;
       in_slice |= (owner && i < D && c < nc ? 1u : 0u) << (2 * j + h);
       in_x |= (owner && i < L.Kp ? 1u : 0u) << (2 * j + h);
@@ -434,10 +427,9 @@ void frame_gemm_nt(cublasHandle_t handle, float* C, const float* A, const float*
                                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Panels of P and Pz can be staged in 16-byte copies: rows of D floats keep 16-byte alignment.
-bool panels_vec4(const Tensor& P, const Tensor& Pz, int D) { return D % 4 == 0 && aligned16(P.data()) && aligned16(Pz.data()); }
+bool panels_vec4(const float* P, const float* Pz, int D) { return D % 4 == 0 && aligned16(P) && aligned16(Pz); }
 
 void check_dims(const Dims& d) {
   GDNCP_CHECK(d.D >= 2 && d.D <= kMaxHeadDim && d.D % 2 == 0, "cuda scan: D must be even in [2, ", kMaxHeadDim,
@@ -458,7 +450,8 @@ void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr,
   const size_t smem = scan_smem_bytes(D, true);
   // Without a mask the kernels are compiled without the clip tests (Note [clips are a template]).
   const float* clip = f32_or_null(clip_starts, "clip_starts");
-  const bool vec4 = panels_vec4(P, Pz, D);
+  const float *p = f32_or_null(P, "P"), *pz = f32_or_null(Pz, "Pz");
+  const bool vec4 = panels_vec4(p, pz, D);
   auto* kernel = clip ? scan_kernel<true, true> : scan_kernel<true, false>;
   allow_smem(kernel, smem);
   cudaLaunchConfig_t cfg = {};
@@ -475,7 +468,7 @@ void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr,
   cfg.numAttrs = 1;
   GDNCP_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, f32_out(Mf, "Mf"), f32_out(Mr, "Mr"), f32_out(zf, "zf"),
                                       f32_out(zr, "zr"), f32_out(Msum, "Msum"), f32_out(zsum, "zsum"),
-                                      f32_or_null(P, "P"), f32_or_null(A, "A"), f32_or_null(Pz, "Pz"),
+                                      p, f32_or_null(A, "A"), pz,
                                       f32_or_null(bz, "bz"), in_of(decay, "decay"),
                                       clip, static_cast<int>(d.H), D, F, ncb, vec4));
   GDNCP_CUDA_CHECK_LAUNCH("scan_kernel<true>");
@@ -494,28 +487,23 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
   Tensor gzt = Tensor::empty({BH, d.F, d.D}, DType::f32, Device::cuda);
   const In dec = in_of(decay, "decay");
   const float* clip = f32_or_null(clip_starts, "clip_starts");
+  const float *p = f32_in(P, "P"), *pz = f32_in(Pz, "Pz"), *mf = f32_in(Mf, "Mf"), *mr = f32_in(Mr, "Mr");
   const int H = static_cast<int>(d.H);
   const size_t smem = scan_smem_bytes(D, false);
   auto* kernel = clip ? scan_kernel<false, true> : scan_kernel<false, false>;
   allow_smem(kernel, smem);
   const dim3 grid(2, static_cast<unsigned>(ncb + 1), static_cast<unsigned>(BH));
   kernel<<<grid, kScanThreads, smem, stream()>>>(
-      f32_out(G, "G"), f32_out(Gt, "Gt"), f32_out(gz, "gz"), f32_out(gzt, "gzt"), nullptr, nullptr, f32_or_null(P, "P"),
-      f32_or_null(dMsum, "dMsum"), f32_or_null(Pz, "Pz"), f32_or_null(dzsum, "dzsum"), dec, clip, H, D, F, ncb,
-      panels_vec4(P, Pz, D));
+      f32_out(G, "G"), f32_out(Gt, "Gt"), f32_out(gz, "gz"), f32_out(gzt, "gzt"), nullptr, nullptr, p,
+      f32_or_null(dMsum, "dMsum"), pz, f32_or_null(dzsum, "dzsum"), dec, clip, H, D, F, ncb, panels_vec4(p, pz, D));
   GDNCP_CUDA_CHECK_LAUNCH("scan_kernel<false>");
   // Z_f into dP's storage: Z_j = G̃'_j Mr_jᵀ over all frames j = bh·F + f, then Z_j += G_j Mf_{j−1}ᵀ
   // for j ≥ 1 (at f = 0 that mixes in the previous (b, h)'s last frame: scan_grads_kernel reads
   // Z as 0 there).
   const int64_t N = checked_mul(BH, d.F, "cuda scan: B·H·F");
   GDNCP_CHECK(N <= INT32_MAX, "cuda scan: B·H·F = ", N, " exceeds cuBLAS's 32-bit batch count");
-  const auto f32_in = [](const Tensor& t, const char* what) {
-    require_f32(t, what);
-    return static_cast<const float*>(t.data());
-  };
   float *dp = f32_out(dP, "dP"), *da = f32_out(dA, "dA"), *dpz = f32_out(dPz, "dPz"), *db = f32_out(dbz, "dbz");
   const Out dg = out_of(ddecay, "ddecay");
-  const float *mf = f32_in(Mf, "Mf"), *mr = f32_in(Mr, "Mr"), *p = f32_in(P, "P"), *pz = f32_in(Pz, "Pz");
   const float *gp = static_cast<const float*>(G.data()), *gtp = static_cast<const float*>(Gt.data());
   const int64_t DD = d.D * d.D;
   cublasHandle_t handle = cublas_handle();
