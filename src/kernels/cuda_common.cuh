@@ -329,18 +329,36 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // in separate phases of every block: the kernels were latency-bound on global loads.)
 // The staged path needs bf16 qkv and D % 8 == 0 (16-byte aligned rows); the kernels fall
 // back to their per-pair loaders otherwise.
-// Copies rows [0, rows) of a chunk, D channels each, from src_row(r) to dst + r·D, with the
-// block's threads; rows at or beyond valid_rows are zero-filled. T is bf16 or float.
-template <int kThreadsT, typename T, typename Src>
-__device__ __forceinline__ void stage_rows(T* dst, const Src& src_row, int rows, int valid_rows, int D) {
-  constexpr int kPer = 16 / sizeof(T);
-  const int per_row = D / kPer;
-  for (int e = threadIdx.x; e < rows * per_row; e += kThreadsT) {
-    const int r = e / per_row, c = (e - r * per_row) * kPer;
-    const bool ok = r < valid_rows;
-    cp_async16(dst + r * D + c, ok ? src_row(r) + c : src_row(0), ok);
+// A thread's share of staging a chunk of `rows` rows, D channels each (T bf16 or float, 16-byte
+// copies), from a source whose rows lie `stride` elements apart into dst + r·D: its copy i is
+// the 16-byte piece e = threadIdx.x + i·kThreadsT of the chunk, at row e / (D/kPer). Those
+// offsets are the same for every chunk, so they are computed once: a division and a 64-bit
+// row index per copy per chunk cost more issue slots than the copies themselves.
+// kCopies ≥ ⌈rows·D/kPer / kThreadsT⌉; the host checks rows·stride < 2³¹.
+template <int kThreadsT, typename T, int kCopies>
+struct RowStager {
+  static constexpr int kPer = 16 / sizeof(T);
+  int off[kCopies];  // source offset of copy i from the chunk's first row (elements)
+  int per_row, n;    // 16-byte pieces a row, a chunk
+
+  __device__ __forceinline__ RowStager(int rows, int D, int stride) : per_row(D / kPer), n(rows * (D / kPer)) {
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int e = threadIdx.x + i * kThreadsT, r = e / per_row;
+      off[i] = r * stride + (e - r * per_row) * kPer;
+    }
   }
-}
+  // Issues the copies of the chunk whose first row is src; rows at or beyond valid_rows are
+  // zero-filled (and read nothing).
+  __device__ __forceinline__ void issue(T* dst, const T* src, int valid_rows) const {
+    const int valid = valid_rows * per_row;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int e = threadIdx.x + i * kThreadsT;
+      if (e < n) cp_async16(dst + e * kPer, e < valid ? src + off[i] : src, e < valid);
+    }
+  }
+};
 
 // 8 channels from a staged row (16-byte shared loads).
 __device__ __forceinline__ void ld8h(float (&x)[8], const __nv_bfloat16* p) {

@@ -215,13 +215,15 @@ void fwd(const FwdArgs& a) {
 // bf16 mode with bf16 qkv and D % 8 == 0 (Note [staged loads], Note [ldmatrix tiles]): the
 // gradients live in shared memory as bf16 (Ps and Pzs symmetric, dA read both ways, so three
 // matrices), the token tiles kʳ, v, k⁺ as bf16 [s][d]; the raw rows of the next tile are
-// staged with cp.async into the other of two buffers while the current tile is multiplied,
-// and the epilogue re-derives kʳ, k⁺ (f32) and the RoPE rows from the staged raw rows, so dβ
+// staged with cp.async into the other of two buffers while the current tile is prepped and
+// multiplied (RowStager: the copies' offsets are computed once), and the epilogue re-derives kʳ, k⁺ (f32) and the RoPE rows from the staged raw rows, so dβ
 // and the relu mask see unrounded values. The three matrices are made once per frame by
 // phase_a_bwd_mats_kernel (Ps = dP + dPᵀ formed in f32 and rounded once, as the f32 path
 // rounds it), already padded and pitched as the blocks keep them: each of a frame's token
 // blocks streams them in with cp.async behind its first tile instead of converting them
-// itself (a latency-bound prologue that every block of a frame repeated).
+// itself (a latency-bound prologue that every block of a frame repeated). A tile's dβ row
+// sums are finished after the next tile's first barrier (their partials are double-buffered),
+// so a tile costs two barriers.
 template <int DP>
 struct HTile {
   static constexpr int WN = DP / 16 < 8 ? DP / 16 : 8, WM = 8 / WN, TM = DP == 128 ? 2 : 1, TN = 2, KS = 16 * WM * TM;
@@ -241,7 +243,7 @@ HLayout h_layout(int D) {
   l.stage0 = l.tiles + 3 * static_cast<size_t>(Tl::KS) * pitch_ld(DP) * 2;
   l.stage_bytes = static_cast<size_t>(Tl::KS) * D * (2 * 4 + 2 * 2) + 2 * Tl::KS * 4;  // cos, sin, k, v, r, β
   l.small = l.stage0 + 2 * l.stage_bytes;
-  l.total = l.small + (2 * static_cast<size_t>(DP) + Tl::KS * Tl::WN) * 4;
+  l.total = l.small + (2 * static_cast<size_t>(DP) + 2 * Tl::KS * Tl::WN) * 4;
   return l;
 }
 
@@ -303,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __nv_bfloat16* Kph = Vh + KS * LH;                                            // k⁺
   float* db = reinterpret_cast<float*>(smem_raw + lay.small);                   // dbz [DP]
   float* wks = db + DP;                                                         // k norm weight [DP]
-  float* part = wks + DP;                                                       // dβ partials [KS][WN]
+  float* part = wks + DP;                                                       // 2 × dβ partials [KS][WN]
 
   const int bhf = blockIdx.y, bh = bhf / F, f = bhf % F, b = bh / H, h = bh % H;
   const int64_t N = static_cast<int64_t>(F) * S;
@@ -319,20 +321,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     wks[d] = d < D ? (kw ? kw[h * D + d] : 1.f) : 0.f;
   }
 
-  // Issues the copies of tile s0 into raw[buf] (and fetches its r and β into registers).
+  // Issues the copies of tile s0 into raw[buf] (and fetches its r and β into registers). k and
+  // v rows lie 3·H·D apart in qkv, the RoPE rows D apart.
+  constexpr int kCopiesH = (KS * DP / 8 + kThreads - 1) / kThreads, kCopiesF = (KS * DP / 4 + kThreads - 1) / kThreads;
+  const RowStager<kThreads, __nv_bfloat16, kCopiesH> kv_rows(KS, D, 3 * H * D);
+  const RowStager<kThreads, float, kCopiesF> rope_rows(KS, D, D);
   float pr = 0.f, pb = 0.f;
   auto stage = [&](int s0, int buf) {
     const int valid = min(KS, S - s0);
     const int64_t n0f = static_cast<int64_t>(f) * S + s0;
     const KRaw st = k_raw(smem_raw + lay.stage0 + buf * lay.stage_bytes, KS, D);
-    stage_rows<kThreads>(
-        st.k, [&](int r) { return qkv + qkv_index(b, n0f + r, 1, h, 0, N, H, D); }, KS, valid, D);
-    stage_rows<kThreads>(
-        st.v, [&](int r) { return qkv + qkv_index(b, n0f + r, 2, h, 0, N, H, D); }, KS, valid, D);
-    stage_rows<kThreads>(
-        st.cs, [&](int r) { return rope_cos + (n0f + r) * D; }, KS, valid, D);
-    stage_rows<kThreads>(
-        st.sn, [&](int r) { return rope_sin + (n0f + r) * D; }, KS, valid, D);
+    const __nv_bfloat16* k0 = qkv + qkv_index(b, n0f, 1, h, 0, N, H, D);
+    kv_rows.issue(st.k, k0, valid);
+    kv_rows.issue(st.v, k0 + static_cast<int64_t>(H) * D, valid);  // channel group 2: v
+    rope_rows.issue(st.cs, rope_cos + n0f * D, valid);
+    rope_rows.issue(st.sn, rope_sin + n0f * D, valid);
     cp_async_commit();
     if (tid < KS) {
       const bool ok = tid < valid;
@@ -348,13 +351,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   const LdCol bAT{HA, LH};
   const int ntiles = (S + KS - 1) / KS;
   const int tile_begin = blockIdx.x * tiles_per_block, tile_end = min(ntiles, tile_begin + tiles_per_block);
+  // dβ of tile `tile`: its rows' partials, added in warp order. Run after the next barrier,
+  // so a tile's partials (double-buffered) need no barrier of their own.
+  auto finish_dbeta = [&](int tile) {
+    const int s = tile * KS + tid;
+    const float* p = part + (((tile - tile_begin) & 1) * KS + tid) * Tl::WN;
+    if (tid < KS && s < S) {
+      float v = 0.f;
+      for (int w = 0; w < Tl::WN; ++w) v += p[w];
+      dbeta.set(static_cast<int64_t>(bhf) * S + s, v);
+    }
+  };
+
   if (tile_begin < tile_end) stage(tile_begin * KS, 0);
   for (int tile = tile_begin; tile < tile_end; ++tile) {
     const int s0 = tile * KS, buf = (tile - tile_begin) & 1;
     const KRaw st = k_raw(smem_raw + lay.stage0 + buf * lay.stage_bytes, KS, D);
     cp_async_wait<0>();
     if (tid < KS) st.r[tid] = pr, st.bt[tid] = pb;
-    __syncthreads();  // tile staged; the previous tile's operands consumed
+    __syncthreads();  // tile staged; the previous tile's dβ partials in, its operands and staged rows consumed
+    if (tile + 1 < tile_end) stage(s0 + KS, buf ^ 1);
+    if (tile > tile_begin) finish_dbeta(tile - 1);
 #pragma unroll
     for (int i = 0; i < Tl::TPT; ++i) {
       const int r = row0 + RSTEP * i;
@@ -372,7 +389,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       st8h(Vh + r * LH + d0, v);
     }
     __syncthreads();  // operands ready
-    if (tile + 1 < tile_end) stage(s0 + KS, buf ^ 1);
 
     // The four products of the tile: x1 = kʳ Ps, x2 = v dAᵀ, x3 = kʳ dA, x4 = k⁺ Pzs.
     const int rows = min(KS, S - s0);
@@ -404,6 +420,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
 
+    // Row s0 of the tile in dk̂ (B, N, H, D) and in dqkv's v channels; rows lie H·D and 3·H·D apart.
+    const int64_t n0f = static_cast<int64_t>(f) * S + s0, HD = static_cast<int64_t>(H) * D;
+    const int64_t dk0 = ((b * N + n0f) * H + h) * D, dv0 = qkv_index(b, n0f, 2, h, 0, N, H, D);
     float dbeta_part[TM][2] = {};
 #pragma unroll
     for (int i = 0; i < TM; ++i)
@@ -426,9 +445,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           prep_pair(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(st.k + r * D + col)), st.r[r], w,
                     k_scale, c, sn, kp, kr);
           dbeta_part[i][half] += dbeta_pair(kr, kp, a1, a2, a4, dbv);
-          const int64_t n = static_cast<int64_t>(f) * S + s;
-          store_k_grads(dk_hat, dqkv, ((b * N + n) * H + h) * D + col, qkv_index(b, n, 2, h, col, N, H, D), btr, a1, a2,
-                        a3, a4, dbv, kp, c, sn, k_scale);
+          store_k_grads(dk_hat, dqkv, dk0 + r * HD + col, dv0 + r * (3 * HD) + col, btr, a1, a2, a3, a4, dbv, kp, c, sn,
+                        k_scale);
         }
       }
 #pragma unroll
@@ -437,15 +455,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int half = 0; half < 2; ++half) {
         float v = dbeta_part[i][half];
         v = quad_sum(v);
-        if (t == 0) part[(m0 + 16 * i + g + 8 * half) * Tl::WN + wn] = v;
+        if (t == 0) part[(buf * KS + m0 + 16 * i + g + 8 * half) * Tl::WN + wn] = v;
       }
-    __syncthreads();
-    if (tid < KS && s0 + tid < S) {
-      float v = 0.f;
-      for (int w = 0; w < Tl::WN; ++w) v += part[tid * Tl::WN + w];
-      dbeta.set(static_cast<int64_t>(bhf) * S + s0 + tid, v);
-    }
   }
+  __syncthreads();
+  if (tile_begin < tile_end) finish_dbeta(tile_end - 1);
 }
 
 template <int DP>
@@ -463,6 +477,10 @@ void bwd(const BwdArgs& a) {
   phase_a_bwd_mats_kernel<DP><<<dim3(static_cast<unsigned>(z.BHF), 3), kThreads, mats_smem, stream()>>>(
       static_cast<__nv_bfloat16*>(mats.data()), a.dP, a.dA, a.dPz, z.D);
   GDNCP_CUDA_CHECK_LAUNCH("phase_a_bwd_mats_kernel");
+  // RowStager's 32-bit offsets within a tile: rows up to KS·3·H·D elements apart.
+  const int64_t HD = checked_mul(z.H, z.D, "cuda phase A: H·D");
+  GDNCP_CHECK(checked_mul(3 * HTile<DP>::KS, HD, "cuda phase A: a tile's span of qkv") <= INT32_MAX,
+              "cuda phase A: a tile of qkv rows spans more than 2^31 elements (H·D = ", HD, ")");
   const HLayout lay = h_layout<DP>(z.D);
   allow_smem(phase_a_bwd_h_kernel<DP>, lay.total);
   phase_a_bwd_h_kernel<DP><<<grid, kThreads, lay.total, stream()>>>(
