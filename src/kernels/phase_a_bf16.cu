@@ -216,8 +216,9 @@ void fwd(const FwdArgs& a) {
 // gradients live in shared memory as bf16 (Ps and Pzs symmetric, dA read both ways, so three
 // matrices), the token tiles kʳ, v, k⁺ as bf16 [s][d]; the raw rows of the next tile are
 // staged with cp.async into the other of two buffers while the current tile is prepped and
-// multiplied (RowStager: the copies' offsets are computed once), and the epilogue re-derives kʳ, k⁺ (f32) and the RoPE rows from the staged raw rows, so dβ
-// and the relu mask see unrounded values. The three matrices are made once per frame by
+// multiplied (RowStager: the copies' offsets are computed once), and the epilogue re-derives
+// kʳ, k⁺ (f32) and the RoPE rows from the staged raw rows, so dβ and the relu mask see
+// unrounded values. The three matrices are made once per frame by
 // phase_a_bwd_mats_kernel (Ps = dP + dPᵀ formed in f32 and rounded once, as the f32 path
 // rounds it), already padded and pitched as the blocks keep them: each of a frame's token
 // blocks streams them in with cp.async behind its first tile instead of converting them
@@ -254,19 +255,29 @@ template <int DP>
 __global__ void __launch_bounds__(kThreads)
     phase_a_bwd_mats_kernel(__nv_bfloat16* __restrict__ mats, const float* __restrict__ dP,
                             const float* __restrict__ dA, const float* __restrict__ dPz, int D) {
-  constexpr int LH = pitch_ld(DP);
+  constexpr int LH = pitch_ld(DP), OPR = LH / 8;  // a padded row: OPR octets of 8 bf16
   extern __shared__ float T[];
-  const int bhf = blockIdx.x, which = blockIdx.y, tid = threadIdx.x;
+  const int bhf = blockIdx.x, which = blockIdx.y, tid = threadIdx.x, quads = D / 4;
   const int64_t DD = static_cast<int64_t>(D) * D;
   const float* src = (which == 0 ? dP : which == 1 ? dA : dPz) + bhf * DD;
   __nv_bfloat16* dst = mats + (static_cast<int64_t>(bhf) * 3 + which) * DP * LH;
-  for (int e = tid; e < D * D; e += kThreads) T[(e / D) * (D + 1) + e % D] = src[e];
+  for (int e = tid; e < D * quads; e += kThreads) {  // 16-byte loads (D % 8 == 0)
+    const int i = e / quads, j = 4 * (e - i * quads);
+    const float4 v = __ldg(reinterpret_cast<const float4*>(src + i * D + j));
+    float* t = T + i * (D + 1) + j;
+    t[0] = v.x, t[1] = v.y, t[2] = v.z, t[3] = v.w;
+  }
   __syncthreads();
-  for (int e = tid; e < DP * LH; e += kThreads) {
-    const int i = e / LH, j = e % LH;
-    float v = 0.f;
-    if (i < D && j < D) v = which == 1 ? T[i * (D + 1) + j] : T[i * (D + 1) + j] + T[j * (D + 1) + i];
-    dst[e] = __float2bfloat16_rn(v);
+  for (int e = tid; e < DP * OPR; e += kThreads) {  // 16-byte stores
+    const int i = e / OPR, j0 = 8 * (e - i * OPR);
+    float v[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const int j = j0 + q;
+      v[q] = 0.f;
+      if (i < D && j < D) v[q] = which == 1 ? T[i * (D + 1) + j] : T[i * (D + 1) + j] + T[j * (D + 1) + i];
+    }
+    st8h(dst + i * LH + j0, v);
   }
 }
 
