@@ -181,8 +181,9 @@ struct FwdLd {  // 2 × 4 warps over a KS×DP output tile
   static constexpr int BATCH = DP == 128 ? 2 : 1;                        // rows whose loads go out together
 };
 template <int DP>
-constexpr size_t fwd_ld_smem_bytes() {  // M_f, 2 × qʳ (bf16); z_f, w, 2 × den (f32)
-  return static_cast<size_t>(DP + 2 * FwdLd<DP>::KS) * FwdLd<DP>::LDH * 2 + (2 * DP + 2 * FwdLd<DP>::KS) * 4;
+constexpr size_t fwd_ld_smem_bytes() {  // M_f, 2 × qʳ (bf16); z_f, w, 2 × den (f32); 2 × raw q rows (bf16)
+  return static_cast<size_t>(DP + 2 * FwdLd<DP>::KS) * FwdLd<DP>::LDH * 2 + (2 * DP + 2 * FwdLd<DP>::KS) * 4 +
+         static_cast<size_t>(2 * FwdLd<DP>::KS) * DP * 2;
 }
 
 template <int DP>
@@ -191,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                           const float* __restrict__ qw, const float* __restrict__ rope_cos,
                           const float* __restrict__ rope_sin, const float* __restrict__ M,
                           const float* __restrict__ z, int H, int D, int F, int S, int64_t items, float eps,
-                          bool divide, bool vec, bool vec4) {
+                          bool divide, bool vec, bool vec4, bool staged) {
   using Tl = FwdLd<DP>;
   using RM = RowMap<DP, kThreads>;
   constexpr int KS = Tl::KS, LDH = Tl::LDH;
@@ -201,6 +202,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* zs = reinterpret_cast<float*>(Qh + 2 * KS * LDH);          // z_f [DP]
   float* ws = zs + DP;                                               // q norm weights of head h [DP]
   float* dens = ws + DP;                                             // 2 × den [KS]
+  __nv_bfloat16* Xs = reinterpret_cast<__nv_bfloat16*>(dens + 2 * KS);  // 2 × raw q rows [KS][DP] (staged)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rs = tid / RM::LPR, c0 = 8 * (tid % RM::LPR);
@@ -211,6 +213,24 @@ __global__ void __launch_bounds__(kThreads, 2)
   int64_t cur = -1;
   Item item(it0, H, F, ntiles), nx = item;
   nx.next(H, F, ntiles);
+  // Staged (bf16 qkv, `vec`): the raw q rows of the next item are copied into Xs[buffer] with
+  // cp.async while this one is multiplied, and their r into registers. A thread copies exactly
+  // the octets it will prep, so its own wait makes them visible to it (no barrier), and the
+  // buffer it overwrites is the one it read an item earlier.
+  float r_next[Tl::NP];
+  auto stage = [&](const Item& x, int buf) {
+    const int64_t xn0 = static_cast<int64_t>(x.f) * S + x.tile * KS;
+#pragma unroll
+    for (int p = 0; p < Tl::NP; ++p) {
+      const int r = p * RM::RPB + rs;
+      const bool ok = x.tile * KS + r < S, copy = ok && c0 < D;
+      const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(qkv.p);
+      cp_async16(Xs + (buf * KS + r) * DP + c0, copy ? src + qkv_index(x.b, xn0 + r, 0, x.h, c0, N, H, D) : src, copy);
+      r_next[p] = ok ? __ldg(rstd + (x.b * N + xn0 + r) * 2) : 0.f;
+    }
+    cp_async_commit();
+  };
+  if (staged && it0 < it1) stage(item, it0 & 1);
   for (int64_t it = it0; it < it1; ++it, item = nx, nx.next(H, F, ntiles)) {
     const int64_t b = item.b, bh = b * H + item.h, bhf = bh * F + item.f;
     const int f = item.f, h = item.h, s0 = item.tile * KS;
@@ -224,7 +244,17 @@ __global__ void __launch_bounds__(kThreads, 2)
     // Buffer it & 1 was last read by item it − 2, which every warp finished before the barrier of item it − 1.
     __nv_bfloat16* Qb = Qh + (it & 1) * KS * LDH;
     float* db = dens + (it & 1) * KS;
-    if (it + 1 < it1 && c0 < D) {  // the q rows of the next item, to L2
+    float r_cur[Tl::NP];
+    if (staged) {
+#pragma unroll
+      for (int p = 0; p < Tl::NP; ++p) r_cur[p] = r_next[p];
+      if (it + 1 < it1) {
+        stage(nx, (it + 1) & 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+    } else if (it + 1 < it1 && c0 < D) {  // the q rows of the next item, to L2
       const int sx = nx.tile * KS + rs;
 #pragma unroll
       for (int p = 0; p < Tl::NP; ++p)
@@ -241,9 +271,18 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int u = 0; u < Tl::BATCH; ++u)
         if (p0 + u < Tl::NP) {
-          const int s = s0 + (p0 + u) * RM::RPB + rs;
-          load_qrow(q[u], qkv, rstd, rope_cos, rope_sin, b, static_cast<int64_t>(f) * S + s, h, c0, H, D, N, s < S,
-                    vec);
+          const int r = (p0 + u) * RM::RPB + rs, s = s0 + r;
+          if (staged) {
+            const int64_t n = static_cast<int64_t>(f) * S + s;
+            const int left = s < S ? D - c0 : 0;
+            ld8h(q[u].x, Xs + ((it & 1) * KS + r) * DP + c0);
+            q[u].r = r_cur[p0 + u];
+            ld8(q[u].c, rope_cos, n * D + c0, left, true);
+            ld8(q[u].s, rope_sin, n * D + c0, left, true);
+          } else {
+            load_qrow(q[u], qkv, rstd, rope_cos, rope_sin, b, static_cast<int64_t>(f) * S + s, h, c0, H, D, N, s < S,
+                      vec);
+          }
         }
 #pragma unroll
       for (int u = 0; u < Tl::BATCH; ++u)
@@ -502,7 +541,7 @@ void fwd(const FwdArgs& a, bool vec, bool vec4) {
       items, static_cast<int64_t>(blocks_per_sm(phase_c_fwd_ld_kernel<DP>, kThreads, smem)) * sm_count());
   phase_c_fwd_ld_kernel<DP><<<static_cast<unsigned>(grid), kThreads, smem, stream()>>>(
       a.out, a.den, a.qkv, a.rstd, a.qw, a.cos, a.sin, a.M, a.z_f, sz.H, sz.D, sz.F, sz.S, items, a.eps, a.divide, vec,
-      vec4);
+      vec4, vec && a.qkv.bf);
   GDNCP_CUDA_CHECK_LAUNCH("phase_c_fwd_ld_kernel");
 }
 
