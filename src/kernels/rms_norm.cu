@@ -142,9 +142,9 @@ __device__ __forceinline__ void unpack8(float (&x)[8], uint4 u) {
 
 // Fast path: bf16 dx̂, x and dx, C % 8 == 0, 16-byte aligned rows. One warp a token as
 // above, but lane l holds octets l, l+32, … (< C/8) of the token's dx̂ and x rows in
-// registers, so each row is read once for both Σ w dx̂ x and dx. While the dx pass stores
-// an octet, the lane loads the same octet of its next token into the freed registers: the
-// next rows are in flight through the store pass and the block's whole run. The lane owns
+// registers, so each row is read once for both Σ w dx̂ x and dx. As the dx pass stores an
+// octet, the lane loads the same octet of its next token into the freed registers, so a
+// warp has rows in flight while it computes and stores too. The lane owns
 // those columns for every token, so its dw accumulates in its warp's shared-memory slice
 // (no other lane touches it) until the block's warp-order sum. V = octets a lane holds
 // (⌈C/256⌉ or a little more). Dynamic shared memory: kRowWarps·C floats.
@@ -226,7 +226,6 @@ __global__ void __launch_bounds__(32 * kRowWarps, kRowMinBlocks)
     }
     corr = warp_sum(corr);
     const float k = r * r * r * invC * corr;
-    const float r_next = next ? __ldg(rstd + tn * 2 + c) : 1.f;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int o = j * 32 + lane;
@@ -240,7 +239,7 @@ __global__ void __launch_bounds__(32 * kRowWarps, kRowMinBlocks)
       st8h(reinterpret_cast<__nv_bfloat16*>(dx_row + o), dx);
       if (next) gv[j] = __ldg(g_row(tn) + o), xv[j] = __ldg(x_row(tn) + o);
     }
-    r = r_next;
+    if (next) r = __ldg(rstd + tn * 2 + c);  // arrives with the rows loaded just before
   }
   if (!w) return;
   __syncthreads();
