@@ -34,15 +34,15 @@ constexpr int kBwdMaxWarps = 8, kBwdMinBlocks = 3;
 // Fast path (rms_bwd_rows_kernel): 8 warps a block, 2 blocks an SM (16 warps: the rows
 // in flight are what keeps DRAM busy); a lane holds at most kRowOctets 16-byte octets of
 // each row, i.e. C ≤ 32·8·kRowOctets = 2560. Registers: V octets of dx̂ and of x (8V ≤ 80)
-// within the 128 that 2 blocks allow; dw lives in shared memory (8 warps × C floats,
-// 70 KB at the production C = 2240).
+// within the 128 that 2 blocks allow (V = 10 spills 4 bytes); dw lives in shared memory
+// (8 warps × C floats, 70 KB at the production C = 2240).
 constexpr int kRowWarps = 8, kRowMinBlocks = 2, kRowOctets = 10;
-// Blocks of the fast path: one wave of the H200 (132 SMs × 2), each a long run of tokens
-// so that start, tail and dw partial weigh little. A constant, not the device's count:
-// the dw summation order depends on the token count only.
-// Short inputs: at least kRowTokens tokens a warp (this also makes the tests' shapes take
-// the path that loads a warp's next rows during its stores).
-constexpr int64_t kRowBlocks = 264, kRowTokens = 4;
+// Blocks of the fast path: one wave of the H200 (132 SMs × 2), each a run of tokens (38 or
+// 39 at N = 10120) so that start, tail and dw partial weigh little. A constant, not the
+// device's count: the dw summation order depends on the shapes only.
+// Short inputs: at least kRowTokens tokens a warp, so that a warp's next rows load during
+// its stores (the tests' shapes take that path too).
+constexpr int64_t kRowBlocks = 264, kRowTokens = 2;
 // Blocks of the generic backward: at most this many partials to add (the count is fixed
 // by the token count, so the summation order is too).
 constexpr int64_t kBwdMaxBlocks = 512;
