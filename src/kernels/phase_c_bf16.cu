@@ -335,6 +335,27 @@ __global__ void __launch_bounds__(kThreads, 2)
 //   rows:  prep, den, dnum -> bf16 tiles                                    | sync
 //   warps: dqʳ = dnum Mᵀ (f32) -> shared                                    | sync
 //   rows:  dden = −qʳ·dqʳ/(den+eps), dq̂, the dz share;  warps: dM += qʳᵀ dnum
+// With kStaged (Note [staged rows]) the raw rows come from shared memory, copied there while the
+// previous tile ran; otherwise each thread loads its row right before the prep.
+//
+// Note [staged rows]: with bf16 qkv and dout, D % 8 == 0 and 16-byte aligned rows (`vec`), the
+// backward copies the raw rows of tile t + 1 with cp.async into the other of two buffers as soon
+// as tile t begins (after its barrier, which every thread passes only once done with tile t − 1,
+// the buffer's last reader), so the copies run under the whole of tile t (Note [staged loads]).
+// Tile t + 1 waits for its own copies, then a barrier makes the others' visible. A buffer:
+//   q    [KS][DP] bf16   the q rows as they lie in qkv
+//   dout [KS][DP] bf16   (absent dout: not copied, dnum = 0)
+//   cos, sin [KS][DP] f32, 16-byte quads at swizzle_quad
+//   r    [KS] f32        rstd of the q rows
+// Rows at or past S and channels at or beyond D are zero-filled: the prep reads the zeros that the
+// register path makes, and every value and operation is the register path's. A thread copies the
+// q and dout octets it preps itself (row rs, channels c0..c0+7: one 16-byte copy each, a row's
+// lanes contiguous); the f32 rows go as quads tid and tid + NT of the tile (consecutive threads,
+// consecutive 16 bytes), r by threads tid < KS. A thread's rows and columns are fixed shifts and
+// masks of tid (DP is a power of two), and the global addresses are a few multiply-adds per tile
+// from the tile's first token, as the register path computes its own. The RoPE rows stay in the
+// buffer to the end of the tile: the dq̂ step reads them again instead of holding 16 registers
+// across the products (the kernel is at its 128-register bound).
 // ---------------------------------------------------------------------------
 constexpr int kBwdThreads = 512;
 
@@ -345,13 +366,34 @@ struct BwdLd {
   static constexpr int WN2 = 4, TM2 = DP >= 64 ? DP / 64 : 1, TN2 = DP / 32;  // dM (DP × DP): 4 × 4 warps
   static constexpr int LDH = pitch_ld(DP), LDG = DP + 8;  // LDG ≡ 8 (mod 32): conflict-free float2 stores
 };
+// Position of quad e (4 floats, e = row·DP/4 + channel/4) in a staged f32 buffer: quads with bit 3
+// of e set swap with their neighbour, so that the two 16-byte reads of a row octet by 8
+// consecutive lanes (quads 2l, then 2l + 1) fall in 8 distinct bank groups (Note [staged rows]).
+__device__ __forceinline__ int swizzle_quad(int e) { return e ^ ((e >> 3) & 1); }
+
+// One staged buffer of Note [staged rows] (every piece a multiple of 16 bytes).
 template <int DP>
-constexpr size_t bwd_ld_smem_bytes() {  // M_f, 2 × qʳ, 2 × dnum (bf16); dqʳ, z_f, w (f32)
+struct BwdStage {
+  static constexpr int KS = BwdLd<DP>::KS;
+  static constexpr size_t kBytes = static_cast<size_t>(KS) * DP * (2 + 2 + 4 + 4) + KS * 4;
+  __nv_bfloat16 *q, *go;
+  float *cs, *sn, *r;
+  __device__ __forceinline__ explicit BwdStage(unsigned char* base) {
+    q = reinterpret_cast<__nv_bfloat16*>(base);
+    go = q + KS * DP;
+    cs = reinterpret_cast<float*>(go + KS * DP);
+    sn = cs + KS * DP;
+    r = sn + KS * DP;
+  }
+};
+template <int DP, bool kStaged>
+constexpr size_t bwd_ld_smem_bytes() {  // M_f, 2 × qʳ, 2 × dnum (bf16); dqʳ, z_f, w (f32); 2 staged buffers
   constexpr int KS = BwdLd<DP>::KS;
-  return static_cast<size_t>(DP + 4 * KS) * BwdLd<DP>::LDH * 2 + (static_cast<size_t>(KS) * BwdLd<DP>::LDG + 2 * DP) * 4;
+  return static_cast<size_t>(DP + 4 * KS) * BwdLd<DP>::LDH * 2 + (static_cast<size_t>(KS) * BwdLd<DP>::LDG + 2 * DP) * 4 +
+         (kStaged ? 2 * BwdStage<DP>::kBytes : 0);
 }
 
-template <int DP>
+template <int DP, bool kStaged>
 __global__ void __launch_bounds__(kBwdThreads, 1)
     phase_c_bwd_ld_kernel(Out dq_hat, float* __restrict__ dM, float* __restrict__ dz, In dout, In dden, In qkv,
                           const float* __restrict__ rstd, const float* __restrict__ qw,
@@ -361,6 +403,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
                           int tiles_per_part, float eps, bool divide, bool vec, bool vec4) {
   using Tl = BwdLd<DP>;
   using RM = RowMap<DP, kBwdThreads>;
+  using St = BwdStage<DP>;
   constexpr int KS = Tl::KS, LDH = Tl::LDH, LDG = Tl::LDG;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* Mh = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // M_f [i][j]: B of dnum Mᵀ as (n = i, k = j), LdRow
@@ -369,6 +412,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   float* G = reinterpret_cast<float*>(Dh + 2 * KS * LDH);  // dqʳ [s][d]; at the end the dz shares
   float* zs = G + KS * LDG;                                // z_f [DP]
   float* ws = zs + DP;                                     // q norm weights of head h [DP]
+  unsigned char* staged = reinterpret_cast<unsigned char*>(ws + DP);  // 2 × St (kStaged)
+  if constexpr (kStaged) vec = true;  // the staged path is taken only for vec rows
 
   // Blocks [0, whole) own frame blockIdx.x. The others run part p of a frame of the last
   // BHF − whole, with their dM and dz shares going to the workspace as [p][frame − whole].
@@ -380,6 +425,43 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   const int64_t N = static_cast<int64_t>(F) * S;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rs = tid / RM::LPR, c0 = 8 * (tid % RM::LPR);
+
+  // Note [staged rows]: the f32 quads this thread copies (pieces tid and tid + NT of a tile) and
+  // where its own rope octet (quads e, e + 1 of the tile, e even) sits.
+  constexpr int QPR = DP / 4, RB = kBwdThreads / QPR;  // quads per row; rows from piece tid to tid + NT
+  const int r_a = tid / QPR, cq = 4 * (tid % QPR), sw_a = 4 * swizzle_quad(tid);
+  const int rope0 = 4 * swizzle_quad(rs * QPR + c0 / 4);  // quad e + 1 at rope0 ^ 4
+  auto ld8_rope = [&](float(&v)[8], const float* rows) {
+    const float4 a = *reinterpret_cast<const float4*>(rows + rope0),
+                 c = *reinterpret_cast<const float4*>(rows + (rope0 ^ 4));
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z, v[7] = c.w;
+  };
+  // Issues the copies of tile `tile` into buffer buf (invalid pieces read nothing: the base pointer
+  // stands in).
+  auto stage = [&](int tile, int buf) {
+    const St sb(staged + buf * St::kBytes);
+    const int s0 = tile * KS;
+    const int64_t n0 = static_cast<int64_t>(f) * S + s0;  // the tile's first token
+    const __nv_bfloat16 *qs = static_cast<const __nv_bfloat16*>(qkv.p), *gs = static_cast<const __nv_bfloat16*>(dout.p);
+    const bool ok = s0 + rs < S && c0 < D;
+    cp_async16(sb.q + rs * DP + c0, ok ? qs + qkv_index(b, n0 + rs, 0, h, c0, N, H, D) : qs, ok);
+    if (gs) cp_async16(sb.go + rs * DP + c0, ok ? gs + ((b * N + n0 + rs) * H + h) * D + c0 : gs, ok);
+    const bool ok_a = s0 + r_a < S && cq < D, ok_b = s0 + r_a + RB < S && cq < D;
+    const int64_t ca = (n0 + r_a) * D + cq, cb = ca + RB * D;  // quad tid + NT: swizzle_quad(tid) + NT
+    cp_async16(sb.cs + sw_a, ok_a ? rope_cos + ca : rope_cos, ok_a);
+    cp_async16(sb.sn + sw_a, ok_a ? rope_sin + ca : rope_sin, ok_a);
+    cp_async16(sb.cs + sw_a + 4 * kBwdThreads, ok_b ? rope_cos + cb : rope_cos, ok_b);
+    cp_async16(sb.sn + sw_a + 4 * kBwdThreads, ok_b ? rope_sin + cb : rope_sin, ok_b);
+    if (tid < KS) {
+      const bool ok_r = s0 + tid < S;
+      cp_async4(sb.r + tid, ok_r ? rstd + (b * N + n0 + tid) * 2 : rstd, ok_r);
+    }
+    cp_async_commit();
+  };
+  if constexpr (kStaged) {  // the first tile's copies run under the M_f conversion
+    const int first = part * tiles_per_part;  // tile0 below (part = 0 when unsplit)
+    if (first * KS < S) stage(first, 0);
+  }
   load_mat_h<DP, kBwdThreads>(Mh, LDH, M + bhf * D * D, D, vec4);
   load_vecs(zs, ws, z, qw, bhf, h, D, DP);
 
@@ -391,21 +473,37 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   float dzp[8] = {};
   __syncthreads();  // M_f, z_f, w ready
   for (int tile = tile0; tile < tile1; ++tile) {
-    __nv_bfloat16* Qb = Qh + ((tile - tile0) & 1) * KS * LDH;
-    __nv_bfloat16* Db = Dh + ((tile - tile0) & 1) * KS * LDH;
+    const int buf = (tile - tile0) & 1;
+    __nv_bfloat16* Qb = Qh + buf * KS * LDH;
+    __nv_bfloat16* Db = Dh + buf * KS * LDH;
+    const St sb(staged + buf * St::kBytes);
     const int s = tile * KS + rs;
     const bool valid = s < S;
     const int64_t n = static_cast<int64_t>(f) * S + s, row = ((b * N + n) * H + h) * D + c0;
     // rows: prep, den, dnum
     QRow q;
-    load_qrow(q, qkv, rstd, rope_cos, rope_sin, b, n, h, c0, H, D, N, valid, vec);
     float go[8];
-    if (dout.p)
-      ld8(go, dout, row, valid ? D - c0 : 0, vec);
-    else
-      for (int k = 0; k < 8; ++k) go[k] = 0.f;
+    if constexpr (kStaged) {
+      cp_async_wait<0>();
+      __syncthreads();  // tile staged (the f32 rows and r by other threads); the previous tile done
+      if (tile + 1 < tile1) stage(tile + 1, buf ^ 1);  // buffer buf ^ 1 was the previous tile's
+      unpack8(q.x, *reinterpret_cast<const uint4*>(sb.q + rs * DP + c0));
+      ld8_rope(q.c, sb.cs);
+      ld8_rope(q.s, sb.sn);
+      q.r = sb.r[rs];
+      if (dout.p)
+        unpack8(go, *reinterpret_cast<const uint4*>(sb.go + rs * DP + c0));
+      else
+        for (int k = 0; k < 8; ++k) go[k] = 0.f;
+    } else {
+      load_qrow(q, qkv, rstd, rope_cos, rope_sin, b, n, h, c0, H, D, N, valid, vec);
+      if (dout.p)
+        ld8(go, dout, row, valid ? D - c0 : 0, vec);
+      else
+        for (int k = 0; k < 8; ++k) go[k] = 0.f;
+    }
     const float ddin = (!divide && valid && dden.p) ? dden[bh * N + n] : 0.f;
-    if (tile + 1 < tile1 && s + KS < S && c0 < D) {  // the next tile's row, read in a few microseconds
+    if (!kStaged && tile + 1 < tile1 && s + KS < S && c0 < D) {  // the next tile's row, read in a few microseconds
       const int64_t nx = n + KS;
       prefetch_l1(element(qkv, qkv_index(b, nx, 0, h, c0, N, H, D)));
       prefetch_l1(rope_cos + nx * D + c0);
@@ -449,6 +547,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
 #pragma unroll
       for (int k = 0; k < 8; ++k) dot += qr[k] * gr[k];
       dot = warp_sum<RM::LPR>(dot);
+      if constexpr (kStaged) {  // the RoPE rows again, from the buffer (registers are short)
+        ld8_rope(q.c, sb.cs);
+        ld8_rope(q.s, sb.sn);
+      }
       const float dd = divide ? -dot / dn : ddin;
 #pragma unroll
       for (int k = 0; k < 8; k += 2) {  // dq⁺ = dden·z + unrope(dqʳ), masked by q̂ > 0
@@ -545,14 +647,14 @@ void fwd(const FwdArgs& a, bool vec, bool vec4) {
   GDNCP_CUDA_CHECK_LAUNCH("phase_c_fwd_ld_kernel");
 }
 
-template <int DP>
+template <int DP, bool kStaged>
 void bwd(const BwdArgs& a, bool vec, bool vec4) {
   const FrameSizes& sz = a.z;
   // Each frame's tokens in `parts` runs (bwd_parts), summed in order when parts > 1.
-  const size_t smem = bwd_ld_smem_bytes<DP>();
-  allow_smem(phase_c_bwd_ld_kernel<DP>, smem);
+  const size_t smem = bwd_ld_smem_bytes<DP, kStaged>();
+  allow_smem(phase_c_bwd_ld_kernel<DP, kStaged>, smem);
   const int ntiles = (sz.S + BwdLd<DP>::KS - 1) / BwdLd<DP>::KS;
-  const int64_t slots = static_cast<int64_t>(blocks_per_sm(phase_c_bwd_ld_kernel<DP>, kBwdThreads, smem)) * sm_count();
+  const int64_t slots = static_cast<int64_t>(blocks_per_sm(phase_c_bwd_ld_kernel<DP, kStaged>, kBwdThreads, smem)) * sm_count();
   // Whole frames fill the full waves; the frames of the last, partial wave run in `parts` runs each.
   const int64_t rest = sz.BHF % slots, DD = static_cast<int64_t>(sz.D) * sz.D;
   const int parts = rest ? bwd_parts(rest, slots, ntiles) : 1, per_part = (ntiles + parts - 1) / parts;
@@ -564,7 +666,7 @@ void bwd(const BwdArgs& a, bool vec, bool vec4) {
     wm = work.data_ptr<float>();
     wz = wm + parts * nsplit * DD;
   }
-  phase_c_bwd_ld_kernel<DP><<<static_cast<unsigned>(whole + nsplit * parts), kBwdThreads, smem, stream()>>>(
+  phase_c_bwd_ld_kernel<DP, kStaged><<<static_cast<unsigned>(whole + nsplit * parts), kBwdThreads, smem, stream()>>>(
       a.dq_hat, a.dM, a.dz, a.dout, a.dden, a.qkv, a.rstd, a.qw, a.cos, a.sin, a.M, a.z_f, wm, wz, sz.H, sz.D, sz.F,
       sz.S, sz.BHF, whole, parts, per_part, a.eps, a.divide, vec, vec4);
   GDNCP_CUDA_CHECK_LAUNCH("phase_c_bwd_ld_kernel");
@@ -594,10 +696,12 @@ void bwd_bf16(const BwdArgs& a) {
   const bool vec = sz.D % 8 == 0 && aligned16(a.qkv.p) && aligned16(a.cos) && aligned16(a.sin) &&
                    aligned16(a.dq_hat.p) && (!a.dout.p || aligned16(a.dout.p));
   const bool vec4 = sz.D % 4 == 0 && aligned16(a.M);
+  // Note [staged rows]: bf16 q and dout rows in 16-byte pieces.
+  const bool staged = vec && a.qkv.bf && (!a.dout.p || a.dout.bf);
   switch (padded_dim(sz.D)) {
-    case 32: bwd<32>(a, vec, vec4); return;
-    case 64: bwd<64>(a, vec, vec4); return;
-    default: bwd<128>(a, vec, vec4); return;
+    case 32: staged ? bwd<32, true>(a, vec, vec4) : bwd<32, false>(a, vec, vec4); return;
+    case 64: staged ? bwd<64, true>(a, vec, vec4) : bwd<64, false>(a, vec, vec4); return;
+    default: staged ? bwd<128, true>(a, vec, vec4) : bwd<128, false>(a, vec, vec4); return;
   }
 }
 
