@@ -282,6 +282,53 @@ TEST(CudaTwins, PhaseC) {
       }
 }
 
+// A GPU copy of t whose data starts 8 bytes past a 16-byte boundary: the kernels take their
+// unaligned (register, channel-pair) paths for it.
+Tensor gpu_misaligned(const Tensor& t) {
+  Tensor buf = Tensor::empty({static_cast<int64_t>(t.nbytes()) / 2 + 8}, DType::bf16, Device::cuda);
+  Tensor v = Tensor::from_blob(static_cast<char*>(buf.data()) + 8, t.shape(), t.dtype(), Device::cuda, [buf] {});
+  v.copy_from(t);
+  return v;
+}
+
+// The bf16 backward's staged rows (bf16 qkv and dout, D % 8 == 0, aligned) against its register
+// path on the same values (qkv moved off 16-byte alignment): every output bitwise equal, in divide
+// mode and in raw mode with and without dout.
+TEST(CudaTwins, PhaseCBwdStagedMatchesRegisterPath) {
+  REQUIRE_GPU();
+  uint64_t seed = 450;
+  for (const Dims& d : {dims(1, 2, 16, 11, 33), dims(2, 2, 112, 2, 33), dims(1, 2, 128, 3, 70), dims(1, 1, 64, 2, 17),
+                        dims(1, 14, 16, 10, 300)})
+    for (int variant = 0; variant < 3; ++variant) {  // divide; raw with dout and dden; raw with dden only
+      const bool divide = variant == 0;
+      const Prepared p = prepare(d, DType::bf16, ++seed);
+      const LayerInputs& in = p.in;
+      const std::string tag = " variant " + std::to_string(variant) + " " + dims_str(d);
+      const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D}, tok = {d.B, d.N(), d.H, d.D};
+      Tensor P = Tensor::empty(mat, DType::f32), A = P.clone(), Pz = P.clone(), bz = Tensor::empty(vec, DType::f32);
+      cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d,
+                       in.opt.k_scale, MathMode::ieee);
+      Tensor Mf = Tensor::empty(mat, DType::f32), Mr = Mf.clone(), M = Mf.clone();
+      Tensor zf = Tensor::empty(vec, DType::f32), zr = zf.clone(), z = zf.clone();
+      cpu::scan_bidi_fwd(Mf, Mr, M, zf, zr, z, P, A, Pz, bz, in.decay, Tensor(), d);
+      Tensor dout, dden;
+      if (variant < 2) dout = Tensor::randn(tok, DType::bf16, Device::cpu, ++seed);
+      if (variant > 0) dden = Tensor::randn({d.B, d.H, d.N()}, DType::f32, Device::cpu, ++seed);
+      const Tensor gqkv = gpu(in.qkv), gdout = gpu(dout), gdden = gpu(dden), grstd = gpu(p.rstd), gw = gpu(in.q_norm_w),
+                   gcos = gpu(in.rope_cos), gsin = gpu(in.rope_sin), gM = gpu(M), gz = gpu(z);
+      Tensor sdq = poisoned(tok, DType::bf16), sdM = poisoned(mat, DType::f32), sdz = poisoned(vec, DType::f32);
+      kernels::phase_c_bwd(sdq, sdM, sdz, gdout, gdden, gqkv, grstd, gw, gcos, gsin, gM, gz, d, in.opt.eps, divide,
+                           MathMode::bf16);
+      Tensor rdq = poisoned(tok, DType::bf16), rdM = poisoned(mat, DType::f32), rdz = poisoned(vec, DType::f32);
+      kernels::phase_c_bwd(rdq, rdM, rdz, gdout, gdden, gpu_misaligned(in.qkv), grstd, gw, gcos, gsin, gM, gz, d,
+                           in.opt.eps, divide, MathMode::bf16);
+      EXPECT_FALSE(has_nonfinite(sdq) || has_nonfinite(sdM) || has_nonfinite(sdz)) << "staged outputs" << tag;
+      EXPECT_TRUE(bitwise_equal(sdq, rdq)) << "phase_c_bwd dq_hat staged vs register path" << tag;
+      EXPECT_TRUE(bitwise_equal(sdM, rdM)) << "phase_c_bwd dM staged vs register path" << tag;
+      EXPECT_TRUE(bitwise_equal(sdz, rdz)) << "phase_c_bwd dz staged vs register path" << tag;
+    }
+}
+
 // The twin shapes plus the row-in-registers widths of the bf16 path: C = 2240 (production,
 // 9 octets a lane), 520 (a partial last octet round), 2560 (the widest, 10 octets); C = 2600
 // is past the widest and takes the generic loop in bf16 too. 2100 tokens: 420 blocks of 5
