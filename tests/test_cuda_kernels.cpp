@@ -331,8 +331,9 @@ TEST(CudaTwins, PhaseCBwdStagedMatchesRegisterPath) {
 
 // The twin shapes plus the row-in-registers widths of the bf16 path: C = 2240 (production,
 // 9 octets a lane), 520 (a partial last octet round), 2560 (the widest, 10 octets); C = 2600
-// is past the widest and takes the generic loop in bf16 too. 2100 tokens: 420 blocks of 5
-// tokens, so a warp of the bf16 path keeps dw over two tokens, and the dw sum adds 420 partials.
+// is past the widest and takes the generic loop in bf16 too. 2100 tokens: 132 blocks of about
+// 16 (two a warp), so a warp of the bf16 path loads its next token's rows while it stores and
+// keeps dw over two tokens, and the dw sum adds 132 partials.
 std::vector<Dims> rms_bwd_shapes() {
   std::vector<Dims> v = twin_shapes();
   for (const Dims& d : {dims(1, 20, 112, 2, 3), dims(2, 4, 130, 3, 5), dims(1, 20, 128, 1, 5), dims(1, 26, 100, 1, 3)})
