@@ -261,11 +261,28 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t DD = static_cast<int64_t>(D) * D;
   const float* src = (which == 0 ? dP : which == 1 ? dA : dPz) + bhf * DD;
   __nv_bfloat16* dst = mats + (static_cast<int64_t>(bhf) * 3 + which) * DP * LH;
-  for (int e = tid; e < D * quads; e += kThreads) {  // 16-byte loads (D % 8 == 0)
-    const int i = e / quads, j = 4 * (e - i * quads);
-    const float4 v = __ldg(reinterpret_cast<const float4*>(src + i * D + j));
-    float* t = T + i * (D + 1) + j;
-    t[0] = v.x, t[1] = v.y, t[2] = v.z, t[3] = v.w;
+  // 16-byte loads (D % 8 == 0), kBatch of them in flight per thread before their stores.
+  constexpr int kLoads = (DP * DP / 4 + kThreads - 1) / kThreads, kBatch = 8;
+  const int n = D * quads;
+  for (int l0 = 0; l0 < kLoads; l0 += kBatch) {
+    float4 v[kBatch];
+#pragma unroll
+    for (int l = 0; l < kBatch; ++l) {
+      const int e = tid + (l0 + l) * kThreads;
+      if (e < n) {
+        const int i = e / quads;
+        v[l] = __ldg(reinterpret_cast<const float4*>(src + i * D + 4 * (e - i * quads)));
+      }
+    }
+#pragma unroll
+    for (int l = 0; l < kBatch; ++l) {
+      const int e = tid + (l0 + l) * kThreads;
+      if (e < n) {
+        const int i = e / quads, j = 4 * (e - i * quads);
+        float* t = T + i * (D + 1) + j;
+        t[0] = v[l].x, t[1] = v[l].y, t[2] = v[l].z, t[3] = v[l].w;
+      }
+    }
   }
   __syncthreads();
   for (int e = tid; e < DP * OPR; e += kThreads) {  // 16-byte stores
