@@ -1,7 +1,7 @@
 // src/kernels/phase_c_bf16.cu — phase C's bf16 coding, for the bf16 mode (phase_c.cu has
 // the math and picks the coding): bf16 token and M tiles read with ldmatrix (Note [ldmatrix
 // tiles]), token rows prepared and finished in the row layout (Note [row layout]). The
-// forward runs a persistent grid over (frame, token tile) items; the backward splits each
+// forward runs a persistent grid over (frame, 64-token tile) items; the backward splits each
 // frame's tokens over `parts` blocks so that the grid fills whole waves, each block summing
 // its share of dM_f and dz_f in registers; with parts > 1 the shares go to a workspace and
 // are added in the fixed order part 0, 1, … (bitwise reproducible, no atomics).
@@ -150,9 +150,8 @@ __device__ __forceinline__ void load_vecs(float* zs, float* ws, const float* __r
 // ---------------------------------------------------------------------------
 // forward (bf16): a persistent grid walks the items (frame, 64-token tile) in order,
 // each block a contiguous run of them; M_f is reloaded when the frame changes. qʳ and den
-// are double-buffered (one barrier per item); the raw rows of the next item (q, cos, sin)
-// are staged with cp.async while this one is multiplied (bf16 qkv, `vec`), or else its q
-// rows are prefetched to L2.
+// are double-buffered (one barrier per item), and the q rows of the next item are
+// prefetched to L2 (the RoPE tables, shared by the heads, are in L2 already).
 // ---------------------------------------------------------------------------
 // (b, h, f, tile) of item it = ((b·H + h)·F + f)·ntiles + tile; next() steps to item it + 1.
 struct Item {
@@ -175,32 +174,27 @@ struct Item {
   }
 };
 
-// 16 warps a block, one block an SM: the staged rows of an item (raw q, cos, sin) take
-// 80 KB of shared memory at DP = 128, which two 8-warp blocks an SM could not both hold.
-constexpr int kFwdThreads = 512;
-
 template <int DP>
-struct FwdLd {  // 4 × 4 warps over a KS×DP output tile; KS ≥ the rows of one pass of the block
-  static constexpr int KS = DP == 32 ? 128 : 64, WM = 4, WN = 4, TM = KS / (16 * WM), TN = DP / (8 * WN);
-  static constexpr int LDH = pitch_ld(DP), NP = KS / RowMap<DP, kFwdThreads>::RPB;  // NP row passes per tile
-  static constexpr int BATCH = DP == 128 ? 2 : 1;  // rows whose loads go out together (register path)
+struct FwdLd {  // 2 × 4 warps over a KS×DP output tile
+  static constexpr int KS = 64, WM = 2, WN = 4, TM = KS / (16 * WM), TN = DP / (8 * WN);
+  static constexpr int LDH = pitch_ld(DP), NP = KS / RowMap<DP, kThreads>::RPB;  // NP row passes per tile
+  static constexpr int BATCH = DP == 128 ? 2 : 1;                        // rows whose loads go out together
 };
 template <int DP>
-constexpr size_t fwd_ld_smem_bytes() {  // M_f, 2 × qʳ (bf16); z_f, w, 2 × den (f32); staged q (bf16), cos, sin (f32)
-  using Tl = FwdLd<DP>;
-  return static_cast<size_t>(DP + 2 * Tl::KS) * Tl::LDH * 2 + (2 * DP + 2 * Tl::KS) * 4 +
-         static_cast<size_t>(Tl::KS) * DP * (2 + 2 * 4);
+constexpr size_t fwd_ld_smem_bytes() {  // M_f, 2 × qʳ (bf16); z_f, w, 2 × den (f32); 2 × raw q rows (bf16)
+  return static_cast<size_t>(DP + 2 * FwdLd<DP>::KS) * FwdLd<DP>::LDH * 2 + (2 * DP + 2 * FwdLd<DP>::KS) * 4 +
+         static_cast<size_t>(2 * FwdLd<DP>::KS) * DP * 2;
 }
 
 template <int DP>
-__global__ void __launch_bounds__(kFwdThreads, 1)
+__global__ void __launch_bounds__(kThreads, 2)
     phase_c_fwd_ld_kernel(Out out, float* __restrict__ den, In qkv, const float* __restrict__ rstd,
                           const float* __restrict__ qw, const float* __restrict__ rope_cos,
                           const float* __restrict__ rope_sin, const float* __restrict__ M,
                           const float* __restrict__ z, int H, int D, int F, int S, int64_t items, float eps,
                           bool divide, bool vec, bool vec4, bool staged) {
   using Tl = FwdLd<DP>;
-  using RM = RowMap<DP, kFwdThreads>;
+  using RM = RowMap<DP, kThreads>;
   constexpr int KS = Tl::KS, LDH = Tl::LDH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* Mk = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // M_f [i][j]: B of qʳ M as (n = j, k = i), LdCol
@@ -208,9 +202,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
   float* zs = reinterpret_cast<float*>(Qh + 2 * KS * LDH);          // z_f [DP]
   float* ws = zs + DP;                                               // q norm weights of head h [DP]
   float* dens = ws + DP;                                             // 2 × den [KS]
-  float* Cs = dens + 2 * KS;                                         // staged cos rows [KS][DP]
-  float* Ss = Cs + KS * DP;                                          // staged sin rows [KS][DP]
-  __nv_bfloat16* Xs = reinterpret_cast<__nv_bfloat16*>(Ss + KS * DP);  // staged raw q rows [KS][DP]
+  __nv_bfloat16* Xs = reinterpret_cast<__nv_bfloat16*>(dens + 2 * KS);  // 2 × raw q rows [KS][DP] (staged)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rs = tid / RM::LPR, c0 = 8 * (tid % RM::LPR);
@@ -221,45 +213,47 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
   int64_t cur = -1;
   Item item(it0, H, F, ntiles), nx = item;
   nx.next(H, F, ntiles);
-  // Staged (bf16 qkv, `vec`): once an item's rows are prepped, the raw q, cos and sin rows of
-  // the next item are copied into Xs, Cs, Ss with cp.async (their r into registers) and land
-  // while this item is multiplied and stored. A thread copies exactly the octets it preps, so
-  // its own wait makes them visible to it (no barrier), and what a copy overwrites is what
-  // the same thread read in its prep before issuing it.
+  // Staged (bf16 qkv, `vec`): the raw q rows of the next item are copied into Xs[buffer] with
+  // cp.async while this one is multiplied, and their r into registers. A thread copies exactly
+  // the octets it will prep, so its own wait makes them visible to it (no barrier), and the
+  // buffer it overwrites is the one it read an item earlier.
   float r_next[Tl::NP];
-  auto stage = [&](const Item& x) {
+  auto stage = [&](const Item& x, int buf) {
     const int64_t xn0 = static_cast<int64_t>(x.f) * S + x.tile * KS;
-    const __nv_bfloat16* q0 = static_cast<const __nv_bfloat16*>(qkv.p);
 #pragma unroll
     for (int p = 0; p < Tl::NP; ++p) {
       const int r = p * RM::RPB + rs;
-      const int64_t n = xn0 + r;
       const bool ok = x.tile * KS + r < S, copy = ok && c0 < D;
-      cp_async16(Xs + r * DP + c0, copy ? q0 + qkv_index(x.b, n, 0, x.h, c0, N, H, D) : q0, copy);
-      cp_async16(Cs + r * DP + c0, copy ? rope_cos + n * D + c0 : rope_cos, copy);
-      cp_async16(Cs + r * DP + c0 + 4, copy ? rope_cos + n * D + c0 + 4 : rope_cos, copy);
-      cp_async16(Ss + r * DP + c0, copy ? rope_sin + n * D + c0 : rope_sin, copy);
-      cp_async16(Ss + r * DP + c0 + 4, copy ? rope_sin + n * D + c0 + 4 : rope_sin, copy);
-      r_next[p] = ok ? __ldg(rstd + (x.b * N + n) * 2) : 0.f;
+      const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(qkv.p);
+      cp_async16(Xs + (buf * KS + r) * DP + c0, copy ? src + qkv_index(x.b, xn0 + r, 0, x.h, c0, N, H, D) : src, copy);
+      r_next[p] = ok ? __ldg(rstd + (x.b * N + xn0 + r) * 2) : 0.f;
     }
     cp_async_commit();
   };
-  if (staged && it0 < it1) stage(item);
+  if (staged && it0 < it1) stage(item, it0 & 1);
   for (int64_t it = it0; it < it1; ++it, item = nx, nx.next(H, F, ntiles)) {
     const int64_t b = item.b, bh = b * H + item.h, bhf = bh * F + item.f;
     const int f = item.f, h = item.h, s0 = item.tile * KS;
     if (bhf != cur) {
       cur = bhf;
       __syncthreads();  // no warp still reads M_f, z_f, w
-      load_mat_h<DP, kFwdThreads>(Mk, LDH, M + bhf * D * D, D, vec4);
+      load_mat_h<DP, kThreads>(Mk, LDH, M + bhf * D * D, D, vec4);
       load_vecs(zs, ws, z, qw, bhf, h, D, DP);
       __syncthreads();
     }
     // Buffer it & 1 was last read by item it − 2, which every warp finished before the barrier of item it − 1.
     __nv_bfloat16* Qb = Qh + (it & 1) * KS * LDH;
     float* db = dens + (it & 1) * KS;
+    float r_cur[Tl::NP];
     if (staged) {
-      cp_async_wait<0>();
+#pragma unroll
+      for (int p = 0; p < Tl::NP; ++p) r_cur[p] = r_next[p];
+      if (it + 1 < it1) {
+        stage(nx, (it + 1) & 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
     } else if (it + 1 < it1 && c0 < D) {  // the q rows of the next item, to L2
       const int sx = nx.tile * KS + rs;
 #pragma unroll
@@ -279,10 +273,12 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
         if (p0 + u < Tl::NP) {
           const int r = (p0 + u) * RM::RPB + rs, s = s0 + r;
           if (staged) {
-            ld8h(q[u].x, Xs + r * DP + c0);
-            ld8f(q[u].c, Cs + r * DP + c0);
-            ld8f(q[u].s, Ss + r * DP + c0);
-            q[u].r = r_next[p0 + u];
+            const int64_t n = static_cast<int64_t>(f) * S + s;
+            const int left = s < S ? D - c0 : 0;
+            ld8h(q[u].x, Xs + ((it & 1) * KS + r) * DP + c0);
+            q[u].r = r_cur[p0 + u];
+            ld8(q[u].c, rope_cos, n * D + c0, left, true);
+            ld8(q[u].s, rope_sin, n * D + c0, left, true);
           } else {
             load_qrow(q[u], qkv, rstd, rope_cos, rope_sin, b, static_cast<int64_t>(f) * S + s, h, c0, H, D, N, s < S,
                       vec);
@@ -305,7 +301,6 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
           }
         }
     }
-    if (staged && it + 1 < it1) stage(nx);
     __syncthreads();
 
     const int rows = min(KS, S - s0);
@@ -645,8 +640,8 @@ void fwd(const FwdArgs& a, bool vec, bool vec4) {
   allow_smem(phase_c_fwd_ld_kernel<DP>, smem);
   const int64_t items = sz.BHF * ((sz.S + FwdLd<DP>::KS - 1) / FwdLd<DP>::KS);
   const int64_t grid = std::min<int64_t>(
-      items, static_cast<int64_t>(blocks_per_sm(phase_c_fwd_ld_kernel<DP>, kFwdThreads, smem)) * sm_count());
-  phase_c_fwd_ld_kernel<DP><<<static_cast<unsigned>(grid), kFwdThreads, smem, stream()>>>(
+      items, static_cast<int64_t>(blocks_per_sm(phase_c_fwd_ld_kernel<DP>, kThreads, smem)) * sm_count());
+  phase_c_fwd_ld_kernel<DP><<<static_cast<unsigned>(grid), kThreads, smem, stream()>>>(
       a.out, a.den, a.qkv, a.rstd, a.qw, a.cos, a.sin, a.M, a.z_f, sz.H, sz.D, sz.F, sz.S, items, a.eps, a.divide, vec,
       vec4, vec && a.qkv.bf);
   GDNCP_CUDA_CHECK_LAUNCH("phase_c_fwd_ld_kernel");
