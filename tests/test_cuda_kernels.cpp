@@ -96,6 +96,23 @@ Prepared prepare(const Dims& d, DType dtype, uint64_t seed, bool norm_q = true, 
   return p;
 }
 
+// The summed state M_f and z_f of the CPU pipeline on p's inputs (phase A, then the scan), so
+// that phase C's tests see the den the layer sees.
+struct SummedStates {
+  Tensor M, z;
+};
+SummedStates summed_states(const Prepared& p, const Dims& d) {
+  const LayerInputs& in = p.in;
+  const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D};
+  Tensor P = Tensor::empty(mat, DType::f32), A = P.clone(), Pz = P.clone(), bz = Tensor::empty(vec, DType::f32);
+  cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, in.opt.k_scale,
+                   MathMode::ieee);
+  Tensor Mf = Tensor::empty(mat, DType::f32), Mr = Mf.clone(), M = Mf.clone();
+  Tensor zf = Tensor::empty(vec, DType::f32), zr = zf.clone(), z = zf.clone();
+  cpu::scan_bidi_fwd(Mf, Mr, M, zf, zr, z, P, A, Pz, bz, in.decay, Tensor(), d);
+  return {M, z};
+}
+
 // ----------------------------------------------------------------------------------------
 // kernel twins
 // ----------------------------------------------------------------------------------------
@@ -240,13 +257,7 @@ TEST(CudaTwins, PhaseC) {
         const LayerInputs& in = p.in;
         const std::string tag = std::string(" ") + (divide ? "divide " : "raw ") + dims_str(d) + " " + mode_name(m);
         const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D}, tok = {d.B, d.N(), d.H, d.D};
-        // States from the real pipeline, so that den is what the layer sees.
-        Tensor P = Tensor::empty(mat, DType::f32), A = P.clone(), Pz = P.clone(), bz = Tensor::empty(vec, DType::f32);
-        cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d,
-                         in.opt.k_scale, MathMode::ieee);
-        Tensor Mf = Tensor::empty(mat, DType::f32), Mr = Mf.clone(), M = Mf.clone();
-        Tensor zf = Tensor::empty(vec, DType::f32), zr = zf.clone(), z = zf.clone();
-        cpu::scan_bidi_fwd(Mf, Mr, M, zf, zr, z, P, A, Pz, bz, in.decay, Tensor(), d);
+        const auto [M, z] = summed_states(p, d);
 
         const DType out_dt = divide ? dt : DType::f32;
         Tensor out = Tensor::empty(tok, out_dt), den = Tensor::empty({d.B, d.H, d.N()}, DType::f32);
@@ -305,12 +316,7 @@ TEST(CudaTwins, PhaseCBwdStagedMatchesRegisterPath) {
       const LayerInputs& in = p.in;
       const std::string tag = " variant " + std::to_string(variant) + " " + dims_str(d);
       const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D}, tok = {d.B, d.N(), d.H, d.D};
-      Tensor P = Tensor::empty(mat, DType::f32), A = P.clone(), Pz = P.clone(), bz = Tensor::empty(vec, DType::f32);
-      cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d,
-                       in.opt.k_scale, MathMode::ieee);
-      Tensor Mf = Tensor::empty(mat, DType::f32), Mr = Mf.clone(), M = Mf.clone();
-      Tensor zf = Tensor::empty(vec, DType::f32), zr = zf.clone(), z = zf.clone();
-      cpu::scan_bidi_fwd(Mf, Mr, M, zf, zr, z, P, A, Pz, bz, in.decay, Tensor(), d);
+      const auto [M, z] = summed_states(p, d);
       Tensor dout, dden;
       if (variant < 2) dout = Tensor::randn(tok, DType::bf16, Device::cpu, ++seed);
       if (variant > 0) dden = Tensor::randn({d.B, d.H, d.N()}, DType::f32, Device::cpu, ++seed);
