@@ -69,6 +69,13 @@ __device__ __forceinline__ void ld8(float (&x)[8], const float* __restrict__ src
     }
   }
 }
+// 8 f32 channels of a row on the staged paths (D % 8 == 0, 16-byte aligned): a lane's octet
+// lies wholly inside the row or wholly past D (zeros), so no channel-pair loop is needed.
+__device__ __forceinline__ void ld8_octet(float (&x)[8], const float* __restrict__ src, int64_t i, bool inside) {
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f), c = a;
+  if (inside) a = __ldg(reinterpret_cast<const float4*>(src + i)), c = __ldg(reinterpret_cast<const float4*>(src + i) + 1);
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = c.x, x[5] = c.y, x[6] = c.z, x[7] = c.w;
+}
 __device__ __forceinline__ void st8(const Out& dst, int64_t i, const float (&x)[8], int left, bool vec) {
   if (vec && left >= 8) {
     if (dst.bf) {
@@ -186,13 +193,13 @@ constexpr size_t fwd_ld_smem_bytes() {  // M_f, 2 × qʳ (bf16); z_f, w, 2 × de
          static_cast<size_t>(2 * FwdLd<DP>::KS) * DP * 2;
 }
 
-template <int DP>
+template <int DP, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 2)
     phase_c_fwd_ld_kernel(Out out, float* __restrict__ den, In qkv, const float* __restrict__ rstd,
                           const float* __restrict__ qw, const float* __restrict__ rope_cos,
                           const float* __restrict__ rope_sin, const float* __restrict__ M,
                           const float* __restrict__ z, int H, int D, int F, int S, int64_t items, float eps,
-                          bool divide, bool vec, bool vec4, bool staged) {
+                          bool divide, bool vec, bool vec4) {
   using Tl = FwdLd<DP>;
   using RM = RowMap<DP, kThreads>;
   constexpr int KS = Tl::KS, LDH = Tl::LDH;
@@ -230,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     cp_async_commit();
   };
-  if (staged && it0 < it1) stage(item, it0 & 1);
+  if (kStaged && it0 < it1) stage(item, it0 & 1);
   for (int64_t it = it0; it < it1; ++it, item = nx, nx.next(H, F, ntiles)) {
     const int64_t b = item.b, bh = b * H + item.h, bhf = bh * F + item.f;
     const int f = item.f, h = item.h, s0 = item.tile * KS;
@@ -245,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     __nv_bfloat16* Qb = Qh + (it & 1) * KS * LDH;
     float* db = dens + (it & 1) * KS;
     float r_cur[Tl::NP];
-    if (staged) {
+    if constexpr (kStaged) {
 #pragma unroll
       for (int p = 0; p < Tl::NP; ++p) r_cur[p] = r_next[p];
       if (it + 1 < it1) {
@@ -272,13 +279,13 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int u = 0; u < Tl::BATCH; ++u)
         if (p0 + u < Tl::NP) {
           const int r = (p0 + u) * RM::RPB + rs, s = s0 + r;
-          if (staged) {
+          if constexpr (kStaged) {
             const int64_t n = static_cast<int64_t>(f) * S + s;
-            const int left = s < S ? D - c0 : 0;
+            const bool inside = s < S && c0 < D;
             ld8h(q[u].x, Xs + ((it & 1) * KS + r) * DP + c0);
             q[u].r = r_cur[p0 + u];
-            ld8(q[u].c, rope_cos, n * D + c0, left, true);
-            ld8(q[u].s, rope_sin, n * D + c0, left, true);
+            ld8_octet(q[u].c, rope_cos, n * D + c0, inside);
+            ld8_octet(q[u].s, rope_sin, n * D + c0, inside);
           } else {
             load_qrow(q[u], qkv, rstd, rope_cos, rope_sin, b, static_cast<int64_t>(f) * S + s, h, c0, H, D, N, s < S,
                       vec);
@@ -632,18 +639,19 @@ int bwd_parts(int64_t frames, int64_t slots, int ntiles) {
 }
 
 
-template <int DP>
+template <int DP, bool kStaged>
 void fwd(const FwdArgs& a, bool vec, bool vec4) {
   const FrameSizes& sz = a.z;
   // Persistent: one block per resident slot, each a contiguous run of (frame, tile) items.
   const size_t smem = fwd_ld_smem_bytes<DP>();
-  allow_smem(phase_c_fwd_ld_kernel<DP>, smem);
+  const auto kernel = phase_c_fwd_ld_kernel<DP, kStaged>;
+  allow_smem(kernel, smem);
   const int64_t items = sz.BHF * ((sz.S + FwdLd<DP>::KS - 1) / FwdLd<DP>::KS);
-  const int64_t grid = std::min<int64_t>(
-      items, static_cast<int64_t>(blocks_per_sm(phase_c_fwd_ld_kernel<DP>, kThreads, smem)) * sm_count());
-  phase_c_fwd_ld_kernel<DP><<<static_cast<unsigned>(grid), kThreads, smem, stream()>>>(
-      a.out, a.den, a.qkv, a.rstd, a.qw, a.cos, a.sin, a.M, a.z_f, sz.H, sz.D, sz.F, sz.S, items, a.eps, a.divide, vec,
-      vec4, vec && a.qkv.bf);
+  const int64_t grid =
+      std::min<int64_t>(items, static_cast<int64_t>(blocks_per_sm(kernel, kThreads, smem)) * sm_count());
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream()>>>(a.out, a.den, a.qkv, a.rstd, a.qw, a.cos, a.sin,
+                                                                    a.M, a.z_f, sz.H, sz.D, sz.F, sz.S, items, a.eps,
+                                                                    a.divide, vec, vec4);
   GDNCP_CUDA_CHECK_LAUNCH("phase_c_fwd_ld_kernel");
 }
 
@@ -684,10 +692,11 @@ void fwd_bf16(const FwdArgs& a) {
   const FrameSizes& sz = a.z;
   const bool vec = sz.D % 8 == 0 && aligned16(a.qkv.p) && aligned16(a.cos) && aligned16(a.sin);
   const bool vec4 = sz.D % 4 == 0 && aligned16(a.M);
+  const bool staged = vec && a.qkv.bf;  // the raw q rows staged with cp.async (bf16, 16-byte octets)
   switch (padded_dim(sz.D)) {
-    case 32: fwd<32>(a, vec, vec4); return;
-    case 64: fwd<64>(a, vec, vec4); return;
-    default: fwd<128>(a, vec, vec4); return;
+    case 32: staged ? fwd<32, true>(a, vec, vec4) : fwd<32, false>(a, vec, vec4); return;
+    case 64: staged ? fwd<64, true>(a, vec, vec4) : fwd<64, false>(a, vec, vec4); return;
+    default: staged ? fwd<128, true>(a, vec, vec4) : fwd<128, false>(a, vec, vec4); return;
   }
 }
 
