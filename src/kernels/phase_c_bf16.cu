@@ -73,7 +73,10 @@ __device__ __forceinline__ void ld8(float (&x)[8], const float* __restrict__ src
 // lies wholly inside the row or wholly past D (zeros), so no channel-pair loop is needed.
 __device__ __forceinline__ void ld8_octet(float (&x)[8], const float* __restrict__ src, int64_t i, bool inside) {
   float4 a = make_float4(0.f, 0.f, 0.f, 0.f), c = a;
-  if (inside) a = __ldg(reinterpret_cast<const float4*>(src + i)), c = __ldg(reinterpret_cast<const float4*>(src + i) + 1);
+  if (inside) {
+    a = __ldg(reinterpret_cast<const float4*>(src + i));
+    c = __ldg(reinterpret_cast<const float4*>(src + i) + 1);
+  }
   x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = c.x, x[5] = c.y, x[6] = c.z, x[7] = c.w;
 }
 __device__ __forceinline__ void st8(const Out& dst, int64_t i, const float (&x)[8], int left, bool vec) {
@@ -662,7 +665,8 @@ void bwd(const BwdArgs& a, bool vec, bool vec4) {
   const size_t smem = bwd_ld_smem_bytes<DP, kStaged>();
   allow_smem(phase_c_bwd_ld_kernel<DP, kStaged>, smem);
   const int ntiles = (sz.S + BwdLd<DP>::KS - 1) / BwdLd<DP>::KS;
-  const int64_t slots = static_cast<int64_t>(blocks_per_sm(phase_c_bwd_ld_kernel<DP, kStaged>, kBwdThreads, smem)) * sm_count();
+  const int64_t slots =
+      static_cast<int64_t>(blocks_per_sm(phase_c_bwd_ld_kernel<DP, kStaged>, kBwdThreads, smem)) * sm_count();
   // Whole frames fill the full waves; the frames of the last, partial wave run in `parts` runs each.
   const int64_t rest = sz.BHF % slots, DD = static_cast<int64_t>(sz.D) * sz.D;
   const int parts = rest ? bwd_parts(rest, slots, ntiles) : 1, per_part = (ntiles + parts - 1) / parts;
