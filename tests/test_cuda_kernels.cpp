@@ -135,9 +135,13 @@ TEST(CudaTwins, PhaseA) {
   uint64_t seed = 200;
   std::vector<Dims> shapes = twin_shapes();
   // The bf16 forward's prep in several token chunks per frame with B > 1 and F = 1, and at a
-  // head dim whose row of octets leaves threads of a block idle (D = 72: 9 octets).
+  // head dim whose row of octets leaves threads of a block idle (D = 72: 9 octets); with
+  // four heads a row group (more b sums than threads), and two heads a row group over three
+  // chunks.
   shapes.push_back(dims(2, 3, 64, 1, 150));
   shapes.push_back(dims(3, 1, 72, 2, 57));
+  shapes.push_back(dims(1, 4, 128, 2, 150));
+  shapes.push_back(dims(2, 2, 112, 1, 300));
   for (const Dims& d : shapes)
     for (MathMode m : kModes) {
       const DType dt = m == MathMode::bf16 ? DType::bf16 : DType::f32;

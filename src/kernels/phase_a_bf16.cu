@@ -30,70 +30,99 @@ using namespace phase_a;
 // layout):
 //   X = bf16(β·kʳ),  Kr = bf16(kʳ),  Xp = bf16(β·k⁺),  Kp = bf16(k⁺)
 // with kʳ, k⁺ the f32 values of prep_octet; and b_f = Σ_s β_s k⁺_s in f32 from the unrounded
-// values. A thread owns one octet of channels (16-byte accesses) of kPrepRows rows; a block
-// owns kThreads / (D/8) row groups of them, a chunk of one frame's tokens. Each block writes
-// its chunk's part of b_f; phase_a_bz_kernel adds the chunks in order (no atomics, so b is
-// bitwise the same run to run and under graph capture). A = Xᵀ v reads v in place in qkv
-// through a pointer-array batched GEMM (frame_gemm_v): a copy of v would cost a read and a
-// write of it and its memory.
-constexpr int kPrepRows = 2;  // rows per thread: their loads are all issued before the math
+// values. A thread owns one octet of channels (16-byte accesses) of one head; the threads of a
+// row group cover hg adjacent heads of one token row, so a warp reads that row's RoPE octets
+// once for all hg heads (the f32 cos/sin rows are the largest read and come from L2) and the
+// heads' k octets as one contiguous piece of qkv. A block owns a chunk of one frame's tokens,
+// prep_chunk_rows of them, and walks it a row per row group at a time, the next row's loads
+// issued before the current row's math and stores; its threads add Σ β k⁺ over their rows in
+// registers, so a block writes one part of b_f per head, and phase_a_bz_kernel adds the chunks
+// in order (no atomics, so b is bitwise the same run to run and under graph capture). A = Xᵀ v
+// reads v in place in qkv through a pointer-array batched GEMM (frame_gemm_v): a copy of v
+// would cost a read and a write of it and its memory.
+constexpr int kPrepChunk = 144;  // tokens a block walks, about: enough to amortize its start and its sum
 
-inline int prep_row_groups(int D) { return kThreads / (D / 8); }
-inline int prep_chunk_rows(int D) { return prep_row_groups(D) * kPrepRows; }
+// Heads a row group covers: 4 where they fill the block's row groups exactly, else 2, else 1
+// (they must divide H).
+inline int prep_heads(int H, int D) {
+  const int opr = D / 8;
+  if (H % 4 == 0 && kThreads % (4 * opr) == 0) return 4;
+  return H % 2 == 0 ? 2 : 1;
+}
+// Tokens of a chunk: S split into ⌈S / kPrepChunk⌉ near-equal chunks (the last one is not a
+// short straggler), rounded up to whole steps of the row groups.
+inline int prep_chunk_rows(int H, int D, int S) {
+  const int rg = kThreads / (prep_heads(H, D) * (D / 8)), chunks = 1 + (S - 1) / kPrepChunk,
+            rows = 1 + (S - 1) / chunks;
+  return (rows + rg - 1) / rg * rg;
+}
 
-__global__ void __launch_bounds__(kThreads)
+// One token row's loads of a thread: its k octet, the row's RoPE octets, rstd and β.
+struct PrepRow {
+  uint4 k;
+  float4 c0, c1, s0, s1;
+  float rk, bt;
+};
+
+// 3 blocks an SM: a thread holds two rows' loads (80 registers); 4 blocks would spill.
+__global__ void __launch_bounds__(kThreads, 3)
     phase_a_prep_kernel(__nv_bfloat16* __restrict__ X, __nv_bfloat16* __restrict__ Kr, __nv_bfloat16* __restrict__ Xp,
                         __nv_bfloat16* __restrict__ Kp, float* __restrict__ b_part,
                         const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ rstd,
                         const float* __restrict__ kw, const float* __restrict__ rope_cos,
-                        const float* __restrict__ rope_sin, In beta, int H, int D, int F, int S, int chunks,
-                        float k_scale) {
-  __shared__ __align__(16) float part[8 * kThreads];  // Σ β k⁺ per row group [rg][D]; rg·D ≤ 8·kThreads
-  const int opr = D / 8, rg = kThreads / opr, tid = threadIdx.x, g = tid / opr, d0 = 8 * (tid % opr);
-  // Block → (b, f, chunk, h), h fastest: the heads of one token chunk run side by side and
-  // share its RoPE rows in L2.
+                        const float* __restrict__ rope_sin, In beta, int H, int D, int F, int S, int hg, int chunk_rows,
+                        int chunks, float k_scale) {
+  __shared__ __align__(16) float part[8 * kThreads];  // Σ β k⁺ per row group [g][j·D + d]; rg·hg·D ≤ 8·kThreads
+  const int opr = D / 8, per_row = hg * opr, rg = kThreads / per_row, tid = threadIdx.x, g = tid / per_row,
+            j = tid % per_row / opr, d0 = 8 * (tid % opr);
+  // Block → (b, f, chunk, head group), head group fastest: the heads of one token chunk run
+  // side by side and share its RoPE rows in L2.
+  const int groups = H / hg;
   int64_t blk = blockIdx.x;
-  const int h = static_cast<int>(blk % H);
-  blk /= H;
+  const int h0 = static_cast<int>(blk % groups) * hg;
+  blk /= groups;
   const int c = static_cast<int>(blk % chunks);
   blk /= chunks;
   const int f = static_cast<int>(blk % F);
-  const int64_t b = blk / F, bhf = (b * H + h) * F + f, N = static_cast<int64_t>(F) * S;
-  const int s0 = c * rg * kPrepRows;
+  const int64_t b = blk / F, N = static_cast<int64_t>(F) * S;
+  const int h = h0 + j;
+  const int64_t bhf = (b * H + h) * F + f;
+  const int s_begin = c * chunk_rows, s_last = min(s_begin + chunk_rows, S) - 1;
+
+  const auto load = [&](int s) {
+    const int64_t n = static_cast<int64_t>(f) * S + s;
+    PrepRow r;
+    r.k = __ldg(reinterpret_cast<const uint4*>(qkv + qkv_index(b, n, 1, h, d0, N, H, D)));
+    r.c0 = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0));
+    r.c1 = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0 + 4));
+    r.s0 = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0));
+    r.s1 = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0 + 4));
+    r.rk = __ldg(rstd + (b * N + n) * 2 + 1);
+    r.bt = beta[bhf * S + s];
+    return r;
+  };
 
   float bsum[8] = {};
   if (g < rg) {
     float w[8];
 #pragma unroll
     for (int q = 0; q < 8; ++q) w[q] = kw ? __ldg(kw + h * D + d0 + q) : 1.f;
-    uint4 kraw[kPrepRows];
-    float4 cs[kPrepRows][2], sn[kPrepRows][2];
-    float rk[kPrepRows], bt[kPrepRows];
-#pragma unroll
-    for (int i = 0; i < kPrepRows; ++i) {
-      const int s = min(s0 + g + rg * i, S - 1);  // rows past S load a valid row and store nothing
-      const int64_t n = static_cast<int64_t>(f) * S + s;
-      kraw[i] = __ldg(reinterpret_cast<const uint4*>(qkv + qkv_index(b, n, 1, h, d0, N, H, D)));
-      cs[i][0] = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0));
-      cs[i][1] = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0 + 4));
-      sn[i][0] = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0));
-      sn[i][1] = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0 + 4));
-      rk[i] = __ldg(rstd + (b * N + n) * 2 + 1);
-      bt[i] = beta[bhf * S + s];
-    }
-#pragma unroll
-    for (int i = 0; i < kPrepRows; ++i) {
-      const int s = s0 + g + rg * i;
-      if (s >= S) break;
+    PrepRow cur = load(min(s_begin + g, s_last));
+    for (int s = s_begin + g; s <= s_last; s += rg) {
+      // The next row's loads are in flight during this row's math and stores (past the
+      // chunk's end: its last row again, stored by nobody).
+      const PrepRow nxt = load(min(s + rg, s_last));
       float k[8], c8[8], s8[8], kp[8], kr[8], x[8], xp[8];
-      ld8h(k, reinterpret_cast<const __nv_bfloat16*>(&kraw[i]));
-      ld8f(c8, reinterpret_cast<const float*>(cs[i]));
-      ld8f(s8, reinterpret_cast<const float*>(sn[i]));
-      prep_octet(k, rk[i], w, k_scale, c8, s8, kp, kr);
+      ld8h(k, reinterpret_cast<const __nv_bfloat16*>(&cur.k));
+      c8[0] = cur.c0.x, c8[1] = cur.c0.y, c8[2] = cur.c0.z, c8[3] = cur.c0.w;
+      c8[4] = cur.c1.x, c8[5] = cur.c1.y, c8[6] = cur.c1.z, c8[7] = cur.c1.w;
+      s8[0] = cur.s0.x, s8[1] = cur.s0.y, s8[2] = cur.s0.z, s8[3] = cur.s0.w;
+      s8[4] = cur.s1.x, s8[5] = cur.s1.y, s8[6] = cur.s1.z, s8[7] = cur.s1.w;
+      prep_octet(k, cur.rk, w, k_scale, c8, s8, kp, kr);
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
-        x[q] = bt[i] * kr[q];
-        xp[q] = bt[i] * kp[q];
+        x[q] = cur.bt * kr[q];
+        xp[q] = cur.bt * kp[q];
         bsum[q] += xp[q];
       }
       const int64_t o = (bhf * S + s) * D + d0;
@@ -101,15 +130,17 @@ __global__ void __launch_bounds__(kThreads)
       st8h(Kr + o, kr);
       st8h(Xp + o, xp);
       st8h(Kp + o, kp);
+      cur = nxt;
     }
 #pragma unroll
-    for (int q = 0; q < 8; ++q) part[g * D + d0 + q] = bsum[q];
+    for (int q = 0; q < 8; ++q) part[(g * hg + j) * D + d0 + q] = bsum[q];
   }
   __syncthreads();
-  if (tid < D) {
+  for (int e = tid; e < hg * D; e += kThreads) {  // hg·D can reach 4·128
+    const int je = e / D, d = e % D;
     float v = 0.f;
-    for (int j = 0; j < rg; ++j) v += part[j * D + tid];
-    b_part[(bhf * chunks + c) * D + tid] = v;
+    for (int gg = 0; gg < rg; ++gg) v += part[(gg * hg + je) * D + d];
+    b_part[(((b * H + h0 + je) * F + f) * chunks + c) * D + d] = v;
   }
 }
 
@@ -165,9 +196,10 @@ void frame_gemm_v(cublasHandle_t handle, void* const* cs, const void* const* xs,
 void fwd(const FwdArgs& a) {
   const FrameSizes& z = a.z;
   GDNCP_CHECK(z.BHF <= INT32_MAX, "cuda phase A: B·H·F = ", z.BHF, " exceeds cuBLAS's 32-bit batch count");
-  const int chunks = (z.S + prep_chunk_rows(z.D) - 1) / prep_chunk_rows(z.D);
+  const int hg = prep_heads(z.H, z.D), chunk_rows = prep_chunk_rows(z.H, z.D, z.S);
+  const int chunks = 1 + (z.S - 1) / chunk_rows;
   const int64_t frame_stride = checked_mul(z.S, z.D, "cuda phase A: S·D");
-  const int64_t blocks = checked_mul(z.BHF, chunks, "cuda phase A: prep blocks");
+  const int64_t blocks = checked_mul(z.BHF / hg, chunks, "cuda phase A: prep blocks");
   GDNCP_CHECK(blocks <= INT32_MAX, "cuda phase A: ", blocks, " prep blocks exceed the grid's limit");
   const int64_t ldv = checked_mul(3, checked_mul(z.H, z.D, "cuda phase A: H·D"), "cuda phase A: 3·H·D");
   GDNCP_CHECK(ldv <= INT32_MAX, "cuda phase A: qkv's row stride 3·H·D = ", ldv, " exceeds cuBLAS's 32-bit ld");
@@ -188,7 +220,7 @@ void fwd(const FwdArgs& a) {
   const auto bf = [](Tensor& t) { return static_cast<__nv_bfloat16*>(t.data()); };
   phase_a_prep_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
       bf(X), bf(Kr), bf(Xp), bf(Kp), bp, static_cast<const __nv_bfloat16*>(a.qkv.p), a.rstd, a.kw, a.cos, a.sin, a.beta,
-      z.H, z.D, z.F, z.S, chunks, a.k_scale);
+      z.H, z.D, z.F, z.S, hg, chunk_rows, chunks, a.k_scale);
   GDNCP_CUDA_CHECK_LAUNCH("phase_a_prep_kernel");
   if (chunks > 1) {
     const int64_t n = z.BHF * z.D;
