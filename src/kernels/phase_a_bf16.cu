@@ -60,7 +60,7 @@ inline int prep_chunk_rows(int H, int D, int S) {
 // One token row's loads of a thread: its k octet, the row's RoPE octets, rstd and β.
 struct PrepRow {
   uint4 k;
-  float4 c0, c1, s0, s1;
+  float4 c[2], s[2];
   float rk, bt;
 };
 
@@ -93,10 +93,10 @@ __global__ void __launch_bounds__(kThreads, 3)
     const int64_t n = static_cast<int64_t>(f) * S + s;
     PrepRow r;
     r.k = __ldg(reinterpret_cast<const uint4*>(qkv + qkv_index(b, n, 1, h, d0, N, H, D)));
-    r.c0 = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0));
-    r.c1 = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0 + 4));
-    r.s0 = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0));
-    r.s1 = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0 + 4));
+    r.c[0] = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0));
+    r.c[1] = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0 + 4));
+    r.s[0] = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0));
+    r.s[1] = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0 + 4));
     r.rk = __ldg(rstd + (b * N + n) * 2 + 1);
     r.bt = beta[bhf * S + s];
     return r;
@@ -114,10 +114,8 @@ __global__ void __launch_bounds__(kThreads, 3)
       const PrepRow nxt = load(min(s + rg, s_last));
       float k[8], c8[8], s8[8], kp[8], kr[8], x[8], xp[8];
       ld8h(k, reinterpret_cast<const __nv_bfloat16*>(&cur.k));
-      c8[0] = cur.c0.x, c8[1] = cur.c0.y, c8[2] = cur.c0.z, c8[3] = cur.c0.w;
-      c8[4] = cur.c1.x, c8[5] = cur.c1.y, c8[6] = cur.c1.z, c8[7] = cur.c1.w;
-      s8[0] = cur.s0.x, s8[1] = cur.s0.y, s8[2] = cur.s0.z, s8[3] = cur.s0.w;
-      s8[4] = cur.s1.x, s8[5] = cur.s1.y, s8[6] = cur.s1.z, s8[7] = cur.s1.w;
+      ld8f(c8, reinterpret_cast<const float*>(cur.c));
+      ld8f(s8, reinterpret_cast<const float*>(cur.s));
       prep_octet(k, cur.rk, w, k_scale, c8, s8, kp, kr);
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
@@ -525,6 +523,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <int DP>
 void bwd(const BwdArgs& a) {
   const FrameSizes& z = a.z;
+  // RowStager's 32-bit offsets within a tile: rows up to KS·3·H·D elements apart.
+  const int64_t HD = checked_mul(z.H, z.D, "cuda phase A: H·D");
+  GDNCP_CHECK(checked_mul(3 * HTile<DP>::KS, HD, "cuda phase A: a tile's span of qkv") <= INT32_MAX,
+              "cuda phase A: a tile of qkv rows spans more than 2^31 elements (H·D = ", HD, ")");
   const int sms = sm_count();
   const int ntiles = (z.S + HTile<DP>::KS - 1) / HTile<DP>::KS;
   // One block per SM (shared memory): split a frame's tokens so that the grid fills whole waves.
@@ -537,10 +539,6 @@ void bwd(const BwdArgs& a) {
   phase_a_bwd_mats_kernel<DP><<<dim3(static_cast<unsigned>(z.BHF), 3), kThreads, mats_smem, stream()>>>(
       static_cast<__nv_bfloat16*>(mats.data()), a.dP, a.dA, a.dPz, z.D);
   GDNCP_CUDA_CHECK_LAUNCH("phase_a_bwd_mats_kernel");
-  // RowStager's 32-bit offsets within a tile: rows up to KS·3·H·D elements apart.
-  const int64_t HD = checked_mul(z.H, z.D, "cuda phase A: H·D");
-  GDNCP_CHECK(checked_mul(3 * HTile<DP>::KS, HD, "cuda phase A: a tile's span of qkv") <= INT32_MAX,
-              "cuda phase A: a tile of qkv rows spans more than 2^31 elements (H·D = ", HD, ")");
   const HLayout lay = h_layout<DP>(z.D);
   allow_smem(phase_a_bwd_h_kernel<DP>, lay.total);
   phase_a_bwd_h_kernel<DP><<<grid, kThreads, lay.total, stream()>>>(
