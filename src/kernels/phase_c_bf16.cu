@@ -190,10 +190,10 @@ struct FwdLd {  // 2 × 4 warps over a KS×DP output tile
   static constexpr int LDH = pitch_ld(DP), NP = KS / RowMap<DP, kThreads>::RPB;  // NP row passes per tile
   static constexpr int BATCH = DP == 128 ? 2 : 1;                        // rows whose loads go out together
 };
-template <int DP>
-constexpr size_t fwd_ld_smem_bytes() {  // M_f, 2 × qʳ (bf16); z_f, w, 2 × den (f32); 2 × raw q rows (bf16)
+template <int DP, bool kStaged>
+constexpr size_t fwd_ld_smem_bytes() {  // M_f, 2 × qʳ (bf16); z_f, w, 2 × den (f32); 2 × raw q rows (bf16, kStaged)
   return static_cast<size_t>(DP + 2 * FwdLd<DP>::KS) * FwdLd<DP>::LDH * 2 + (2 * DP + 2 * FwdLd<DP>::KS) * 4 +
-         static_cast<size_t>(2 * FwdLd<DP>::KS) * DP * 2;
+         (kStaged ? static_cast<size_t>(2 * FwdLd<DP>::KS) * DP * 2 : 0);
 }
 
 template <int DP, bool kStaged>
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* zs = reinterpret_cast<float*>(Qh + 2 * KS * LDH);          // z_f [DP]
   float* ws = zs + DP;                                               // q norm weights of head h [DP]
   float* dens = ws + DP;                                             // 2 × den [KS]
-  __nv_bfloat16* Xs = reinterpret_cast<__nv_bfloat16*>(dens + 2 * KS);  // 2 × raw q rows [KS][DP] (staged)
+  __nv_bfloat16* Xs = reinterpret_cast<__nv_bfloat16*>(dens + 2 * KS);  // 2 × raw q rows [KS][DP] (kStaged)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rs = tid / RM::LPR, c0 = 8 * (tid % RM::LPR);
@@ -646,7 +646,7 @@ template <int DP, bool kStaged>
 void fwd(const FwdArgs& a, bool vec, bool vec4) {
   const FrameSizes& sz = a.z;
   // Persistent: one block per resident slot, each a contiguous run of (frame, tile) items.
-  const size_t smem = fwd_ld_smem_bytes<DP>();
+  const size_t smem = fwd_ld_smem_bytes<DP, kStaged>();
   const auto kernel = phase_c_fwd_ld_kernel<DP, kStaged>;
   allow_smem(kernel, smem);
   const int64_t items = sz.BHF * ((sz.S + FwdLd<DP>::KS - 1) / FwdLd<DP>::KS);
