@@ -677,8 +677,8 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
       a.descending = s.descending;
       a.transpose = s.transpose;
       a.vec = s.D % 4 == 0 && cc::aligned16(a.P);
-      a.vec_states = s.E % 4 == 0 && cc::aligned16(a.ob) && cc::aligned16(a.oa) && cc::aligned16(a.fin) && cc::aligned16(a.vb) &&
-                     cc::aligned16(a.ua) && cc::aligned16(a.init);
+      a.vec_states = s.E % 4 == 0 && cc::aligned16(a.ob) && cc::aligned16(a.oa) && cc::aligned16(a.fin) &&
+                     cc::aligned16(a.vb) && cc::aligned16(a.ua) && cc::aligned16(a.init);
       a.tiles = static_cast<int>(cdiv(s.E, kTileCols));
       units[k] = s.BH;
     }
@@ -810,8 +810,8 @@ void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
       a.n = static_cast<int>(f.order.size());
       a.transpose = f.transpose;
       a.vec = D % 4 == 0 && a.M && cc::aligned16(a.M) && f.m_off % 4 == 0 && f.m_stride % 4 == 0;
-      a.vec_states = f.E % 4 == 0 && cc::aligned16(a.X) && cc::aligned16(a.init) && cc::aligned16(a.H) && f.h_off % 4 == 0 &&
-                     f.h_stride % 4 == 0;
+      a.vec_states = f.E % 4 == 0 && cc::aligned16(a.X) && cc::aligned16(a.init) && cc::aligned16(a.H) &&
+                     f.h_off % 4 == 0 && f.h_stride % 4 == 0;
       std::copy(f.order.begin(), f.order.end(), a.order);
       a.tiles = static_cast<int>(cdiv(f.E, kTileCols));
       units[k] = BH;
