@@ -95,13 +95,28 @@ void with_mode(MathMode mode, Fn&& fn) {
   }
   GDNCP_FAIL("unknown MathMode ", static_cast<int>(mode));
 }
+// Calls fn(std::integral_constant<int, DP>{}) for the runtime D.
+template <typename Fn>
+void with_dp(int64_t D, Fn&& fn) {
+  switch (padded_dim(D)) {
+    case 32: fn(std::integral_constant<int, 32>{}); return;
+    case 64: fn(std::integral_constant<int, 64>{}); return;
+    default: fn(std::integral_constant<int, 128>{}); return;
+  }
+}
 template <typename Fn>
 void with_dp_mode(int64_t D, MathMode mode, Fn&& fn) {
-  switch (padded_dim(D)) {
-    case 32: with_mode<32>(mode, fn); return;
-    case 64: with_mode<64>(mode, fn); return;
-    default: with_mode<128>(mode, fn); return;
-  }
+  with_dp(D, [&](auto dp) { with_mode<decltype(dp)::value>(mode, fn); });
+}
+// Calls fn(std::integral_constant<int, DP>{}, std::bool_constant<flag>{}) for the runtime (D, flag).
+template <typename Fn>
+void with_dp_flag(int64_t D, bool flag, Fn&& fn) {
+  with_dp(D, [&](auto dp) {
+    if (flag)
+      fn(dp, std::true_type{});
+    else
+      fn(dp, std::false_type{});
+  });
 }
 
 // The sizes the frame-tiled kernels (phase A, phase C) take, as ints, and B·H·F (their

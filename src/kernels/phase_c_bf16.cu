@@ -663,10 +663,10 @@ void bwd(const BwdArgs& a, bool vec, bool vec4) {
   const FrameSizes& sz = a.z;
   // Each frame's tokens in `parts` runs (bwd_parts), summed in order when parts > 1.
   const size_t smem = bwd_ld_smem_bytes<DP, kStaged>();
-  allow_smem(phase_c_bwd_ld_kernel<DP, kStaged>, smem);
+  const auto kernel = phase_c_bwd_ld_kernel<DP, kStaged>;
+  allow_smem(kernel, smem);
   const int ntiles = (sz.S + BwdLd<DP>::KS - 1) / BwdLd<DP>::KS;
-  const int64_t slots =
-      static_cast<int64_t>(blocks_per_sm(phase_c_bwd_ld_kernel<DP, kStaged>, kBwdThreads, smem)) * sm_count();
+  const int64_t slots = static_cast<int64_t>(blocks_per_sm(kernel, kBwdThreads, smem)) * sm_count();
   // Whole frames fill the full waves; the frames of the last, partial wave run in `parts` runs each.
   const int64_t rest = sz.BHF % slots, DD = static_cast<int64_t>(sz.D) * sz.D;
   const int parts = rest ? bwd_parts(rest, slots, ntiles) : 1, per_part = (ntiles + parts - 1) / parts;
@@ -678,7 +678,7 @@ void bwd(const BwdArgs& a, bool vec, bool vec4) {
     wm = work.data_ptr<float>();
     wz = wm + parts * nsplit * DD;
   }
-  phase_c_bwd_ld_kernel<DP, kStaged><<<static_cast<unsigned>(whole + nsplit * parts), kBwdThreads, smem, stream()>>>(
+  kernel<<<static_cast<unsigned>(whole + nsplit * parts), kBwdThreads, smem, stream()>>>(
       a.dq_hat, a.dM, a.dz, a.dout, a.dden, a.qkv, a.rstd, a.qw, a.cos, a.sin, a.M, a.z_f, wm, wz, sz.H, sz.D, sz.F,
       sz.S, sz.BHF, whole, parts, per_part, a.eps, a.divide, vec, vec4);
   GDNCP_CUDA_CHECK_LAUNCH("phase_c_bwd_ld_kernel");
@@ -697,11 +697,7 @@ void fwd_bf16(const FwdArgs& a) {
   const bool vec = sz.D % 8 == 0 && aligned16(a.qkv.p) && aligned16(a.cos) && aligned16(a.sin);
   const bool vec4 = sz.D % 4 == 0 && aligned16(a.M);
   const bool staged = vec && a.qkv.bf;  // the raw q rows staged with cp.async (bf16, 16-byte octets)
-  switch (padded_dim(sz.D)) {
-    case 32: staged ? fwd<32, true>(a, vec, vec4) : fwd<32, false>(a, vec, vec4); return;
-    case 64: staged ? fwd<64, true>(a, vec, vec4) : fwd<64, false>(a, vec, vec4); return;
-    default: staged ? fwd<128, true>(a, vec, vec4) : fwd<128, false>(a, vec, vec4); return;
-  }
+  with_dp_flag(sz.D, staged, [&](auto dp, auto st) { fwd<decltype(dp)::value, decltype(st)::value>(a, vec, vec4); });
 }
 
 void bwd_bf16(const BwdArgs& a) {
@@ -711,11 +707,7 @@ void bwd_bf16(const BwdArgs& a) {
   const bool vec4 = sz.D % 4 == 0 && aligned16(a.M);
   // Note [staged rows]: bf16 q and dout rows in 16-byte pieces.
   const bool staged = vec && a.qkv.bf && (!a.dout.p || a.dout.bf);
-  switch (padded_dim(sz.D)) {
-    case 32: staged ? bwd<32, true>(a, vec, vec4) : bwd<32, false>(a, vec, vec4); return;
-    case 64: staged ? bwd<64, true>(a, vec, vec4) : bwd<64, false>(a, vec, vec4); return;
-    default: staged ? bwd<128, true>(a, vec, vec4) : bwd<128, false>(a, vec, vec4); return;
-  }
+  with_dp_flag(sz.D, staged, [&](auto dp, auto st) { bwd<decltype(dp)::value, decltype(st)::value>(a, vec, vec4); });
 }
 
 }  // namespace phase_c

@@ -344,8 +344,8 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
                       bf16_or_none(dk_hat) && aligned16(dqkv) && aligned16(qkv) && aligned16(dq_hat) &&
                       aligned16(dk_hat) && aligned16(q_norm_w) && aligned16(k_norm_w);
   const RowsKernel rows = octets ? rows_kernel(C) : nullptr;
-  // Warps per block: the fast path keeps dw in registers; the generic one in shared memory,
-  // as many warps as their accumulators fit.
+  // Warps per block: kRowWarps on the fast path; on the generic one as many as their dw
+  // accumulators fit in shared memory.
   const int warps =
       rows ? kRowWarps
            : static_cast<int>(std::min<int64_t>(kBwdMaxWarps, (160 * 1024) / (static_cast<int64_t>(C) * 4)));
