@@ -96,21 +96,24 @@ Prepared prepare(const Dims& d, DType dtype, uint64_t seed, bool norm_q = true, 
   return p;
 }
 
-// The summed state M_f and z_f of the CPU pipeline on p's inputs (phase A, then the scan), so
-// that phase C's tests see the den the layer sees.
-struct SummedStates {
-  Tensor M, z;
+// Phase A and the bidirectional scan of the CPU pipeline on p's inputs (IEEE), with a
+// clip-start mask or without one (undefined): the scan twins' inputs and oracle, and the summed
+// states M_f, z_f with which phase C's tests see the den the layer sees.
+struct CpuStates {
+  Tensor P, A, Pz, bz;          // phase A
+  Tensor Mf, Mr, M, zf, zr, z;  // the scan: M = Mf + Mr, z = zf + zr
 };
-SummedStates summed_states(const Prepared& p, const Dims& d) {
+CpuStates cpu_states(const Prepared& p, const Dims& d, const Tensor& mask = Tensor()) {
   const LayerInputs& in = p.in;
   const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D};
-  Tensor P = Tensor::empty(mat, DType::f32), A = P.clone(), Pz = P.clone(), bz = Tensor::empty(vec, DType::f32);
-  cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, in.opt.k_scale,
-                   MathMode::ieee);
-  Tensor Mf = Tensor::empty(mat, DType::f32), Mr = Mf.clone(), M = Mf.clone();
-  Tensor zf = Tensor::empty(vec, DType::f32), zr = zf.clone(), z = zf.clone();
-  cpu::scan_bidi_fwd(Mf, Mr, M, zf, zr, z, P, A, Pz, bz, in.decay, Tensor(), d);
-  return {M, z};
+  CpuStates c;
+  c.P = Tensor::empty(mat, DType::f32), c.A = c.P.clone(), c.Pz = c.P.clone(), c.bz = Tensor::empty(vec, DType::f32);
+  cpu::phase_a_fwd(c.P, c.A, c.Pz, c.bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d,
+                   in.opt.k_scale, MathMode::ieee);
+  c.Mf = Tensor::empty(mat, DType::f32), c.Mr = c.Mf.clone(), c.M = c.Mf.clone();
+  c.zf = Tensor::empty(vec, DType::f32), c.zr = c.zf.clone(), c.z = c.zf.clone();
+  cpu::scan_bidi_fwd(c.Mf, c.Mr, c.M, c.zf, c.zr, c.z, c.P, c.A, c.Pz, c.bz, in.decay, mask, d);
+  return c;
 }
 
 // ----------------------------------------------------------------------------------------
@@ -190,12 +193,9 @@ void expect_scan_bidi_twins(const Dims& d, uint64_t& seed, const Tensor& mask, c
   const Prepared p = prepare(d, DType::f32, ++seed);
   const LayerInputs& in = p.in;
   const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D};
-  Tensor P = Tensor::empty(mat, DType::f32), A = P.clone(), Pz = P.clone(), bz = Tensor::empty(vec, DType::f32);
-  cpu::phase_a_fwd(P, A, Pz, bz, in.qkv, p.rstd, in.k_norm_w, in.rope_cos, in.rope_sin, in.beta, d, in.opt.k_scale,
-                   MathMode::ieee);
-  Tensor Mf = Tensor::empty(mat, DType::f32), Mr = Mf.clone(), Ms = Mf.clone();
-  Tensor zf = Tensor::empty(vec, DType::f32), zr = zf.clone(), zs = zf.clone();
-  cpu::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, mask, d);
+  const CpuStates c = cpu_states(p, d, mask);
+  const Tensor &P = c.P, &A = c.A, &Pz = c.Pz, &bz = c.bz, &Mf = c.Mf, &Mr = c.Mr, &Ms = c.M, &zf = c.zf, &zr = c.zr,
+               &zs = c.z;
   Tensor gMf = poisoned(mat, DType::f32), gMr = poisoned(mat, DType::f32), gMs = poisoned(mat, DType::f32);
   Tensor gzf = poisoned(vec, DType::f32), gzr = poisoned(vec, DType::f32), gzs = poisoned(vec, DType::f32);
   kernels::scan_bidi_fwd(gMf, gMr, gMs, gzf, gzr, gzs, gpu(P), gpu(A), gpu(Pz), gpu(bz), gpu(in.decay), gpu(mask), d);
@@ -261,7 +261,8 @@ TEST(CudaTwins, PhaseC) {
         const LayerInputs& in = p.in;
         const std::string tag = std::string(" ") + (divide ? "divide " : "raw ") + dims_str(d) + " " + mode_name(m);
         const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D}, tok = {d.B, d.N(), d.H, d.D};
-        const auto [M, z] = summed_states(p, d);
+        const CpuStates states = cpu_states(p, d);
+        const Tensor &M = states.M, &z = states.z;
 
         const DType out_dt = divide ? dt : DType::f32;
         Tensor out = Tensor::empty(tok, out_dt), den = Tensor::empty({d.B, d.H, d.N()}, DType::f32);
@@ -320,7 +321,8 @@ TEST(CudaTwins, PhaseCBwdStagedMatchesRegisterPath) {
       const LayerInputs& in = p.in;
       const std::string tag = " variant " + std::to_string(variant) + " " + dims_str(d);
       const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D}, tok = {d.B, d.N(), d.H, d.D};
-      const auto [M, z] = summed_states(p, d);
+      const CpuStates states = cpu_states(p, d);
+      const Tensor &M = states.M, &z = states.z;
       Tensor dout, dden;
       if (variant < 2) dout = Tensor::randn(tok, DType::bf16, Device::cpu, ++seed);
       if (variant > 0) dden = Tensor::randn({d.B, d.H, d.N()}, DType::f32, Device::cpu, ++seed);
