@@ -109,5 +109,5 @@ TEST(TrainCapture, StepReplaysBitwise) { GTEST_SKIP() << "examples not built"; }
 }  // namespace
 
 int main(int argc, char** argv) {
-  return gdncp::test::run_all_tests_max_over_ranks(argc, argv, /*quiet_others=*/false);
+  return gdncp::test::mpi_main(argc, argv);
 }

@@ -238,7 +238,7 @@ TEST(TrainChecks, SkippedWithoutExamples) { GTEST_SKIP() << "built with GDNCP_BU
 }  // namespace
 
 int main(int argc, char** argv) {
-  return gdncp::test::run_all_tests_max_over_ranks(argc, argv, /*quiet_others=*/true, [] {
+  return gdncp::test::mpi_main(argc, argv, {}, [] {
 #if GDNCP_HAVE_TRAINER
     const std::string root = fs::path(scratch("x")).parent_path().string();
     MPI_Barrier(MPI_COMM_WORLD);

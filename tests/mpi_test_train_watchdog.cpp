@@ -25,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include "util/mpi_main.h"
+
 extern char** environ;
 
 namespace {
@@ -187,7 +189,4 @@ TEST(TrainWatchdog, StoppedRankEndsTheRunInTime) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
-}
+int main(int argc, char** argv) { return gdncp::test::launcher_main(argc, argv); }

@@ -1,7 +1,7 @@
 // tests/mpi_train_fixtures.h — shared pieces of the in-process trainer tests
 // (tests/mpi_test_train*.cpp): the world rank, a scratch directory shared by the
-// ranks, a fixture that fails every rank when one failed, and a main() that
-// reduces RUN_ALL_TESTS over the ranks.
+// ranks, a fixture that fails every rank when one failed; their main() is
+// util/mpi_main.h's.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -9,8 +9,9 @@
 #include <unistd.h>
 
 #include <filesystem>
-#include <functional>
 #include <string>
+
+#include "util/mpi_main.h"
 
 namespace gdncp {
 namespace test {
@@ -38,25 +39,6 @@ class AllRanksTest : public ::testing::Test {
     if (any && !mine) ADD_FAILURE() << "another rank failed";
   }
 };
-
-// MPI_Init, InitGoogleTest, RUN_ALL_TESTS, after (on every rank), MPI_Finalize;
-// returns the largest RUN_ALL_TESTS code over the ranks. With quiet_others,
-// only rank 0 prints gtest's report.
-inline int run_all_tests_max_over_ranks(int argc, char** argv, bool quiet_others,
-                                        const std::function<void()>& after = {}) {
-  MPI_Init(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  if (quiet_others && world_rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  const int rc = RUN_ALL_TESTS();
-  if (after) after();
-  int worst = 0;
-  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return worst;
-}
 
 }  // namespace test
 }  // namespace gdncp

@@ -1,6 +1,7 @@
-// tests/util/mpi_main.h — the main() of every multi-rank test binary.
+// tests/util/mpi_main.h — the main() of every test binary that ctest runs under
+// mpirun (tests/mpi_test_*.cpp).
 //
-// Every rank runs the binary's tests; the process exit code is the same on
+// mpi_main: every rank runs the binary's tests; the process exit code is the same on
 // every rank and says what happened over all of them:
 //   1   a test failed (or setup/teardown threw) on some rank;
 //   77  no test ran on any rank (all skipped, e.g. GPU tests on a CPU machine):
@@ -39,9 +40,37 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
   int rank_;
 };
 
-// MPI_Init, InitGoogleTest, setup, RUN_ALL_TESTS, teardown, the reduction of
-// "failed" and "ran anything" over the ranks, MPI_Finalize. setup and teardown
-// run on every rank (teardown also after a failed setup, before MPI_Finalize).
+// This process's outcome {failed, ran anything}: setup, RUN_ALL_TESTS,
+// teardown (also after a failed setup); an exception from any of them is a
+// failure reported with the rank, never an abort.
+inline void run_tests(int rank, const std::function<void()>& setup, const std::function<void()>& teardown,
+                      int outcome[2]) {
+  int failed = 1;
+  try {
+    if (setup) setup();
+    failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[rank %d] uncaught: %s\n", rank, e.what());
+    failed = 1;
+  }
+  try {
+    if (teardown) teardown();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[rank %d] teardown: %s\n", rank, e.what());
+    failed = 1;
+  }
+  const ::testing::UnitTest& unit = *::testing::UnitTest::GetInstance();
+  outcome[0] = failed;
+  outcome[1] = unit.successful_test_count() + unit.failed_test_count() > 0 ? 1 : 0;
+}
+
+inline int exit_code(const int outcome[2]) {
+  if (outcome[0]) return 1;
+  return outcome[1] ? 0 : kSkipReturnCode;
+}
+
+// MPI_Init, InitGoogleTest, run_tests, the reduction of the outcome over the
+// ranks, MPI_Finalize.
 inline int mpi_main(int argc, char** argv, const std::function<void()>& setup = {},
                     const std::function<void()>& teardown = {}) {
   MPI_Init(&argc, &argv);
@@ -53,29 +82,24 @@ inline int mpi_main(int argc, char** argv, const std::function<void()>& setup = 
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new RankFailurePrinter(r));
   }
-  int failed = 1;
-  try {
-    if (setup) setup();
-    failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "[rank %d] uncaught: %s\n", r, e.what());
-    failed = 1;
-  }
-  try {
-    if (teardown) teardown();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "[rank %d] teardown: %s\n", r, e.what());
-    failed = 1;
-  }
-  const ::testing::UnitTest& unit = *::testing::UnitTest::GetInstance();
-  const int ran = unit.successful_test_count() + unit.failed_test_count() > 0 ? 1 : 0;
-  int mine[2] = {failed, ran}, all[2] = {1, 0};
+  int mine[2] = {1, 0}, all[2] = {1, 0};
+  run_tests(r, setup, teardown, mine);
   MPI_Allreduce(mine, all, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (r == 0 && all[0] && !failed) std::fprintf(stderr, "some rank failed (see the [rank k] lines)\n");
+  if (r == 0 && all[0] && !mine[0]) std::fprintf(stderr, "some rank failed (see the [rank k] lines)\n");
   if (r == 0 && !all[0] && !all[1]) std::fprintf(stderr, "no test ran on any rank: reported as skipped\n");
   MPI_Finalize();
-  if (all[0]) return 1;
-  return all[1] ? 0 : kSkipReturnCode;
+  return exit_code(all);
+}
+
+// The main of a binary that ctest starts under mpirun but that launches its own
+// jobs (a nested mpirun) and does not join MPI: the same exit codes, for this
+// process alone.
+inline int launcher_main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  int outcome[2] = {1, 0};
+  run_tests(0, {}, {}, outcome);
+  if (!outcome[0] && !outcome[1]) std::fprintf(stderr, "no test ran: reported as skipped\n");
+  return exit_code(outcome);
 }
 
 }  // namespace test
