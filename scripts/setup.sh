@@ -13,6 +13,7 @@ need=()
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v ninja >/dev/null 2>&1 || need+=(ninja-build)
+command -v clang-format >/dev/null 2>&1 || need+=(clang-format)  # scripts/format.sh
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 [ -e /usr/include/x86_64-linux-gnu/mpi/mpi.h ] || [ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] \
   || [ -e /usr/include/mpi.h ] || need+=(libopenmpi-dev)
