@@ -23,7 +23,8 @@ namespace dev {
 
 using namespace ::gdncp::cuda::detail;  // the device helpers, seen by `using namespace dev`
 
-constexpr int kRowThreads = 128;  // Note [row threads]; D ≤ 128
+constexpr int kRowThreads = 128;  // Note [row threads]
+static_assert(kRowThreads >= kMaxHeadDim, "one thread per row of a D×D state (Note [head dims])");
 constexpr int kChunk = 32;        // columns of A per shared-memory chunk
 constexpr int kPitch = kChunk + 1;
 

@@ -31,6 +31,7 @@
 
 #include "gdncp/error.h"
 #include "gdncp/tensor.h"
+#include "kernels/head_dims.h"
 #include "kernels/kernels.h"
 
 namespace gdncp {
@@ -82,8 +83,6 @@ inline int wave_splits(int64_t units, int64_t slots, int max_splits) {
   return best;
 }
 
-// Padded head dim of the tile kernels: 32, 64 or 128.
-inline int padded_dim(int64_t D) { return D <= 32 ? 32 : D <= 64 ? 64 : 128; }
 
 // Calls fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, M>{}) for the runtime (D, mode).
 template <int DP, typename Fn>
@@ -95,13 +94,15 @@ void with_mode(MathMode mode, Fn&& fn) {
   }
   GDNCP_FAIL("unknown MathMode ", static_cast<int>(mode));
 }
-// Calls fn(std::integral_constant<int, DP>{}) for the runtime D.
-template <typename Fn>
+// Calls fn(std::integral_constant<int, DP>{}) with DP = padded_dim(D): one instantiation per
+// entry of kPaddedDims (Note [head dims]).
+template <int I = 0, typename Fn>
 void with_dp(int64_t D, Fn&& fn) {
-  switch (padded_dim(D)) {
-    case 32: fn(std::integral_constant<int, 32>{}); return;
-    case 64: fn(std::integral_constant<int, 64>{}); return;
-    default: fn(std::integral_constant<int, 128>{}); return;
+  if constexpr (I < kNumPaddedDims) {
+    if (D <= kPaddedDims[I]) return fn(std::integral_constant<int, kPaddedDims[I]>{});
+    with_dp<I + 1>(D, fn);
+  } else {
+    GDNCP_FAIL("head dim D = ", D, " exceeds the largest padded dim ", kMaxPaddedDim);
   }
 }
 template <typename Fn>
@@ -126,8 +127,7 @@ struct FrameSizes {
   int64_t BHF;
 };
 inline FrameSizes frame_sizes(const Dims& d, const char* op) {
-  GDNCP_CHECK(d.D >= 2 && d.D <= kMaxHeadDim && d.D % 2 == 0, op, ": D must be even in [2, ", kMaxHeadDim, "], got ",
-              d.D);
+  GDNCP_CHECK(supported_head_dim(d.D), op, ": D must be even in [", kMinHeadDim, ", ", kMaxHeadDim, "], got ", d.D);
   GDNCP_CHECK(d.B > 0 && d.H > 0 && d.F > 0 && d.S > 0, op, ": sizes must be positive");
   return FrameSizes{static_cast<int>(d.H), static_cast<int>(d.D), static_cast<int>(d.F), static_cast<int>(d.S),
                     d.BH() * d.F};
@@ -324,9 +324,6 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool ok)
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(ok ? 4 : 0)
                : "memory");
 }
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most N committed groups of this thread are in flight.
 template <int N>
@@ -429,18 +426,6 @@ struct OpKM {  // element (mn, k) at p[k·ld + mn]
   }
 };
 
-// A bf16 operand stored [mn][k] (bf16 mode only): the k-quad of a fragment is one 8-byte
-// load that already holds the two packed bf16 pairs. Pitch ≡ 16 (mod 64) elements keeps
-// the loads at g·ld + 4t conflict-free.
-struct OpH {
-  const __nv_bfloat16* p;
-  int ld;
-  __device__ __forceinline__ uint2 quad_bits(int mn, int k) const {  // k % 4 == 0
-    return *reinterpret_cast<const uint2*>(p + mn * ld + k);
-  }
-};
-constexpr int pitch_h(int cols) { return cols + 16; }
-
 // Row pitches (in floats) of a tile with `cols` columns (a multiple of 32), for the loads of
 // warp_mma: OpMK 16-byte loads at g·ld + 4t (bf16) or 8-byte loads at g·ld + 2t (tf32);
 // OpKM words at (4t + j)·ld + g (bf16) or (2t + j)·ld + g (tf32). All pitches are even.
@@ -501,15 +486,9 @@ __device__ __forceinline__ void warp_mma(float (&acc)[TM][TN][4], const OA& a, i
 #pragma unroll
       for (int j = 0; j < TN; ++j)
         if (n0 + 8 * j < nlim) {
-          if constexpr (std::is_same<OB, OpH>::value) {
-            const uint2 q = b.quad_bits(n0 + 8 * j + g, k + 4 * t);
-            bfr[j][0] = q.x;
-            bfr[j][1] = q.y;
-          } else {
-            const float4 q = b.quad(n0 + 8 * j + g, k + 4 * t);
-            bfr[j][0] = pack_bf16(make_float2(q.x, q.y));
-            bfr[j][1] = pack_bf16(make_float2(q.z, q.w));
-          }
+          const float4 q = b.quad(n0 + 8 * j + g, k + 4 * t);
+          bfr[j][0] = pack_bf16(make_float2(q.x, q.y));
+          bfr[j][1] = pack_bf16(make_float2(q.z, q.w));
         }
 #pragma unroll
       for (int i = 0; i < TM; ++i)
@@ -658,11 +637,6 @@ __device__ __forceinline__ void warp_mma_ld(float (&acc)[TM][TN][4], const OA& a
       for (int j = 0; j < TN; ++j)
         if (m0 + 16 * i < mlim && n0 + 8 * j < nlim) mma_bf16(acc[i][j], af[i], bfr[j]);
   }
-}
-
-// Stores channels d, d+1 of a bf16 tile row.
-__device__ __forceinline__ void st2h(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
 // Stores a warp's accumulator tile (rows m0 + 16i + .., columns n0 + 8j + ..) into the

@@ -259,6 +259,8 @@ template <int DP>
 struct HTile {
   static constexpr int WN = DP / 16 < 8 ? DP / 16 : 8, WM = 8 / WN, TM = DP == 128 ? 2 : 1, TN = 2, KS = 16 * WM * TM;
   static constexpr int OPR = DP / 8, RSTEP = kThreads / OPR, TPT = KS / RSTEP;  // octets per row, rows per pass
+  static_assert(is_padded_dim(DP) && DP <= 128, "HTile: a tile shape for each padded dim up to 128 (Note [head dims])");
+  static_assert(WM * WN == 8 && TN * 8 * WN == DP && KS % RSTEP == 0, "HTile: 8 warps cover the DP columns");
 };
 
 // Shared memory of phase_a_bwd_h_kernel, in bytes from the start (all 16-byte aligned).

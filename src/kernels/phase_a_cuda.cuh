@@ -56,7 +56,7 @@ struct BwdArgs {
 // The bf16 coding runs bf16 mode at a padded head dim of 64 or 128 with bf16 qkv and
 // D % 8 == 0 (Note [staged loads]); the f32 coding runs everything else.
 inline bool bf16_coding(MathMode mode, int64_t D, DType qkv) {
-  return mode == MathMode::bf16 && detail::padded_dim(D) >= 64 && qkv == DType::bf16 && D % 8 == 0;
+  return mode == MathMode::bf16 && padded_dim(D) >= 64 && qkv == DType::bf16 && D % 8 == 0;
 }
 
 void fwd_f32(const FwdArgs& a, MathMode mode);  // phase_a_f32.cu

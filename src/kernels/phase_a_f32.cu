@@ -49,6 +49,7 @@ __device__ __forceinline__ void load_k_row(float2 (&xk)[PPL], float2 (&xv)[PPL],
 template <int DP>
 struct FwdTile {  // 2 × 4 warps over the DP×DP product
   static constexpr int WM = 2, WN = 4, TM = DP / (16 * WM), TN = DP / (8 * WN), KS = 32;
+  static_assert(is_padded_dim(DP) && TM * 16 * WM == DP && TN * 8 * WN == DP, "FwdTile: warps tile DP × DP exactly");
 };
 
 // ---------------------------------------------------------------------------
@@ -135,6 +136,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 template <int DP>
 struct BwdTile {  // each warp owns a column slice of all four products of a KS-token tile
   static constexpr int WN = DP >= 64 ? 8 : 4, WM = 8 / WN, TN = DP / (8 * WN), KS = 16 * WM;
+  static_assert(is_padded_dim(DP) && TN * 8 * WN == DP, "BwdTile: the warps' column slices cover DP");
 };
 
 // Pitches of the three gradients in shared memory: Ps and Pzs are read as [k][n] in bf16 mode

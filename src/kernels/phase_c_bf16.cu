@@ -187,6 +187,7 @@ struct Item {
 template <int DP>
 struct FwdLd {  // 2 × 4 warps over a KS×DP output tile
   static constexpr int KS = 64, WM = 2, WN = 4, TM = KS / (16 * WM), TN = DP / (8 * WN);
+  static_assert(is_padded_dim(DP) && TN * 8 * WN == DP, "FwdLd: the warps cover the DP columns");
   static constexpr int LDH = pitch_ld(DP), NP = KS / RowMap<DP, kThreads>::RPB;  // NP row passes per tile
   static constexpr int BATCH = DP == 128 ? 2 : 1;                        // rows whose loads go out together
 };
@@ -374,6 +375,7 @@ struct BwdLd {
   static constexpr int KS = RowMap<DP, kBwdThreads>::RPB;
   static constexpr int WN1 = DP / 16, TN1 = 2;                              // dqʳ (KS × DP): 16 × 16 per warp
   static constexpr int WN2 = 4, TM2 = DP >= 64 ? DP / 64 : 1, TN2 = DP / 32;  // dM (DP × DP): 4 × 4 warps
+  static_assert(is_padded_dim(DP) && WN1 * TN1 * 8 == DP && TN2 * 8 * WN2 == DP, "BwdLd: the warps cover DP");
   static constexpr int LDH = pitch_ld(DP), LDG = DP + 8;  // LDG ≡ 8 (mod 32): conflict-free float2 stores
 };
 // Position of quad e (4 floats, e = row·DP/4 + channel/4) in a staged f32 buffer: quads with bit 3

@@ -43,6 +43,7 @@ __device__ __forceinline__ void q_weight_pairs(float2 (&wq)[PPL], const float* q
 template <int DP>
 struct FwdTile {  // 2 × 4 warps over a KS×DP output tile
   static constexpr int KS = 64, WM = 2, WN = 4, TM = KS / (16 * WM), TN = DP / (8 * WN);
+  static_assert(is_padded_dim(DP) && TN * 8 * WN == DP, "FwdTile: the warps cover the DP columns");
 };
 
 template <int DP, MathMode MODE>
@@ -154,6 +155,7 @@ struct BwdTile {
   static constexpr int KS = 32, WM = 2, WN = 4;
   static constexpr int TM1 = KS / (16 * WM), TN1 = DP / (8 * WN);  // dqʳ = dnum Mᵀ   (KS × DP)
   static constexpr int TM2 = DP / (16 * WM), TN2 = DP / (8 * WN);  // dM += qʳᵀ dnum (DP × DP)
+  static_assert(is_padded_dim(DP) && TM2 * 16 * WM == DP && TN1 * 8 * WN == DP, "BwdTile: warps tile DP × DP");
 };
 
 template <int DP, MathMode MODE>

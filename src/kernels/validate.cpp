@@ -5,6 +5,7 @@
 #include <string>
 
 #include "gdncp/error.h"
+#include "kernels/head_dims.h"
 
 namespace gdncp {
 namespace {
@@ -73,8 +74,8 @@ Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& b
   GDNCP_CHECK(d.H > 0, entry, ": qkv: heads H (dim 3) must be > 0, got ", shape_str(qkv.shape()));
   const int64_t N = checked_mul(F, S, (std::string(entry) + ": F·S").c_str());
   GDNCP_CHECK(qkv.size(1) == N, entry, ": qkv: dim 1 (N = ", qkv.size(1), ") must equal F·S = ", F, "·", S, " = ", N);
-  GDNCP_CHECK(d.D >= 2 && d.D <= kMaxHeadDim && d.D % 2 == 0, entry,
-              ": qkv: head dim D (dim 4) must be even and in 2..", kMaxHeadDim, ", got ", d.D);
+  GDNCP_CHECK(supported_head_dim(d.D), entry, ": qkv: head dim D (dim 4) must be even and in ",
+              kMinHeadDim, "..", kMaxHeadDim, ", got ", d.D);
 
   // Shapes.
   const Arg ab{entry, "beta"}, ag{entry, "decay"}, aqw{entry, "q_norm_w"}, akw{entry, "k_norm_w"},
