@@ -164,13 +164,25 @@ def call(entry, comm, scalars, inputs):
     return outs[:layers.present(entry, scalars)]
 
 
+UNAVAILABLE = "torch %s has no torch.library.custom_op (torch < 2.4)" % torch.__version__
+
+
 def _register_all():
-    global REGISTERED
+    """Registers every entry; a failure leaves the autograd.Function path in use and says why (UNAVAILABLE)."""
+    global REGISTERED, UNAVAILABLE
     lib = torch.library
     if not (hasattr(lib, "custom_op") and hasattr(lib, "register_fake")):
-        return  # torch < 2.4
+        return
     from . import layers
 
-    for entry in layers.ENTRIES:
-        _OPS[entry] = _register(entry)
+    try:
+        for entry in layers.ENTRIES:
+            _OPS[entry] = _register(entry)
+    except Exception as e:  # keep the package importable: eager calls do not need the ops
+        import warnings
+
+        UNAVAILABLE = "registering the gdncp custom ops failed: %s: %s" % (type(e).__name__, e)
+        warnings.warn("gdncp: " + UNAVAILABLE + "; torch.compile will not trace the entries")
+        return
     REGISTERED = True
+    UNAVAILABLE = ""

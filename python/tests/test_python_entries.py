@@ -381,8 +381,9 @@ def test_split_and_gather_frames_one_rank(comm):
 # --- torch.compile (custom ops, torch >= 2.4) -----------------------------------------------------------------
 
 def test_compile_fullgraph_bigdn_module_matches_eager():
-    if not gdncp._ops.REGISTERED:
+    if not hasattr(torch.library, "custom_op"):
         pytest.skip("torch %s < 2.4: no torch.library custom ops (autograd.Function path only)" % torch.__version__)
+    assert gdncp._ops.REGISTERED, gdncp._ops.UNAVAILABLE
     torch.manual_seed(0)
     B, H, D, F, S = 1, 2, 4, 3, 2
     x = eager.inputs(B, H, D, F, S, seed=14, dtype=torch.float32)
@@ -409,3 +410,13 @@ def test_compile_fullgraph_bigdn_module_matches_eager():
     assert torch.allclose(loss_c, loss_eager, rtol=1e-6, atol=1e-6)
     for a, b in zip(grads_c, grads_eager):
         assert eager.rel_l2(a, b) <= 1e-6
+
+
+def test_custom_ops_opcheck_bigdn():
+    if not hasattr(torch.library, "opcheck"):
+        pytest.skip("torch %s < 2.4: no torch.library.opcheck" % torch.__version__)
+    assert gdncp._ops.REGISTERED, gdncp._ops.UNAVAILABLE
+    x = eager.inputs(1, 2, 4, 3, 2, seed=15)
+    args = tuple(x[k].clone().requires_grad_(True) for k in LAYER) + (x["rope_cos"], x["rope_sin"], None, 3, 2,
+                                                                      x["k_scale"], 1e-5, 1e-6, "auto", "off", 0)
+    torch.library.opcheck(torch.ops.gdncp.bigdn, args)
