@@ -3,7 +3,7 @@ ranks split the frames; every rank runs the eager float64 coding on the whole
 seeded sequence itself and compares its own frames — out and every gradient
 (the norm weights' after the sum over ranks).
 
-    mpirun -np 2 python3 python/tests/run_pytest.py python/tests/test_python_mpi.py
+    mpirun -np 2 /usr/bin/python3 python/tests/run_pytest.py python/tests/test_python_mpi.py
 """
 import pytest
 import torch
