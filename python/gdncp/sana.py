@@ -18,7 +18,9 @@ state in every mode). Arguments taken and not honoured: BLOCK_S (a Triton tile
 size; the library picks its own tiles; the numbers do not depend on it),
 `eps` of the raw entry and `eps_recurrence` of the camera entry (unused by
 Sana too). Anything else outside Sana's contract (e.g. dot_precision 3) is
-refused with a ValueError.
+refused with a ValueError. One difference in dtype: the raw entry's num and
+den come in the library's compute dtype (fp32; fp64 for fp64 input) at every
+dot_precision, where Sana's are bf16 at dot_precision 0.
 """
 import dataclasses
 from typing import Optional
