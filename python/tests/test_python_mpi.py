@@ -131,6 +131,12 @@ def test_from_process_group_wraps_mpi_world(comm):
         a = door_step(c, leaves(x), F, w)
         b = door_step(comm, leaves(x), F, w)
         c.close()
+        # The frame helpers over the torch.distributed group itself (gloo), uneven: 2·P + 1 frames.
+        video = torch.randn(B, (2 * P + 1) * S, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        part = gdncp.split_frames(video, None, 2 * P + 1, dim=1)
+        F_u, off_u = eager.balanced_split(2 * P + 1, P, r)
+        assert torch.equal(part, video[:, off_u * S:(off_u + F_u) * S])
+        assert torch.equal(gdncp.gather_frames(part, None, 2 * P + 1, dim=1), video)
     finally:
         dist.destroy_process_group()
     assert torch.equal(a[0], b[0])
