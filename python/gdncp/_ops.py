@@ -84,7 +84,7 @@ def _fake_outputs(entry, inputs, s):
 def _register(entry):
     from . import layers
 
-    _, n_in, n_diff, n_out, names = layers.ENTRIES[entry]
+    n_in, n_diff, n_out, names = layers.ENTRIES[entry]
     tensors = _TENSORS.get(entry, _TENSORS["layer"])
     scalars = ", ".join("%s %s" % (_SCALAR_TYPES[n], n) for n in names)
     grads = ", ".join("Tensor? g%d" % k for k in range(n_out))

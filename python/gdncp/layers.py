@@ -62,33 +62,33 @@ class _Graph(_capi.OwnedHandle):
             self.release()
 
 
-# name: (takes a communicator, inputs, differentiable inputs, output slots, scalar arguments)
+# name: (inputs, differentiable inputs (the leading ones), output slots, scalar arguments)
 _LAYER_SCALARS = ("F", "S", "k_scale", "norm_eps", "eps", "precision", "checkpoint")
 _CP_SCALARS = ("reverse_rank_order", "truncate_to_active")
 ENTRIES = {
-    "bigdn": (False, 8, 5, 1, _LAYER_SCALARS),
-    "bigdn_cp": (True, 8, 5, 1, _LAYER_SCALARS),
-    "cp_gdn_raw": (True, 8, 5, 4, _LAYER_SCALARS + _CP_SCALARS),
-    "cp_cam_gdn_num": (True, 5, 5, 2, ("F", "S") + _CP_SCALARS + ("checkpoint",)),
-    "cp_scan": (True, 6, 5, 4, _CP_SCALARS),
+    "bigdn": (8, 5, 1, _LAYER_SCALARS),
+    "bigdn_cp": (8, 5, 1, _LAYER_SCALARS),
+    "cp_gdn_raw": (8, 5, 4, _LAYER_SCALARS + _CP_SCALARS),
+    "cp_cam_gdn_num": (5, 5, 2, ("F", "S") + _CP_SCALARS + ("checkpoint",)),
+    "cp_scan": (6, 5, 4, _CP_SCALARS),
 }
 
 
 def present(entry, scalars):
     """How many leading outputs a call returns: the terminal states exist only with truncate_to_active."""
-    names = ENTRIES[entry][4]
+    names = ENTRIES[entry][3]
     truncated = "truncate_to_active" in names and bool(scalars[names.index("truncate_to_active")])
     return {"cp_gdn_raw": 4 if truncated else 2, "cp_scan": 4 if truncated else 2,
             "cp_cam_gdn_num": 2 if truncated else 1}.get(entry, 1)
 
 
 class _Call:
-    """One call of a C entry (a key of ENTRIES): its communicator and its
-    scalar arguments (a tuple in the order ENTRIES names them)."""
+    """One call of a C entry (a key of ENTRIES): its communicator (None for
+    bigdn) and its scalar arguments (a tuple in the order ENTRIES names them)."""
 
     def __init__(self, entry, comm, scalars):
         self.entry, self.comm, self.scalars = entry, comm, tuple(scalars)
-        _, self.n_in, self.n_diff, self.n_out, names = ENTRIES[entry]
+        self.n_in, self.n_diff, self.n_out, names = ENTRIES[entry]
         s = dict(zip(names, self.scalars))
         self.present = present(entry, self.scalars)
         # The C arguments between the tensors and the stream (ctypes.byref keeps the structs alive).
