@@ -264,8 +264,7 @@ static void case_bad_argument(void) {
     layer_wrap(L, in);
     st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], wrap(&cb, clip, kDLFloat, 32, 2, cs), F, S, NULL,
                      NULL, 0, &out, NULL);
-    EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "clip_starts") != NULL, "%d '%s'", st,
-           gdncp_last_error());
+    EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "clip_starts") != NULL, "%d '%s'", st, gdncp_last_error());
     EXPECT(all_deleted_once(L) && cb.deleted == 1, "inputs consumed once");
   }
 
@@ -400,9 +399,151 @@ static void case_dlpack_in_place(void) {
   EXPECT(gdncp_mpi_finalize() == GDNCP_OK, "finalize: '%s'", gdncp_last_error());
 }
 
+/* The camera branch through the door on a 1-rank MPI world: out and the
+ * truncated terminal state against the recurrence coded here (S = S W + U,
+ * out = S q), every gradient against a central difference of that coding. */
+enum { CB = 1, CH = 2, CD = 4, CF = 3, CS = 2, CN = CF * CS, CK = 2 /* truncate_to_active */ };
+typedef struct Cam {
+  double x[5][CB * CH * CD * CN]; /* q, k, v (B, H, D, N); beta (B, H, F, S); decay (B, H, F) */
+  Blob b[5];
+} Cam;
+static const int64_t kCamSizes[5] = {CB * CH * CD * CN, CB* CH* CD* CN, CB* CH* CD* CN, CB* CH* CF* CS, CB* CH* CF};
+
+/* out (B, H, D, N) under truncate_to_active = CK and the state after frame CK-1 as [key][value] (B*H, D, D). */
+static void cam_reference(const Cam* c, double* out, double* terminal) {
+  const double *q = c->x[0], *k = c->x[1], *v = c->x[2], *beta = c->x[3], *decay = c->x[4];
+  for (int bh = 0; bh < CB * CH; ++bh) {
+    double St[CD][CD] = {{0}}; /* [value][key] */
+    for (int f = 0; f < CF; ++f) {
+      double W[CD][CD], U[CD][CD] = {{0}}, next[CD][CD];
+      const double g = decay[bh * CF + f];
+      for (int i = 0; i < CD; ++i)
+        for (int j = 0; j < CD; ++j) W[i][j] = (i == j);
+      for (int s = 0; s < CS; ++s) {
+        const int n = f * CS + s;
+        const double bt = beta[(bh * CF + f) * CS + s];
+        for (int i = 0; i < CD; ++i)
+          for (int j = 0; j < CD; ++j) {
+            const double kj = k[(bh * CD + j) * CN + n];
+            W[i][j] -= bt * k[(bh * CD + i) * CN + n] * kj;
+            U[i][j] += bt * v[(bh * CD + i) * CN + n] * kj;
+          }
+      }
+      for (int i = 0; i < CD; ++i)
+        for (int j = 0; j < CD; ++j) {
+          double a = U[i][j];
+          for (int l = 0; l < CD; ++l) a += St[i][l] * g * W[l][j];
+          next[i][j] = a;
+        }
+      if (f < CK) memcpy(St, next, sizeof St); /* truncate_to_active: later frames keep the state */
+      for (int s = 0; s < CS; ++s)
+        for (int i = 0; i < CD; ++i) {
+          double a = 0;
+          for (int j = 0; j < CD; ++j) a += St[i][j] * q[(bh * CD + j) * CN + f * CS + s];
+          out[(bh * CD + i) * CN + f * CS + s] = a;
+        }
+      if (f == CK - 1 && terminal)
+        for (int i = 0; i < CD; ++i)
+          for (int j = 0; j < CD; ++j) terminal[(bh * CD + j) * CD + i] = St[i][j];
+    }
+  }
+}
+
+static double cam_loss(const double* out) {
+  double s = 0;
+  for (int i = 0; i < CB * CH * CD * CN; ++i) s += out[i] * sin(0.37 * i + 0.1);
+  return s;
+}
+
+static void case_cam_gdn_num(void) {
+  gdncp_comm* comm = NULL;
+  gdncp_status st = gdncp_comm_create_mpi_world(&comm);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  if (st != GDNCP_OK) return;
+  Cam* c = (Cam*)calloc(1, sizeof(Cam));
+  for (int t = 0; t < 5; ++t)
+    for (int64_t i = 0; i < kCamSizes[t]; ++i)
+      c->x[t][i] = t < 3 ? uniform(-0.6, 0.6) : t == 3 ? uniform(0.1, 0.9) : uniform(0.5, 0.99);
+  const int64_t s_qkv[] = {CB, CH, CD, CN}, s_beta[] = {CB, CH, CF, CS}, s_decay[] = {CB, CH, CF};
+  const int64_t* shapes[5] = {s_qkv, s_qkv, s_qkv, s_beta, s_decay};
+  const int ndims[5] = {4, 4, 4, 4, 3};
+  DLManagedTensor* in[5];
+  for (int t = 0; t < 5; ++t) in[t] = wrap_f64(&c->b[t], c->x[t], ndims[t], shapes[t]);
+  gdncp_cp_options co;
+  gdncp_cp_options_init(&co);
+  co.truncate_to_active = CK;
+  DLManagedTensor* outs[2] = {0};
+  gdncp_graph* g = NULL;
+  st = gdncp_cp_cam_gdn_num(comm, in[0], in[1], in[2], in[3], in[4], CF, CS, &co, GDNCP_CHECKPOINT_OFF, NULL, 0x1f,
+                            outs, &g);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  if (st == GDNCP_OK) {
+    static double out_ref[CB * CH * CD * CN], term_ref[CB * CH * CD * CD];
+    cam_reference(c, out_ref, term_ref);
+    EXPECT(outs[0] && numel(&outs[0]->dl_tensor) == CB * CH * CD * CN && outs[0]->dl_tensor.ndim == 4, "out shape");
+    EXPECT(outs[1] && numel(&outs[1]->dl_tensor) == CB * CH * CD * CD && outs[1]->dl_tensor.ndim == 3,
+           "terminal shape");
+    double err = 0, ref = 0;
+    for (int i = 0; outs[0] && i < CB * CH * CD * CN; ++i) {
+      const double d = ((const double*)outs[0]->dl_tensor.data)[i] - out_ref[i];
+      err += d * d, ref += out_ref[i] * out_ref[i];
+    }
+    for (int i = 0; outs[1] && i < CB * CH * CD * CD; ++i) {
+      const double d = ((const double*)outs[1]->dl_tensor.data)[i] - term_ref[i];
+      err += d * d, ref += term_ref[i] * term_ref[i];
+    }
+    EXPECT(sqrt(err / ref) <= 1e-12, "out and terminal state: rel %.3g", sqrt(err / ref));
+    /* Backward of loss = Σ w·out, each gradient along a random direction vs a central difference. */
+    static double w[CB * CH * CD * CN];
+    for (int i = 0; i < CB * CH * CD * CN; ++i) w[i] = sin(0.37 * i + 0.1);
+    Blob gb;
+    DLManagedTensor* grad_out[2] = {wrap_f64(&gb, w, 4, s_qkv), NULL};
+    DLManagedTensor* grads[5] = {0};
+    st = gdncp_graph_backward(g, grad_out, NULL, grads);
+    EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+    const char* names[5] = {"q", "k", "v", "beta", "decay"};
+    for (int t = 0; t < 5 && st == GDNCP_OK; ++t) {
+      EXPECT(grads[t] && numel(&grads[t]->dl_tensor) == kCamSizes[t], "grad %s", names[t]);
+      if (!grads[t]) continue;
+      double analytic = 0, lp = 0, lm = 0;
+      static double dir[CB * CH * CD * CN], o2[CB * CH * CD * CN];
+      for (int64_t i = 0; i < kCamSizes[t]; ++i)
+        dir[i] = uniform(-1.0, 1.0), analytic += ((const double*)grads[t]->dl_tensor.data)[i] * dir[i];
+      const double h = 1e-6;
+      for (int sgn = 1; sgn >= -1; sgn -= 2) {
+        for (int64_t i = 0; i < kCamSizes[t]; ++i) c->x[t][i] += sgn * h * dir[i];
+        cam_reference(c, o2, NULL);
+        *(sgn > 0 ? &lp : &lm) = cam_loss(o2);
+        for (int64_t i = 0; i < kCamSizes[t]; ++i) c->x[t][i] -= sgn * h * dir[i];
+      }
+      const double numeric = (lp - lm) / (2 * h), rel = fabs(numeric - analytic) / fmax(fabs(analytic), 1e-300);
+      EXPECT(rel <= 1e-8, "d loss / d %s: door %.17g, central difference %.17g (rel %.3g)", names[t], analytic, numeric,
+             rel);
+      printf("d loss / d %-6s door %+.12e  central difference %+.12e  rel %.2e\n", names[t], analytic, numeric, rel);
+      release(grads[t]);
+    }
+  }
+  gdncp_graph_destroy(g);
+  release(outs[0]);
+  release(outs[1]);
+  for (int t = 0; t < 5; ++t) EXPECT(c->b[t].deleted == 1, "input %d released once", t);
+  /* A bad checkpoint value and a missing input are refused, naming them; the inputs are consumed. */
+  for (int t = 0; t < 5; ++t) in[t] = wrap_f64(&c->b[t], c->x[t], ndims[t], shapes[t]);
+  st = gdncp_cp_cam_gdn_num(comm, in[0], in[1], in[2], in[3], in[4], CF, CS, NULL, 7, NULL, 0, outs, NULL);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "checkpoint"), "%d '%s'", st, gdncp_last_error());
+  for (int t = 0; t < 4; ++t) in[t] = wrap_f64(&c->b[t], c->x[t], ndims[t], shapes[t]);
+  st = gdncp_cp_cam_gdn_num(comm, in[0], in[1], in[2], in[3], NULL, CF, CS, NULL, 0, NULL, 0, outs, NULL);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "decay"), "%d '%s'", st, gdncp_last_error());
+  for (int t = 0; t < 5; ++t) EXPECT(c->b[t].deleted == 1, "input %d consumed once", t);
+  free(c);
+  EXPECT(gdncp_comm_destroy(comm) == GDNCP_OK, "destroy");
+  EXPECT(gdncp_mpi_finalize() == GDNCP_OK, "finalize: '%s'", gdncp_last_error());
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
-    fprintf(stderr, "usage: %s status|thread_messages|bad_argument|bigdn_backward|dlpack_in_place\n", argv[0]);
+    fprintf(stderr, "usage: %s status|thread_messages|bad_argument|bigdn_backward|dlpack_in_place|cam_gdn_num\n",
+            argv[0]);
     return 2;
   }
   const char* c = argv[1];
@@ -416,6 +557,8 @@ int main(int argc, char** argv) {
     case_bigdn_backward();
   else if (strcmp(c, "dlpack_in_place") == 0)
     case_dlpack_in_place();
+  else if (strcmp(c, "cam_gdn_num") == 0)
+    case_cam_gdn_num();
   else {
     fprintf(stderr, "unknown case %s\n", c);
     return 2;

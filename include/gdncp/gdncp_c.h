@@ -186,6 +186,17 @@ gdncp_status gdncp_cp_scan(gdncp_comm* comm, DLManagedTensor* P, DLManagedTensor
                            const gdncp_cp_options* cp_options, void* stream, uint32_t requires_grad,
                            DLManagedTensor* outputs[4], gdncp_graph** graph);
 
+/* The camera branch, numerator only (gdncp/cp.h cp_cam_gdn_num): inputs 0 q,
+ * 1 k, 2 v (B, H, D, N) already rotated, 3 beta (B, H, F, S) or (B, H, F),
+ * 4 decay (B, H, F), one float dtype; checkpoint a gdncp_checkpoint. Outputs
+ * (graph outputs 0-1) out (B, H, D, N) and with truncate_to_active the
+ * terminal state (B*H, D, D) [key][value] (else NULL). No clip mask.
+ * cp_options NULL = defaults. Collective over comm (forward and backward). */
+gdncp_status gdncp_cp_cam_gdn_num(gdncp_comm* comm, DLManagedTensor* q, DLManagedTensor* k, DLManagedTensor* v,
+                                  DLManagedTensor* beta, DLManagedTensor* decay, int64_t F, int64_t S,
+                                  const gdncp_cp_options* cp_options, int checkpoint, void* stream,
+                                  uint32_t requires_grad, DLManagedTensor* outputs[2], gdncp_graph** graph);
+
 #ifdef __cplusplus
 }
 #endif

@@ -133,6 +133,8 @@ F = {
     "bigdn_cp": _sig("gdncp_bigdn_cp", _p, *_LAYER_IN, _p, _u32, _pp, _pp),
     "cp_gdn_raw": _sig("gdncp_cp_gdn_raw", _p, *_LAYER_IN, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
     "cp_scan": _sig("gdncp_cp_scan", _p, _p, _p, _p, _p, _p, _p, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
+    "cp_cam_gdn_num": _sig("gdncp_cp_cam_gdn_num", _p, _p, _p, _p, _p, _p, _i64, _i64, ctypes.POINTER(CpOptions), _int,
+                           _p, _u32, _pp, _pp),
 }
 
 

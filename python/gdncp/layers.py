@@ -1,25 +1,40 @@
-"""The layers as torch.autograd.Functions and nn.Modules over the C ABI.
+"""The library's entries as torch ops with autograd, and the nn.Module.
 
-Each call hands the inputs to the library through DLPack (no copies), runs
-on torch's current CUDA stream of the inputs' device, and — when some input
-needs a gradient — keeps the library's graph handle in the autograd context;
-backward hands the output gradient to that graph and returns the library's
-input gradients, again without copies. Math, layouts and dtypes: gdncp/bigdn.h.
+Each call hands its inputs to the library through DLPack (no copies) and runs
+on torch's current CUDA stream of the inputs' device. Math, layouts and dtypes:
+gdncp/bigdn.h and gdncp/cp.h.
+
+Autograd contract (one generic Function, _EntryFunction, for every entry):
+- the inputs are saved with ctx.save_for_backward, so an in-place edit of any
+  of them after the forward (a leaf edited under no_grad, a non-leaf, the RoPE
+  tables, the clip mask) raises torch's own version-counter error at backward
+  instead of giving silently wrong gradients;
+- the first backward uses the graph the library recorded in the forward (its
+  saved activations); a further backward of the same graph (retain_graph=True,
+  torch.autograd.gradcheck) records the call again from the saved inputs and
+  runs that graph — the CP entries re-record collectively, so every rank must
+  run the same backwards, as for any collective;
+- first derivatives only: differentiating a gradient (create_graph=True, then
+  backward through it) raises a RuntimeError saying so.
+Under torch.compile (torch >= 2.4) the same entries are torch.library custom
+ops (gdncp._ops); eager calls take this path either way.
 """
+import collections
 import ctypes
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from . import _capi, _dlpack
+from . import _capi, _dlpack, _ops
 from .comm import Communicator
 
-_DIFF = 5  # qkv, beta, decay, q_norm_w, k_norm_w
+RawResult = collections.namedtuple("RawResult", "num den terminal_M terminal_z")
+CamResult = collections.namedtuple("CamResult", "out terminal_M")
+ScanResult = collections.namedtuple("ScanResult", "M z terminal_M terminal_z")
 
 
 class _Graph(_capi.OwnedHandle):
-    """Owns a gdncp_graph handle: backward once, destroyed with the context."""
+    """Owns a gdncp_graph handle: one backward, then released."""
 
     _destroy_fn = "graph_destroy"
 
@@ -40,102 +55,255 @@ class _Graph(_capi.OwnedHandle):
                 _dlpack.free(arr_out[k])
             raise
         arr_in = (ctypes.c_void_p * self.n_in)()
-        _capi.call("graph_backward", self._h, arr_out, stream, arr_in)
-        grads = [_dlpack.take(arr_in[i]) for i in range(self.n_in)]
-        self.release()
-        return grads
+        try:
+            _capi.call("graph_backward", self._h, arr_out, stream, arr_in)
+            return [_dlpack.take(arr_in[i]) for i in range(self.n_in)]
+        finally:
+            self.release()
 
 
-def _mask(needs, tensors):
-    m = 0
-    for i, (n, t) in enumerate(zip(needs, tensors)):
-        if n and t is not None:
-            m |= 1 << i
-    return m
+# name: (inputs, differentiable inputs (the leading ones), output slots, scalar arguments)
+_LAYER_SCALARS = ("F", "S", "k_scale", "norm_eps", "eps", "precision", "checkpoint")
+_CP_SCALARS = ("reverse_rank_order", "truncate_to_active")
+ENTRIES = {
+    "bigdn": (8, 5, 1, _LAYER_SCALARS),
+    "bigdn_cp": (8, 5, 1, _LAYER_SCALARS),
+    "cp_gdn_raw": (8, 5, 4, _LAYER_SCALARS + _CP_SCALARS),
+    "cp_cam_gdn_num": (5, 5, 2, ("F", "S") + _CP_SCALARS + ("checkpoint",)),
+    "cp_scan": (6, 5, 4, _CP_SCALARS),
+}
 
 
-def _run(entry, comm, inputs, F, S, opts, needs, n_out, extra=()):
-    """Calls a layer entry; returns (outputs, graph or None)."""
-    mask = _mask(needs, inputs[:_DIFF])
-    stream = _dlpack.stream_of(inputs[0])
-    ptrs = []
-    try:
-        for t in inputs:
-            ptrs.append(_dlpack.give(t))
-    except BaseException:
-        for p in ptrs:
-            _dlpack.free(p)
-        raise
-    graph = ctypes.c_void_p()
-    out = (ctypes.c_void_p * n_out)()
-    head = [comm.handle] if comm is not None else []
-    graph_arg = ctypes.byref(graph) if mask else None
-    _capi.call(entry, *head, *ptrs, int(F), int(S), ctypes.byref(opts), *extra, stream, mask, out, graph_arg)
-    outs = [_dlpack.take(out[k]) for k in range(n_out)]
-    g = _Graph(graph.value, n_out, _DIFF) if graph.value else None
-    return outs, g
+def present(entry, scalars):
+    """How many leading outputs a call returns: the terminal states exist only with truncate_to_active."""
+    names = ENTRIES[entry][3]
+    truncated = "truncate_to_active" in names and bool(scalars[names.index("truncate_to_active")])
+    return {"cp_gdn_raw": 4 if truncated else 2, "cp_scan": 4 if truncated else 2,
+            "cp_cam_gdn_num": 2 if truncated else 1}.get(entry, 1)
 
 
-def _graph_backward(ctx, grad_out):
-    """The input gradients of a one-output call from the graph kept in ctx (then dropped)."""
-    grads = ctx.graph.backward([grad_out], _dlpack.stream_of(grad_out))
-    ctx.graph = None
-    return grads
+class _Call:
+    """One call of a C entry (a key of ENTRIES): its communicator (None for
+    bigdn) and its scalar arguments (a tuple in the order ENTRIES names them)."""
+
+    def __init__(self, entry, comm, scalars):
+        self.entry, self.comm, self.scalars = entry, comm, tuple(scalars)
+        self.n_in, self.n_diff, self.n_out, names = ENTRIES[entry]
+        s = dict(zip(names, self.scalars))
+        self.present = present(entry, self.scalars)
+        # The C arguments between the tensors and the stream (ctypes.byref keeps the structs alive).
+        cp = ((ctypes.byref(_capi.cp_options(s["reverse_rank_order"], s["truncate_to_active"])),)
+              if "reverse_rank_order" in s else ())
+        if entry == "cp_scan":
+            self.middle = cp
+        elif entry == "cp_cam_gdn_num":
+            self.middle = (int(s["F"]), int(s["S"]), *cp, _capi.CHECKPOINTS[s["checkpoint"]])
+        else:
+            opts = _capi.layer_options(s["k_scale"], s["norm_eps"], s["eps"], s["precision"], s["checkpoint"])
+            self.middle = (int(s["F"]), int(s["S"]), ctypes.byref(opts), *cp)
+        self.record = False
+
+    def run(self, inputs, needs, record):
+        """Outputs (the present ones) and the recorded graph (or None)."""
+        mask = 0
+        for i in range(self.n_diff):
+            if needs[i] and inputs[i] is not None:
+                mask |= 1 << i
+        ptrs = []
+        try:
+            for t in inputs:
+                ptrs.append(_dlpack.give(t))
+        except BaseException:
+            for p in ptrs:
+                _dlpack.free(p)
+            raise
+        graph = ctypes.c_void_p()
+        out = (ctypes.c_void_p * self.n_out)()
+        head = [self.comm.handle] if self.comm is not None else []
+        graph_arg = ctypes.byref(graph) if (record and mask) else None
+        _capi.call(self.entry, *head, *ptrs, *self.middle, _dlpack.stream_of(inputs[0]), mask, out, graph_arg)
+        outs = [_dlpack.take(out[k]) for k in range(self.n_out)]
+        g = _Graph(graph.value, self.n_out, self.n_diff) if graph.value else None
+        return outs[:self.present], g
 
 
-class BiGDNFunction(torch.autograd.Function):
-    """out = bigdn(...) (one rank; gdncp_bigdn). Arguments after ctx:
-    qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts (or None), F, S,
-    opts (gdncp._capi.LayerOptions)."""
+class _EntryFunction(torch.autograd.Function):
+    """apply(call, *inputs) -> the call's present outputs (a tuple)."""
 
     @staticmethod
-    def forward(ctx, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts):
-        (out,), ctx.graph = _run(
-            "bigdn", None, [qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts], F, S, opts,
-            ctx.needs_input_grad[:_DIFF], 1)
-        return out
+    def forward(ctx, call, *inputs):
+        ctx.call = call
+        ctx.needs = ctx.needs_input_grad[1:1 + call.n_diff]
+        outs, ctx.graph = call.run(inputs, ctx.needs, call.record)
+        ctx.save_for_backward(*inputs)
+        ctx.set_materialize_grads(False)  # an unused output's gradient goes to the library as NULL (zeros)
+        return tuple(outs)
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        return (*_graph_backward(ctx, grad_out), None, None, None, None, None, None)
+    def backward(ctx, *grads):
+        inputs = ctx.saved_tensors  # torch checks their version counters here
+        call = ctx.call
+        graph, ctx.graph = ctx.graph, None
+        if graph is None:  # the forward's graph ran its one backward: record the call again
+            _, graph = call.run(inputs, ctx.needs, True)
+        stream = _dlpack.stream_of(next((g for g in grads if g is not None), inputs[0]))
+        grads_in = graph.backward(list(grads) + [None] * (call.n_out - len(grads)), stream)
+        if torch.is_grad_enabled():  # create_graph=True: the gradients refuse to be differentiated
+            anchors = [t for t in inputs if t is not None and t.requires_grad]
+            grads_in = [_FirstOrderOnly.apply(g, *anchors) if g is not None else None for g in grads_in]
+        return (None, *grads_in, *([None] * (len(inputs) - call.n_diff)))
 
 
-class BiGDNCPFunction(torch.autograd.Function):
-    """out = bigdn_cp(comm, ...) (this rank's frames of the CP group; gdncp_bigdn_cp).
-    Arguments after ctx: comm, then as BiGDNFunction. Forward and backward are
-    collective over comm; the norm weights' gradients are this rank's part
-    (sum them over the group, e.g. comm.all_reduce_sum_ or torch.distributed)."""
+class _FirstOrderOnly(torch.autograd.Function):
+    """Passes a gradient through (tied to the inputs it depends on); differentiating it raises."""
 
     @staticmethod
-    def forward(ctx, comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts):
-        (out,), ctx.graph = _run(
-            "bigdn_cp", comm, [qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts], F, S, opts,
-            ctx.needs_input_grad[1:1 + _DIFF], 1)
-        return out
+    def forward(ctx, g, *anchors):
+        return g.view_as(g)
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        return (None, *_graph_backward(ctx, grad_out), None, None, None, None, None, None)
+    def backward(ctx, *grads):
+        raise RuntimeError("gdncp: double backward is not supported: the library computes first derivatives "
+                           "only (a gradient of a gdncp op cannot be differentiated again)")
+
+
+def _apply(entry, comm, scalars, inputs):
+    """The present outputs of one entry call, differentiable through torch.autograd."""
+    if _ops.REGISTERED:
+        if _ops.is_compiling():
+            return _ops.call(entry, comm, scalars, inputs)
+        _ops.register_comm(comm)  # so that a later compiled call finds it
+    call = _Call(entry, comm, scalars)
+    call.record = torch.is_grad_enabled()
+    return _EntryFunction.apply(call, *inputs)
+
+
+# --- argument checks shared by the entries ---------------------------------------------
+
+
+def _clip_mask(clip_starts, fn):
+    """The (B, F) f32 mask the library takes: bool converted, f32 as is, else refused.
+    Values must be 0 or 1 (checked for CPU masks outside torch.compile; a CUDA mask is not read back)."""
+    if clip_starts is None:
+        return None
+    if not isinstance(clip_starts, torch.Tensor):
+        raise TypeError("%s: clip_starts must be a tensor or None, got %s" % (fn, type(clip_starts).__name__))
+    if clip_starts.requires_grad:
+        raise ValueError("%s: clip_starts requires grad, but a clip mask gets no gradient; detach it" % fn)
+    if clip_starts.dtype == torch.bool:
+        return clip_starts.to(torch.float32)
+    if clip_starts.dtype != torch.float32:
+        raise TypeError("%s: clip_starts must be bool or float32 (1 where a frame starts a clip), got %s"
+                        % (fn, clip_starts.dtype))
+    if (clip_starts.device.type == "cpu" and not _ops.is_compiling()
+            and not bool(((clip_starts == 0) | (clip_starts == 1)).all())):
+        raise ValueError("%s: clip_starts must hold only 0 and 1" % fn)
+    return clip_starts
+
+
+def _no_grad_tables(fn, **tables):
+    for name, t in tables.items():
+        if t is not None and t.requires_grad:
+            raise ValueError("%s: %s requires grad, but the library gives RoPE tables no gradient; "
+                             "pass them detached (tables are constants of the layer)" % (fn, name))
+
+
+def _rope_args(fn, rope_cos, rope_sin, rope_cos_q, rope_sin_q):
+    """The RoPE tables of the C call. >>> rope_cos_q / rope_sin_q are passed to the C call HERE <<<
+    (the q tables; None = the k tables)."""
+    _no_grad_tables(fn, rope_cos=rope_cos, rope_sin=rope_sin, rope_cos_q=rope_cos_q, rope_sin_q=rope_sin_q)
+    if rope_cos_q is not None or rope_sin_q is not None:
+        raise NotImplementedError("%s: separate q RoPE tables (rope_cos_q, rope_sin_q) are not supported by this "
+                                  "build of the library; pass None to rotate q with rope_cos, rope_sin" % fn)
+    return [rope_cos, rope_sin]
+
+
+def _comm_of(comm, fn):
+    if not isinstance(comm, Communicator):
+        raise TypeError("%s: comm must be a gdncp.Communicator, got %s" % (fn, type(comm).__name__))
+    return comm
+
+
+def _layer_inputs(fn, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts):
+    return [qkv, beta, decay, q_norm_w, k_norm_w, *_rope_args(fn, rope_cos, rope_sin, rope_cos_q, rope_sin_q),
+            _clip_mask(clip_starts, fn)]
+
+
+def _truncate(truncate_to_active):
+    """None or 0: off; K >= 1: the library checks K against the global frame count."""
+    return 0 if truncate_to_active is None else int(truncate_to_active)
+
+
+# --- the entries ---------------------------------------------------------------------------
 
 
 def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5, eps=1e-6,
-          precision="auto", checkpoint="off", clip_starts=None):
-    """The single-rank layer (gdncp/bigdn.h); differentiable through torch.autograd.
-    clip_starts: the (B, F) clip-start mask (docs/design.md §4a), None = one clip per row."""
-    opts = _capi.layer_options(k_scale, norm_eps, eps, precision, checkpoint)
-    return BiGDNFunction.apply(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts)
+          precision="auto", checkpoint="off", clip_starts=None, rope_cos_q=None, rope_sin_q=None):
+    """The single-rank layer (gdncp/bigdn.h): out (B, F·S, H, D).
+    clip_starts: the (B, F) clip-start mask (docs/design.md §4a), bool or
+    float32 0/1; None = one clip per row."""
+    fn = "gdncp.bigdn"
+    inputs = _layer_inputs(fn, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q,
+                           clip_starts)
+    (out,) = _apply("bigdn", None, (F, S, k_scale, norm_eps, eps, precision, checkpoint), inputs)
+    return out
 
 
 def bigdn_cp(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5,
-             eps=1e-6, precision="auto", checkpoint="off", clip_starts=None):
-    """The bidirectional CP layer (gdncp/cp.h bigdn_cp) on this rank's F frames."""
-    if not isinstance(comm, Communicator):
-        raise TypeError("gdncp.bigdn_cp: comm must be a gdncp.Communicator, got %s" % type(comm).__name__)
-    opts = _capi.layer_options(k_scale, norm_eps, eps, precision, checkpoint)
-    return BiGDNCPFunction.apply(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S,
-                                 opts)
+             eps=1e-6, precision="auto", checkpoint="off", clip_starts=None, rope_cos_q=None, rope_sin_q=None):
+    """The bidirectional CP layer (gdncp/cp.h bigdn_cp) on this rank's F frames.
+    Forward and backward are collective over comm; the norm weights' gradients
+    are this rank's part (sum them over the group)."""
+    fn = "gdncp.bigdn_cp"
+    comm = _comm_of(comm, fn)
+    inputs = _layer_inputs(fn, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q,
+                           clip_starts)
+    (out,) = _apply("bigdn_cp", comm, (F, S, k_scale, norm_eps, eps, precision, checkpoint), inputs)
+    return out
+
+
+def cp_gdn_raw(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5,
+               precision="auto", checkpoint="off", reverse_rank_order=False, truncate_to_active=None,
+               clip_starts=None, rope_cos_q=None, rope_sin_q=None):
+    """One direction, raw (gdncp/cp.h cp_gdn_raw): RawResult(num (B, N, H, D),
+    den (B, H, N), terminal_M (B·H, D, D) [key][value], terminal_z (B·H, D)),
+    the terminal states only with truncate_to_active (else None), identical on
+    every rank and differentiable. Collective over comm."""
+    fn = "gdncp.cp_gdn_raw"
+    comm = _comm_of(comm, fn)
+    inputs = _layer_inputs(fn, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q,
+                           clip_starts)
+    outs = _apply("cp_gdn_raw", comm, (F, S, k_scale, norm_eps, 1e-6, precision, checkpoint,
+                                       bool(reverse_rank_order), _truncate(truncate_to_active)), inputs)
+    return RawResult(*outs, *([None] * (4 - len(outs))))
+
+
+def cp_cam_gdn_num(comm, q, k, v, beta, decay, F, S, reverse_rank_order=False, truncate_to_active=None,
+                   checkpoint="off"):
+    """The camera branch, numerator only (gdncp/cp.h cp_cam_gdn_num): q, k, v
+    (B, H, D, N) already rotated, beta (B, H, F, S) or (B, H, F), decay (B, H,
+    F). CamResult(out (B, H, D, N), terminal_M (B·H, D, D) [key][value] with
+    truncate_to_active, else None). Collective over comm; no clip mask."""
+    fn = "gdncp.cp_cam_gdn_num"
+    comm = _comm_of(comm, fn)
+    if checkpoint not in _capi.CHECKPOINTS:
+        raise ValueError("%s: checkpoint must be one of %s, got %r" % (fn, sorted(_capi.CHECKPOINTS), checkpoint))
+    outs = _apply("cp_cam_gdn_num", comm, (F, S, bool(reverse_rank_order), _truncate(truncate_to_active), checkpoint),
+                  [q, k, v, beta, decay])
+    return CamResult(*outs, *([None] * (2 - len(outs))))
+
+
+def cp_scan(comm, P, A, Pz, bz, decay, clip_starts=None, reverse_rank_order=False, truncate_to_active=None):
+    """The distributed frame scan (gdncp/cp.h cp_scan), left-multiplied:
+    M_t = g_t (I − P_t) M_{t−1} + A_t, z_t = g_t (I − Pz_t) z_{t−1} + bz_t.
+    P, A, Pz (B·H, F, D, D), bz (B·H, F, D), decay (B, H, F). ScanResult(M, z,
+    terminal_M, terminal_z) (terminal states with truncate_to_active, else
+    None). Collective over comm."""
+    fn = "gdncp.cp_scan"
+    comm = _comm_of(comm, fn)
+    outs = _apply("cp_scan", comm, (bool(reverse_rank_order), _truncate(truncate_to_active)),
+                  [P, A, Pz, bz, decay, _clip_mask(clip_starts, fn)])
+    return ScanResult(*outs, *([None] * (4 - len(outs))))
 
 
 class BiGDN(torch.nn.Module):
@@ -156,6 +324,8 @@ class BiGDN(torch.nn.Module):
         self.heads, self.head_dim, self.comm = heads, head_dim, comm
         self.k_scale, self.norm_eps, self.eps = k_scale, norm_eps, eps
         self.precision, self.checkpoint = precision, checkpoint
+        if _ops.REGISTERED:
+            _ops.register_comm(comm)
         if norm:
             self.q_norm_w = torch.nn.Parameter(torch.ones(C, device=device, dtype=dtype))
             self.k_norm_w = torch.nn.Parameter(torch.ones(C, device=device, dtype=dtype))
@@ -163,10 +333,14 @@ class BiGDN(torch.nn.Module):
             self.register_parameter("q_norm_w", None)
             self.register_parameter("k_norm_w", None)
 
-    def forward(self, qkv, beta, decay, rope_cos, rope_sin, F, S, clip_starts=None):
+    def forward(self, qkv, beta, decay, rope_cos, rope_sin, F, S, clip_starts=None, rope_cos_q=None,
+                rope_sin_q=None):
+        if qkv.dim() != 5 or qkv.shape[2] != 3 or qkv.shape[3] != self.heads or qkv.shape[4] != self.head_dim:
+            raise ValueError("gdncp.BiGDN(heads=%d, head_dim=%d): qkv must be (B, F·S, 3, %d, %d), got %s"
+                             % (self.heads, self.head_dim, self.heads, self.head_dim, tuple(qkv.shape)))
         k_scale = self.k_scale if self.k_scale is not None else 1.0 / math.sqrt(self.head_dim * S)
         kw = dict(k_scale=k_scale, norm_eps=self.norm_eps, eps=self.eps, precision=self.precision,
-                  checkpoint=self.checkpoint, clip_starts=clip_starts)
+                  checkpoint=self.checkpoint, clip_starts=clip_starts, rope_cos_q=rope_cos_q, rope_sin_q=rope_sin_q)
         args = (qkv, beta, decay, self.q_norm_w, self.k_norm_w, rope_cos, rope_sin, F, S)
         if self.comm is None:
             return bigdn(*args, **kw)
@@ -175,3 +349,6 @@ class BiGDN(torch.nn.Module):
     def extra_repr(self):
         return "heads=%d, head_dim=%d, cp=%s" % (
             self.heads, self.head_dim, "off" if self.comm is None else "%d ranks" % self.comm.size)
+
+
+_ops._register_all()

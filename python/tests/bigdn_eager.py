@@ -38,10 +38,12 @@ def inputs(B, H, D, F, S, seed, norm=True, dtype=torch.float64):
 
 
 def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale, norm_eps=1e-5, eps=1e-6,
-          raw=False, clip_starts=None):
+          raw=False, clip_starts=None, truncate_to_active=0):
     """out (B, N, H, D); raw=True: the forward direction's num (B, N, H, D) and
-    den (B, H, N) without the divide (gdncp/cp.h cp_gdn_raw). clip_starts (B, F):
-    1 where a frame begins a clip (§4a), None = one clip per row."""
+    den (B, H, N) without the divide (gdncp/cp.h cp_gdn_raw), and with
+    truncate_to_active = K also the state after frame K−1, (B·H, D, D)
+    [key][value] and (B·H, D): frames ≥ K neither update nor cut the state.
+    clip_starts (B, F): 1 where a frame begins a clip (§4a), None = one clip per row."""
     B, N, three, H, D = qkv.shape
     assert three == 3 and N == F * S
     C = H * D
@@ -92,7 +94,8 @@ def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scal
     z = torch.zeros(B, H, D, dtype=qkv.dtype)
     fwd = []
     for f in range(F):
-        M, z = step(f, *cut(f, M, z))
+        if not truncate_to_active or f < truncate_to_active:
+            M, z = step(f, *cut(f, M, z))
         fwd.append((M, z))
     rev = [None] * F
     M = torch.zeros(B, H, D, D, dtype=qkv.dtype)
@@ -105,7 +108,11 @@ def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scal
     if raw:
         num = torch.stack([QR[:, :, f] @ fwd[f][0] for f in range(F)], dim=2)  # (B, H, F, S, D)
         den = torch.stack([(QP[:, :, f] @ fwd[f][1][..., None])[..., 0] for f in range(F)], dim=2)  # (B, H, F, S)
-        return num.permute(0, 2, 3, 1, 4).reshape(B, N, H, D), den.reshape(B, H, N)
+        num, den = num.permute(0, 2, 3, 1, 4).reshape(B, N, H, D), den.reshape(B, H, N)
+        if not truncate_to_active:
+            return num, den
+        M, z = fwd[truncate_to_active - 1]
+        return num, den, M.reshape(B * H, D, D), z.reshape(B * H, D)
 
     # §5: out = num / (den + eps), per frame.
     outs = []
@@ -117,6 +124,58 @@ def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scal
         outs.append(num / (den[..., None] + eps))
     out = torch.stack(outs, dim=2)  # (B, H, F, S, D)
     return out.permute(0, 2, 3, 1, 4).reshape(B, N, H, D)
+
+
+def scan(P, A, Pz, bz, decay, clip_starts=None, truncate_to_active=0):
+    """The frame scan of gdncp/cp.h cp_scan on one rank: M_f = g_f (I − P_f)
+    M_{f−1} + A_f, z_f = g_f (I − Pz_f) z_{f−1} + bz_f; P, A, Pz (B·H, F, D, D),
+    bz (B·H, F, D), decay (B, H, F). A clip start at f restarts from zero;
+    frames ≥ truncate_to_active keep the state. Returns M, z and, with
+    truncation, the state after frame K−1."""
+    BH, F, D = P.shape[0], P.shape[1], P.shape[-1]
+    B = decay.shape[0]
+    g = decay.reshape(BH, F)
+    keep = torch.ones(B, F, dtype=P.dtype) if clip_starts is None else 1 - clip_starts.to(P.dtype)
+    keep = keep.repeat_interleave(BH // B, dim=0)  # (B·H, F), rows b·H + h
+    I = torch.eye(D, dtype=P.dtype)
+    M, z = torch.zeros(BH, D, D, dtype=P.dtype), torch.zeros(BH, D, dtype=P.dtype)
+    Ms, zs = [], []
+    for f in range(F):
+        if not truncate_to_active or f < truncate_to_active:
+            k = keep[:, f]
+            M = g[:, f, None, None] * (I - P[:, f]) @ (M * k[:, None, None]) + A[:, f]
+            z = (g[:, f, None, None] * (I - Pz[:, f]) @ (z * k[:, None])[..., None])[..., 0] + bz[:, f]
+        Ms.append(M)
+        zs.append(z)
+    M_all, z_all = torch.stack(Ms, 1), torch.stack(zs, 1)
+    if not truncate_to_active:
+        return M_all, z_all
+    return M_all, z_all, Ms[truncate_to_active - 1], zs[truncate_to_active - 1]
+
+
+def cam_num(q, k, v, beta, decay, F, S, truncate_to_active=0):
+    """The camera branch's numerator (gdncp/cp.h cp_cam_gdn_num), right-multiplied
+    as written there: per frame W = g (I − Σ_s β_s k_s k_sᵀ), U = Σ_s β_s v_s k_sᵀ,
+    S_t = S_{t−1} W + U, out_s = S_t q_s. q, k, v (B, H, D, N); beta (B, H, F, S)
+    or (B, H, F); decay (B, H, F). Returns out (B, H, D, N) and, with
+    truncation, the state after frame K−1 as [key][value] = Sᵀ, (B·H, D, D)."""
+    B, H, D, N = q.shape
+    bt = beta if beta.dim() == 4 else beta[..., None].expand(B, H, F, S)
+    St = torch.zeros(B, H, D, D, dtype=q.dtype)  # [value][key]
+    I = torch.eye(D, dtype=q.dtype)
+    outs, terminal = [], None
+    for f in range(F):
+        cols = slice(f * S, (f + 1) * S)
+        kf, vf, qf, bf = k[..., cols], v[..., cols], q[..., cols], bt[:, :, f]  # (B, H, D, S), bf (B, H, S)
+        if not truncate_to_active or f < truncate_to_active:
+            W = decay[:, :, f, None, None] * (I - (kf * bf[:, :, None]) @ kf.transpose(-1, -2))
+            U = (vf * bf[:, :, None]) @ kf.transpose(-1, -2)
+            St = St @ W + U
+        if truncate_to_active and f == truncate_to_active - 1:
+            terminal = St.transpose(-1, -2).reshape(B * H, D, D)
+        outs.append(St @ qf)
+    out = torch.cat(outs, dim=-1)
+    return out if not truncate_to_active else (out, terminal)
 
 
 def rel_l2(actual, expected):

@@ -3,7 +3,7 @@ ranks split the frames; every rank runs the eager float64 coding on the whole
 seeded sequence itself and compares its own frames — out and every gradient
 (the norm weights' after the sum over ranks).
 
-    mpirun -np 2 python3 python/tests/run_pytest.py python/tests/test_python_mpi.py
+    mpirun -np 2 /usr/bin/python3 python/tests/run_pytest.py python/tests/test_python_mpi.py
 """
 import pytest
 import torch
@@ -131,8 +131,178 @@ def test_from_process_group_wraps_mpi_world(comm):
         a = door_step(c, leaves(x), F, w)
         b = door_step(comm, leaves(x), F, w)
         c.close()
+        # The frame helpers over the torch.distributed group itself (gloo), uneven: 2·P + 1 frames.
+        video = torch.randn(B, (2 * P + 1) * S, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        part = gdncp.split_frames(video, None, 2 * P + 1, dim=1)
+        F_u, off_u = eager.balanced_split(2 * P + 1, P, r)
+        assert torch.equal(part, video[:, off_u * S:(off_u + F_u) * S])
+        assert torch.equal(gdncp.gather_frames(part, None, 2 * P + 1, dim=1), video)
     finally:
         dist.destroy_process_group()
     assert torch.equal(a[0], b[0])
     for k in b[1]:
         assert torch.equal(a[1][k], b[1][k]), k
+
+
+# --- every entry on P ranks: cp_gdn_raw, cp_cam_gdn_num, cp_scan, uneven frames ----------------------------
+
+ENTRY_CASES = [("cp_gdn_raw", {}), ("cp_gdn_raw", {"reverse_rank_order": True}),
+               ("cp_gdn_raw", {"truncate_to_active": 4}), ("cp_gdn_raw", {"clips": True, "checkpoint": "on"}),
+               ("cp_cam_gdn_num", {}), ("cp_cam_gdn_num", {"truncate_to_active": 3}),
+               ("cp_cam_gdn_num", {"reverse_rank_order": True}),
+               ("cp_scan", {"clips": True}), ("cp_scan", {"truncate_to_active": 4})]
+
+
+def entry_case_inputs(name, F_total, seed):
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    if name == "cp_gdn_raw":
+        return eager.inputs(B, H, D, F_total, S, seed=seed), GRADS
+    if name == "cp_cam_gdn_num":
+        N = F_total * S
+        x = dict(q=0.6 * torch.randn(B, H, D, N, generator=g, dtype=f64),
+                 k=0.6 * torch.randn(B, H, D, N, generator=g, dtype=f64),
+                 v=torch.randn(B, H, D, N, generator=g, dtype=f64),
+                 beta=0.1 + 0.8 * torch.rand(B, H, F_total, S, generator=g, dtype=f64),
+                 decay=0.5 + 0.49 * torch.rand(B, H, F_total, generator=g, dtype=f64))
+        return x, ["q", "k", "v", "beta", "decay"]
+    BH = B * H
+    x = dict(P=0.1 * torch.randn(BH, F_total, D, D, generator=g, dtype=f64),
+             A=torch.randn(BH, F_total, D, D, generator=g, dtype=f64),
+             Pz=0.1 * torch.randn(BH, F_total, D, D, generator=g, dtype=f64),
+             bz=torch.randn(BH, F_total, D, generator=g, dtype=f64),
+             decay=0.5 + 0.49 * torch.rand(B, H, F_total, generator=g, dtype=f64))
+    return x, ["P", "A", "Pz", "bz", "decay"]
+
+
+def frames_of(name, x, off, F):
+    """This rank's frames [off, off + F) of an entry's global inputs."""
+    if name == "cp_gdn_raw":
+        return local(x, off, F)
+    y = dict(x)
+    if name == "cp_cam_gdn_num":
+        for k in ("q", "k", "v"):
+            y[k] = x[k][..., off * S:(off + F) * S]
+    else:
+        for k in ("P", "A", "Pz", "bz"):
+            y[k] = x[k][:, off:off + F]
+    y["beta"] = x["beta"][:, :, off:off + F] if "beta" in x else None
+    y["decay"] = x["decay"][:, :, off:off + F]
+    return {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in y.items()}
+
+
+def output_frames(name, outs, off, F):
+    """The frames [off, off + F) of an entry's per-frame outputs; terminal states whole."""
+    if name == "cp_gdn_raw":
+        num, den = outs[:2]
+        cut = [num[:, off * S:(off + F) * S], den[:, :, off * S:(off + F) * S]]
+    elif name == "cp_cam_gdn_num":
+        cut = [outs[0][..., off * S:(off + F) * S]]
+    else:
+        cut = [outs[0][:, off:off + F], outs[1][:, off:off + F]]
+    return cut + list(outs[len(cut):])
+
+
+@pytest.mark.parametrize("name,kw", ENTRY_CASES,
+                         ids=["%s-%s" % (n, "-".join(k) or "plain") for n, k in ENTRY_CASES])
+def test_every_entry_uneven_matches_eager(comm, name, kw):
+    P, r = comm.size, comm.rank
+    F_total = 2 * P + 1  # uneven: 3 + 2 on 2 ranks
+    F, off_rank = eager.balanced_split(F_total, P, r)
+    reverse = kw.get("reverse_rank_order", False)
+    # Where this rank's frames sit in the global order (reversed: rank P−1's frames come first).
+    off = sum(eager.balanced_split(F_total, P, j)[0] for j in range(r + 1, P)) if reverse else off_rank
+    K = kw.get("truncate_to_active", 0)
+    clips = clip_mask(F_total) if kw.get("clips") else None
+    x, names = entry_case_inputs(name, F_total, seed=51)
+    opts = {k: v for k, v in kw.items() if k != "clips"}
+
+    def door(y):
+        c = None if clips is None else clips[:, off:off + F].contiguous()
+        if name == "cp_gdn_raw":
+            r_ = gdncp.cp_gdn_raw(comm, *(y[k] for k in GRADS), y["rope_cos"], y["rope_sin"], F, S,
+                                  k_scale=y["k_scale"], clip_starts=c, **opts)
+        elif name == "cp_cam_gdn_num":
+            r_ = gdncp.cp_cam_gdn_num(comm, *(y[k] for k in names), F, S, **opts)
+        else:
+            r_ = gdncp.cp_scan(comm, *(y[k] for k in names), clip_starts=c, **opts)
+        return [t for t in r_ if t is not None]
+
+    def ref(y):
+        if name == "cp_gdn_raw":
+            o = eager.bigdn(*(y[k] for k in GRADS), y["rope_cos"], y["rope_sin"], F_total, S, y["k_scale"], raw=True,
+                            clip_starts=clips, truncate_to_active=K)
+        elif name == "cp_cam_gdn_num":
+            o = eager.cam_num(*(y[k] for k in names), F_total, S, truncate_to_active=K)
+        else:
+            o = eager.scan(*(y[k] for k in names), clip_starts=clips, truncate_to_active=K)
+        return list(o) if isinstance(o, tuple) else [o]
+
+    ref_leaves = {k: (v.clone().requires_grad_(True) if k in names and v is not None else v) for k, v in x.items()}
+    want_all = ref(ref_leaves)
+    gw = torch.Generator().manual_seed(9)
+    weights = [torch.randn(o.shape, generator=gw, dtype=torch.float64) for o in want_all]
+    y = {k: (v.clone().requires_grad_(True) if k in names and v is not None else v)
+         for k, v in frames_of(name, x, off, F).items()}
+    got = door(y)  # collectives first, on every rank
+    loss = sum((o * w).sum() for o, w in zip(got, output_frames(name, weights, off, F)))
+    loss.backward()
+    grads = {k: y[k].grad for k in names if y[k] is not None}
+    for k in ("q_norm_w", "k_norm_w"):
+        if k in grads:
+            comm.all_reduce_sum_(grads[k])
+    # Every rank weighs the terminal states (identical on every rank): the global loss counts them P times.
+    n_frames_out = 2 if name != "cp_cam_gdn_num" else 1
+    ref_loss = sum((o * w).sum() * (1 if i < n_frames_out else P) for i, (o, w) in enumerate(zip(want_all, weights)))
+    ref_loss.backward()
+    want = output_frames(name, [o.detach() for o in want_all], off, F)
+    assert len(got) == len(want)
+    errs = {"out%d" % i: eager.rel_l2(a.detach(), b) for i, (a, b) in enumerate(zip(got, want)) if b.numel()}
+    want_grads = frames_of(name, {k: (ref_leaves[k].grad if k in names and ref_leaves[k] is not None else v)
+                                  for k, v in x.items()}, off, F)
+    for k in grads:
+        errs[k] = eager.rel_l2(grads[k], ref_leaves[k].grad if k in ("q_norm_w", "k_norm_w") else want_grads[k])
+    bad = {k: e for k, e in errs.items() if not e <= TOL}
+    assert not bad, "rank %d of %d: rel L2 above %g: %s" % (r, P, TOL, bad)
+
+
+def test_split_and_gather_frames_round_trip(comm):
+    P, r = comm.size, comm.rank
+    F_total = 2 * P + 1
+    x = torch.randn(B, F_total * S, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    part = gdncp.split_frames(x, comm, F_total, dim=1)
+    F, off = eager.balanced_split(F_total, P, r)
+    assert torch.equal(part, x[:, off * S:(off + F) * S])
+    assert torch.equal(gdncp.gather_frames(part, comm, F_total, dim=1), x)
+
+
+def test_sana_raw_on_ranks_matches_eager(comm):
+    P, r = comm.size, comm.rank
+    F_total = 2 * P + 1
+    F, off = eager.balanced_split(F_total, P, r)
+    x = eager.inputs(B, H, D, F_total, S, seed=61)
+    y = local(x, off, F)
+    res = gdncp.sana.cp_fused_gdn_chunkwise_raw_autograd(*(y[k] for k in GRADS), y["rope_cos"], y["rope_sin"], F=F,
+                                                         S=S, group=comm, k_scale=y["k_scale"], truncate_to_active=2)
+    num, den, tM, tz = eager.bigdn(*(x[k] for k in GRADS), x["rope_cos"], x["rope_sin"], F_total, S, x["k_scale"],
+                                   raw=True, truncate_to_active=2)
+    assert eager.rel_l2(res.num, num[:, off * S:(off + F) * S]) <= TOL
+    assert eager.rel_l2(res.den, den[:, :, off * S:(off + F) * S]) <= TOL
+    assert eager.rel_l2(res.terminal_state_kv, tM.transpose(-1, -2)) <= TOL
+    assert eager.rel_l2(res.terminal_state_z, tz) <= TOL
+
+
+def test_retain_graph_rerecords_collectively(comm):
+    # A second backward of one graph records the CP call again on every rank (collective) and gives the same grads.
+    P, r = comm.size, comm.rank
+    # Even frames without norm weights: a call whose arguments differ from the last bigdn_cp call on EVERY rank
+    # (under the on_change validation a change on some ranks only puts the ranks out of step).
+    F_total = 2 * P
+    F, off = eager.balanced_split(F_total, P, r)
+    y = leaves(local(eager.inputs(B, H, D, F_total, S, seed=71, norm=False), off, F))
+    out = gdncp.bigdn_cp(comm, *(y[k] for k in GRADS), y["rope_cos"], y["rope_sin"], F, S, k_scale=y["k_scale"])
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+    first = torch.autograd.grad((out * w).sum(), [y["qkv"], y["decay"]], retain_graph=True)
+    again = torch.autograd.grad((out * w).sum(), [y["qkv"], y["decay"]])  # recorded again, collectively
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)

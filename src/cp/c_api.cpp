@@ -639,4 +639,31 @@ gdncp_status gdncp_cp_scan(gdncp_comm* comm, DLManagedTensor* P, DLManagedTensor
   });
 }
 
+gdncp_status gdncp_cp_cam_gdn_num(gdncp_comm* comm, DLManagedTensor* q, DLManagedTensor* k, DLManagedTensor* v,
+                                  DLManagedTensor* beta, DLManagedTensor* decay, int64_t F, int64_t S,
+                                  const gdncp_cp_options* cp_options, int checkpoint, void* stream,
+                                  uint32_t requires_grad, DLManagedTensor* outputs[2], gdncp_graph** graph) {
+  const char* fn = "gdncp_cp_cam_gdn_num";
+  return guarded([&] {
+    Inputs in(fn, {q, k, v, beta, decay}, {"q", "k", "v", "beta", "decay"});
+    auto& c = comm_of(comm, fn);
+    for (size_t i = 0; i < 5; ++i) in.require(i);
+    not_null(outputs, fn, "outputs");
+    const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
+    if (checkpoint < GDNCP_CHECKPOINT_OFF || checkpoint > GDNCP_CHECKPOINT_AUTO)
+      argument_error(fn, ": checkpoint ", checkpoint, " is not a gdncp_checkpoint");
+    gdncp_layer_options lo;  // the one mapping of gdncp_checkpoint, through the layer options
+    gdncp_layer_options_init(&lo);
+    lo.checkpoint = checkpoint;
+    const gdncp::Checkpoint ckpt = layer_options(&lo, fn).checkpoint;
+    run_layer(
+        fn, in, 5, 5, requires_grad, stream, comm->c,
+        [&](std::vector<Tensor>& x) {
+          gdncp::cp::CamResult r = gdncp::cp::cp_cam_gdn_num(c, x[0], x[1], x[2], x[3], x[4], F, S, cp_opt, ckpt);
+          return std::vector<Tensor>{r.out, r.terminal_M};
+        },
+        outputs, 2, graph);
+  });
+}
+
 }  // extern "C"
