@@ -27,7 +27,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "gdncp/error.h"
 #include "gdncp/tensor.h"
@@ -40,6 +43,9 @@ namespace detail {
 // --- streams and launch sizes --------------------------------------------------------
 // Every kernel runs on gdncp's current stream (gdncp::current_stream()).
 inline cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream()); }
+
+// ⌈a / b⌉ for launch sizes (a ≥ 0, b > 0).
+constexpr int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Grid-stride kernels: kGridThreads threads a block, blocks_for(n) blocks (capped; the loop
 // covers the rest).
@@ -58,11 +64,20 @@ inline int sm_count() {
   return n;
 }
 
-// Raises a kernel's dynamic shared-memory limit (needed above 48 KB).
+// Raises a kernel's dynamic shared-memory limit (needed above 48 KB) to at least `bytes` on the
+// current device; remembers what it raised, so a launch in a loop pays the driver call once.
 template <typename Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024)
-    GDNCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  if (bytes <= 48 * 1024) return;
+  static std::mutex m;
+  static std::map<std::pair<const void*, int>, size_t> raised;  // (kernel, device) → limit set
+  int dev = 0;
+  GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(m);
+  size_t& limit = raised[{reinterpret_cast<const void*>(kernel), dev}];
+  if (limit >= bytes) return;
+  GDNCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  limit = bytes;
 }
 
 // How many blocks to split each of `units` work items into so that the grid fills whole waves
@@ -83,7 +98,7 @@ inline int wave_splits(int64_t units, int64_t slots, int max_splits) {
 }
 
 // Padded head dim of the tile kernels: 32, 64 or 128.
-inline int padded_dim(int64_t D) { return D <= 32 ? 32 : D <= 64 ? 64 : 128; }
+constexpr int padded_dim(int64_t D) { return D <= 32 ? 32 : D <= 64 ? 64 : 128; }
 
 // Calls fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, M>{}) for the runtime (D, mode).
 template <int DP, typename Fn>
@@ -324,9 +339,6 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool ok)
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(ok ? 4 : 0)
                : "memory");
 }
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most N committed groups of this thread are in flight.
 template <int N>
@@ -429,18 +441,6 @@ struct OpKM {  // element (mn, k) at p[k·ld + mn]
   }
 };
 
-// A bf16 operand stored [mn][k] (bf16 mode only): the k-quad of a fragment is one 8-byte
-// load that already holds the two packed bf16 pairs. Pitch ≡ 16 (mod 64) elements keeps
-// the loads at g·ld + 4t conflict-free.
-struct OpH {
-  const __nv_bfloat16* p;
-  int ld;
-  __device__ __forceinline__ uint2 quad_bits(int mn, int k) const {  // k % 4 == 0
-    return *reinterpret_cast<const uint2*>(p + mn * ld + k);
-  }
-};
-constexpr int pitch_h(int cols) { return cols + 16; }
-
 // Row pitches (in floats) of a tile with `cols` columns (a multiple of 32), for the loads of
 // warp_mma: OpMK 16-byte loads at g·ld + 4t (bf16) or 8-byte loads at g·ld + 2t (tf32);
 // OpKM words at (4t + j)·ld + g (bf16) or (2t + j)·ld + g (tf32). All pitches are even.
@@ -501,15 +501,9 @@ __device__ __forceinline__ void warp_mma(float (&acc)[TM][TN][4], const OA& a, i
 #pragma unroll
       for (int j = 0; j < TN; ++j)
         if (n0 + 8 * j < nlim) {
-          if constexpr (std::is_same<OB, OpH>::value) {
-            const uint2 q = b.quad_bits(n0 + 8 * j + g, k + 4 * t);
-            bfr[j][0] = q.x;
-            bfr[j][1] = q.y;
-          } else {
-            const float4 q = b.quad(n0 + 8 * j + g, k + 4 * t);
-            bfr[j][0] = pack_bf16(make_float2(q.x, q.y));
-            bfr[j][1] = pack_bf16(make_float2(q.z, q.w));
-          }
+          const float4 q = b.quad(n0 + 8 * j + g, k + 4 * t);
+          bfr[j][0] = pack_bf16(make_float2(q.x, q.y));
+          bfr[j][1] = pack_bf16(make_float2(q.z, q.w));
         }
 #pragma unroll
       for (int i = 0; i < TM; ++i)
@@ -658,11 +652,6 @@ __device__ __forceinline__ void warp_mma_ld(float (&acc)[TM][TN][4], const OA& a
       for (int j = 0; j < TN; ++j)
         if (m0 + 16 * i < mlim && n0 + 8 * j < nlim) mma_bf16(acc[i][j], af[i], bfr[j]);
   }
-}
-
-// Stores channels d, d+1 of a bf16 tile row.
-__device__ __forceinline__ void st2h(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
 // Stores a warp's accumulator tile (rows m0 + 16i + .., columns n0 + 8j + ..) into the
