@@ -37,6 +37,7 @@
 #include "gdncp/gdncp.h"
 #include "kernels/cuda_common.cuh"
 #include "kernels/kernels.h"
+#include "kernels/scan_bidi_sweeps.h"
 
 namespace {
 
@@ -427,12 +428,20 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
       [&] { kernels::phase_c_bwd(dq, dMs, dzs, in.dout, Tensor(), in.qkv, rstd, in.qw, in.cs, in.sn, Ms, zs, d, o.eps, true, mode); },
       [&] { kernels::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, Tensor(), d); },
       [&] { kernels::phase_a_bwd(dk, dqkv, dbeta, dP, dA, dPz, dbz, in.qkv, rstd, in.kw, in.cs, in.sn, in.beta, d, o.k_scale, mode); },
-      [&] { kernels::rms_norm_bwd(dqkv, dqw, dkw, dq, dk, in.qkv, rstd, in.qw, in.kw, d); }};
-  const char* names[] = {"rms_stats", "phase_a_fwd", "scan_bidi_fwd", "phase_c_fwd",
-                         "phase_c_bwd", "scan_bidi_bwd", "phase_a_bwd", "rms_norm_bwd"};
-  const Work works[] = {w.rms, w.a_fwd, w.scan_fwd, w.c_fwd, w.c_bwd, w.scan_bwd, w.a_bwd, w.rms_bwd};
-  for (const auto& p : phases) p();  // real intermediates for every phase
-  for (int i = 0; i < 8; ++i) rows.push_back({names[i], time_ms(phases[i], a.warmup, a.iters), works[i]});
+      [&] { kernels::rms_norm_bwd(dqkv, dqw, dkw, dq, dk, in.qkv, rstd, in.qw, in.kw, d); },
+      // The same scan as the composition of the CP scan core's sweeps (kernels/scan_bidi_sweeps.h), for comparison;
+      // last, so that the layer's phases above see the layer kernels' intermediates.
+      [&] { scan_core::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, Tensor(), d); },
+      [&] { scan_core::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, Tensor(), d); }};
+  const char* names[] = {"rms_stats",   "phase_a_fwd",  "scan_bidi_fwd",   "phase_c_fwd",    "phase_c_bwd",
+                         "scan_bidi_bwd", "phase_a_bwd", "rms_norm_bwd", "scan_sweeps_fwd", "scan_sweeps_bwd"};
+  const Work works[] = {w.rms,      w.a_fwd,    w.scan_fwd, w.c_fwd,    w.c_bwd,
+                        w.scan_bwd, w.a_bwd,    w.rms_bwd,  w.scan_fwd, w.scan_bwd};
+  constexpr int kPhases = sizeof(names) / sizeof(names[0]);
+  static_assert(kPhases == sizeof(phases) / sizeof(phases[0]) && kPhases == sizeof(works) / sizeof(works[0]),
+                "one name and one work estimate per phase");
+  for (int i = 0; i < kPhases - 2; ++i) phases[i]();  // real intermediates for every phase
+  for (int i = 0; i < kPhases; ++i) rows.push_back({names[i], time_ms(phases[i], a.warmup, a.iters), works[i]});
 
   std::printf("\nB=%lld F=%lld S=%lld H=%lld D=%lld bf16, k_scale=D^-1/2 S^-1/2   peak memory above inputs: %.3f GiB\n",
               static_cast<long long>(B), static_cast<long long>(d.F), static_cast<long long>(d.S),

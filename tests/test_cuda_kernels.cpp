@@ -28,6 +28,7 @@
 #include "bigdn_fixtures.h"
 #include "gdncp/gdncp.h"
 #include "kernels/kernels.h"
+#include "kernels/scan_bidi_sweeps.h"
 #include "util/test_util.h"
 #include "util/tolerance.h"
 
@@ -188,8 +189,12 @@ TEST(CudaTwins, PhaseA) {
 
 // The CUDA bidirectional scan, forward and backward, against its CPU twin on
 // realistic transitions (phase A of the inputs), with a clip-start mask or
-// without one (mask undefined).
-void expect_scan_bidi_twins(const Dims& d, uint64_t& seed, const Tensor& mask, const std::string& tag) {
+// without one (mask undefined). sweeps: the GPU runs the composition of the scan
+// core's sweeps (kernels/scan_bidi_sweeps.h) instead of the layer's kernel.
+void expect_scan_bidi_twins(const Dims& d, uint64_t& seed, const Tensor& mask, const std::string& tag,
+                            bool sweeps = false) {
+  const auto fwd = sweeps ? scan_core::scan_bidi_fwd : kernels::scan_bidi_fwd;
+  const auto bwd = sweeps ? scan_core::scan_bidi_bwd : kernels::scan_bidi_bwd;
   const Prepared p = prepare(d, DType::f32, ++seed);
   const LayerInputs& in = p.in;
   const Shape mat = {d.BH(), d.F, d.D, d.D}, vec = {d.BH(), d.F, d.D};
@@ -198,7 +203,7 @@ void expect_scan_bidi_twins(const Dims& d, uint64_t& seed, const Tensor& mask, c
                &zs = c.z;
   Tensor gMf = poisoned(mat, DType::f32), gMr = poisoned(mat, DType::f32), gMs = poisoned(mat, DType::f32);
   Tensor gzf = poisoned(vec, DType::f32), gzr = poisoned(vec, DType::f32), gzs = poisoned(vec, DType::f32);
-  kernels::scan_bidi_fwd(gMf, gMr, gMs, gzf, gzr, gzs, gpu(P), gpu(A), gpu(Pz), gpu(bz), gpu(in.decay), gpu(mask), d);
+  fwd(gMf, gMr, gMs, gzf, gzr, gzs, gpu(P), gpu(A), gpu(Pz), gpu(bz), gpu(in.decay), gpu(mask), d);
   expect_close(gMf, Mf, tol::f32, "scan_bidi_fwd Mf" + tag);
   expect_close(gMr, Mr, tol::f32, "scan_bidi_fwd Mr" + tag);
   expect_close(gMs, Ms, tol::f32, "scan_bidi_fwd Msum" + tag);
@@ -213,8 +218,8 @@ void expect_scan_bidi_twins(const Dims& d, uint64_t& seed, const Tensor& mask, c
   cpu::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, mask, d);
   Tensor gdP = poisoned(mat, DType::f32), gdA = poisoned(mat, DType::f32), gdPz = poisoned(mat, DType::f32),
          gdbz = poisoned(vec, DType::f32), gddecay = poisoned(in.decay.shape(), in.decay.dtype());
-  kernels::scan_bidi_bwd(gdP, gdA, gdPz, gdbz, gddecay, gpu(dMs), gpu(dzs), gpu(P), gpu(Pz), gpu(in.decay), gpu(Mf),
-                         gpu(Mr), gpu(zf), gpu(zr), gpu(mask), d);
+  bwd(gdP, gdA, gdPz, gdbz, gddecay, gpu(dMs), gpu(dzs), gpu(P), gpu(Pz), gpu(in.decay), gpu(Mf), gpu(Mr), gpu(zf),
+      gpu(zr), gpu(mask), d);
   expect_close(gdP, dP, tol::f32, "scan_bidi_bwd dP" + tag);
   expect_close(gdA, dA, tol::f32, "scan_bidi_bwd dA" + tag);
   expect_close(gdPz, dPz, tol::f32, "scan_bidi_bwd dPz" + tag);
@@ -244,6 +249,16 @@ TEST(CudaTwins, ScanBidiClips) {
   std::vector<Dims> shapes = {dims(1, 2, 16, 11, 1), dims(2, 1, 12, 3, 5), dims(2, 2, 112, 6, 33),
                               dims(3, 2, 128, 5, 70), dims(2, 1, 64, 7, 17)};
   for (const Dims& d : shapes) expect_scan_bidi_twins(d, seed, clip_mask(d), " clips " + dims_str(d));
+}
+
+// The single-rank scan as the composition of the scan core's sweeps, on the CUDA sweeps: the
+// same composition as the CPU twin, so this checks the device core on the layer's variants.
+TEST(CudaTwins, ScanBidiSweeps) {
+  REQUIRE_GPU();
+  uint64_t seed = 370;
+  for (const Dims& d : twin_shapes()) expect_scan_bidi_twins(d, seed, Tensor(), " sweeps " + dims_str(d), true);
+  for (const Dims& d : {dims(1, 2, 16, 11, 1), dims(2, 2, 112, 6, 33)})
+    expect_scan_bidi_twins(d, seed, clip_mask(d), " sweeps clips " + dims_str(d), true);
 }
 
 TEST(CudaTwins, PhaseC) {

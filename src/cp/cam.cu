@@ -18,7 +18,8 @@ namespace {
 
 using namespace dev;
 
-constexpr int kTok = 16;  // tokens per block of tok_kernel
+constexpr int kTok = 16;           // tokens per block of tok_kernel
+constexpr int kBetaThreads = 128;  // frames per block of beta_frame_kernel (one thread a frame)
 
 struct Geo {
   int D = 0, F = 0, S = 0;
@@ -211,7 +212,8 @@ void cam_phase_a_bwd(Tensor& dk, Tensor& dv, Tensor& dbeta, const Tensor& dPc, c
   GDNCP_CUDA_CHECK_LAUNCH("tok_kernel(pa_bwd)");
   if (d.beta_per_frame) {
     const int64_t n = d.BH() * d.F;
-    beta_frame_kernel<<<static_cast<unsigned>((n + 127) / 128), 128, 0, stream()>>>(a.ob, a.beta_tok, a.g, n);
+    beta_frame_kernel<<<static_cast<unsigned>(cdiv(n, kBetaThreads)), kBetaThreads, 0, stream()>>>(a.ob, a.beta_tok,
+                                                                                                   a.g, n);
     GDNCP_CUDA_CHECK_LAUNCH("beta_frame_kernel");
   }
 }

@@ -2,7 +2,7 @@
 // cp_kernels.h), f32, same signatures and semantics as scan_ref.cpp.
 //
 //   sweep_kernel    the sequential sweeps over frames: one warp per (sweep,
-//                   b·h, slice of 16 state columns), Note [warp tiles]; the
+//                   b·h, slice of kTileCols = 8 state columns), Note [sweep slices]; the
 //                   frames' transitions stream through a cp.async ring that
 //                   the warps of a block share.
 //   fold_kernel     the same over the gathered composites of the ranks.
@@ -14,7 +14,7 @@
 // Gradient rule as the CPU twin: dg accumulates, dP when asked; the rest overwritten.
 // No atomics: every result is bitwise reproducible.
 //
-// Note [warp tiles]. Each step of a sweep (fold) multiplies a D×D
+// Note [sweep slices]. Each step of a sweep (fold) multiplies a D×D
 // matrix op(A) into the state, a D×E matrix whose columns evolve on their own.
 // One warp owns a slice of 8 columns: lane (r, h) = (lane % 16, lane / 16)
 // accumulates rows r + 16a (a < RA, 16·RA ≥ D) × columns 4h … 4h+3 in 4·RA
@@ -35,10 +35,8 @@
 // next frame's add_before) are loaded into registers before the product, so
 // their latency hides behind it.
 #include <algorithm>
-#include <mutex>
-#include <set>
-#include <utility>
 
+#include "autograd/device.h"
 #include "cp/cp_cuda.cuh"
 #include "cp/cp_kernels.h"
 #include "kernels/cublas_handle.h"
@@ -53,12 +51,22 @@ using namespace dev;
 namespace cc = ::gdncp::cuda::detail;  // device helpers shared with the layer kernels
 
 constexpr int kMaxRanks = 64;
-constexpr int kTileCols = 8;  // state columns per warp (Note [warp tiles])
+constexpr int kTileCols = 8;  // state columns per warp (Note [sweep slices])
 constexpr int kKC = 16;       // values of k per staged chunk
 constexpr int kKCP = 20;      // pitch of a chunk of op(A) = A: 5 float4 (odd: conflict-free along k)
 constexpr int kYP = 12;       // pitch of the state slice: 3 float4 (odd: a lane's float4 rows conflict-free)
 constexpr int kStages = 4;    // depth of the cp.async ring
 constexpr int kMaxWarps = 4;  // slices per block
+
+// Row slots of a lane (Note [sweep slices]): lane r covers rows r + 16a, a < RA, so 16·RA ≥ D.
+// The kernels are built for RA = 7 (D ≤ 112, the production head dim: one slot fewer than the
+// padded 128 saves the registers of a slot) and RA = 8 (up to the largest head dim).
+constexpr int kSlotRows = 16;
+constexpr int kMaxSlots = kMaxHeadDim / kSlotRows;
+static_assert(kMaxSlots * kSlotRows == kMaxHeadDim && padded_dim(kMaxHeadDim) == kMaxHeadDim,
+              "the largest head dim is a whole number of row slots and its own padded dim");
+static_assert(kMaxHeadDim <= kRowThreads, "the CP kernels take D ≤ kRowThreads");
+int row_slots(int64_t D) { return D <= kSlotRows * (kMaxSlots - 1) ? kMaxSlots - 1 : kMaxSlots; }
 
 // Floats of one ring stage and of one warp's state slice, for RA row slots.
 __host__ __device__ constexpr int stage_floats(int ra) { return 16 * ra * kKCP; }
@@ -69,7 +77,7 @@ constexpr int smem_bytes(int ra, int warps) {
 static_assert(kKC <= kKCP, "a staged row of a chunk holds its kKC values of k");
 
 // Stages chunk j of op(A), A a row-major D×D matrix, into buf as [i][k0 … k0+kKC) with pitch
-// kKCP (Note [warp tiles]): the product reads it the same way for op(A) = A and op(A) = Aᵀ.
+// kKCP (Note [sweep slices]): the product reads it the same way for op(A) = A and op(A) = Aᵀ.
 // op(A) = A: 16-byte copies along k (vec: D % 4 == 0, A 16-byte aligned), else 4-byte ones.
 // op(A) = Aᵀ: buf[i][kk] = A[k0 + kk][i], 4-byte copies, consecutive threads along i (reads of
 // A's rows coalesced; the transpose happens on the way into shared memory), no index division
@@ -544,11 +552,6 @@ __global__ void __launch_bounds__(32 * kZcWarps)
   }
 }
 
-__global__ void add_kernel(float* out, const float* x, const float* y, int64_t n) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = x[i] + y[i];
-}
-
 // --- launchers ----------------------------------------------------------------------------------
 InPlain decay_of(const Tensor& decay) { return in_of<InPlain>(decay, "decay"); }
 
@@ -557,52 +560,22 @@ void check_dims(const SweepSpec& s) {
   GDNCP_CHECK(s.E == 1 || s.E == s.D, "cp cuda scan: E = ", s.E, " must be 1 or D");
 }
 
-int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-int current_device() {
-  int dev = 0;
-  GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
-  return dev;
-}
-
-int sm_count() {
-  static std::mutex m;
-  static std::vector<int> counts;  // per device, 0 = not asked yet
-  const int dev = current_device();
-  std::lock_guard<std::mutex> lock(m);
-  if (counts.size() <= static_cast<size_t>(dev)) counts.resize(static_cast<size_t>(dev) + 1, 0);
-  if (!counts[static_cast<size_t>(dev)])
-    GDNCP_CUDA_CHECK(cudaDeviceGetAttribute(&counts[static_cast<size_t>(dev)], cudaDevAttrMultiProcessorCount, dev));
-  return counts[static_cast<size_t>(dev)];
-}
-
 // Note [eight columns]. At D = 112 on an H200, 16-column slices need 221
 // registers and keep too few warps resident to hide the ring's latency;
 // 8-column slices need 128 and make the sweeps about a fifth faster. What
 // remains is latency: cycles between a warp's instructions, a third of it at
 // the ring's barriers in the transposed sweeps.
 //
-// Slices per block (Note [warp tiles]): one warp per block while the launch
+// Slices per block (Note [sweep slices]): one warp per block while the launch
 // holds at most one warp per SM sub-partition; beyond that 2, then 4, so the
 // warps of a block share the staged transitions (less L2 traffic).
 int warps_for(int64_t slices) {
-  const int64_t sms = sm_count();
+  const int64_t sms = cc::sm_count();
   return slices <= 4 * sms ? 1 : slices <= 8 * sms ? 2 : kMaxWarps;
 }
 
-// Lets `fn` take `bytes` of dynamic shared memory (once per kernel and device).
-void allow_smem(const void* fn, int bytes) {
-  static std::mutex m;
-  static std::set<std::pair<const void*, int>> done;
-  const int dev = current_device();
-  std::lock_guard<std::mutex> lock(m);
-  if (done.count({fn, dev})) return;
-  GDNCP_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  done.insert({fn, dev});
-}
-
 // Lays the jobs' blocks out one after another (units × groups each) and launches
-// kernel<7> (D ≤ 112) or kernel<8> (D ≤ 128) with `warps` warps per block.
+// kernel<RA> for RA = row_slots(D) (7: D ≤ 112, 8: D ≤ 128) with `warps` warps per block.
 template <typename Batch, typename Job>
 void launch_tiles(void (*k7)(Batch), void (*k8)(Batch), Batch& batch, Job* jobs, const int64_t* units, int D,
                   const char* name) {
@@ -611,15 +584,15 @@ void launch_tiles(void (*k7)(Batch), void (*k8)(Batch), Batch& batch, Job* jobs,
   batch.warps = warps_for(slices);
   int64_t blocks = 0;
   for (int k = 0; k < batch.n; ++k) {
-    jobs[k].groups = static_cast<int>(cdiv(jobs[k].tiles, batch.warps));
+    jobs[k].groups = static_cast<int>(cc::cdiv(jobs[k].tiles, batch.warps));
     jobs[k].block0 = static_cast<int>(blocks);
     blocks += units[k] * jobs[k].groups;
     GDNCP_CHECK(blocks < (int64_t{1} << 31), name, ": too many blocks (", blocks, ")");
   }
   if (blocks == 0) return;
-  const int ra = D <= 112 ? 7 : 8;
-  void (*fn)(Batch) = ra == 7 ? k7 : k8;
-  allow_smem(reinterpret_cast<const void*>(fn), smem_bytes(ra, kMaxWarps));
+  const int ra = row_slots(D);
+  void (*fn)(Batch) = ra == kMaxSlots - 1 ? k7 : k8;
+  cc::allow_smem(fn, static_cast<size_t>(smem_bytes(ra, batch.warps)));
   fn<<<static_cast<unsigned>(blocks), 32 * batch.warps, smem_bytes(ra, batch.warps), stream()>>>(batch);
   GDNCP_CUDA_CHECK_LAUNCH(name);
 }
@@ -679,7 +652,7 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
       a.vec = s.D % 4 == 0 && cc::aligned16(a.P);
       a.vec_states = s.E % 4 == 0 && cc::aligned16(a.ob) && cc::aligned16(a.oa) && cc::aligned16(a.fin) &&
                      cc::aligned16(a.vb) && cc::aligned16(a.ua) && cc::aligned16(a.init);
-      a.tiles = static_cast<int>(cdiv(s.E, kTileCols));
+      a.tiles = static_cast<int>(cc::cdiv(s.E, kTileCols));
       units[k] = s.BH;
     }
     launch_tiles(sweep_kernel<7>, sweep_kernel<8>, batch, batch.s, units, static_cast<int>(D), "sweep_kernel");
@@ -813,7 +786,7 @@ void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
       a.vec_states = f.E % 4 == 0 && cc::aligned16(a.X) && cc::aligned16(a.init) && cc::aligned16(a.H) &&
                      f.h_off % 4 == 0 && f.h_stride % 4 == 0;
       std::copy(f.order.begin(), f.order.end(), a.order);
-      a.tiles = static_cast<int>(cdiv(f.E, kTileCols));
+      a.tiles = static_cast<int>(cc::cdiv(f.E, kTileCols));
       units[k] = BH;
     }
     launch_tiles(fold_kernel<7>, fold_kernel<8>, batch, batch.f, units, static_cast<int>(D), "fold_kernel");
@@ -854,10 +827,7 @@ void add(Tensor& out, const Tensor& a, const Tensor& b) {
   float* o = f32_out_or_null(out, "out");
   const float* x = f32_or_null(a, "a");
   const float* y = f32_or_null(b, "b");
-  const int64_t n = out.numel();
-  if (n == 0) return;
-  add_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream()>>>(o, x, y, n);
-  GDNCP_CUDA_CHECK_LAUNCH("add_kernel");
+  ::gdncp::detail::cuda_add(o, x, y, DType::f32, out.numel());
 }
 
 }  // namespace cuda

@@ -4,13 +4,16 @@
 //
 // Gradient rule: scan_grad_outer accumulates (+=) into dg always and into dP
 // when asked (several sweeps share one transition); every other output is
-// overwritten.
+// overwritten. A frame's term of dg (a sum of D² terms of both signs) is summed
+// in a wider type. These sweeps are also the CPU twin of the single-rank scan
+// (src/kernels/scan_bidi_ref.cpp).
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "cp/cp_kernels.h"
 #include "gdncp/error.h"
+#include "kernels/cpu_common.h"
 
 namespace gdncp {
 namespace cp {
@@ -140,17 +143,17 @@ void grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const 
         }
       const T gt = g[bh * F + t];
       const T* pt = p + (bh * F + t) * DD;
-      T dgs = 0;
+      typename gdncp::cpu::detail::Wider<T>::type dgs = 0;  // D² terms of both signs
       for (int64_t i = 0; i < D; ++i)
         for (int64_t k = 0; k < D; ++k) {
           const T v = gr[i * D + k];
-          dgs += v * ((i == k ? T(1) : T(0)) - pt[i * D + k]);
+          dgs += static_cast<decltype(dgs)>(v) * ((i == k ? T(1) : T(0)) - pt[i * D + k]);
           if (accumulate)
             dpt[i * D + k] += -gt * v;
           else
             dpt[i * D + k] = -gt * v;
         }
-      dgt += dgs;
+      dgt += static_cast<T>(dgs);
     }
 }
 

@@ -27,7 +27,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "gdncp/error.h"
 #include "gdncp/tensor.h"
@@ -41,6 +44,9 @@ namespace detail {
 // --- streams and launch sizes --------------------------------------------------------
 // Every kernel runs on gdncp's current stream (gdncp::current_stream()).
 inline cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream()); }
+
+// ⌈a / b⌉ for launch sizes (a ≥ 0, b > 0).
+constexpr int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Grid-stride kernels: kGridThreads threads a block, blocks_for(n) blocks (capped; the loop
 // covers the rest).
@@ -59,11 +65,20 @@ inline int sm_count() {
   return n;
 }
 
-// Raises a kernel's dynamic shared-memory limit (needed above 48 KB).
+// Raises a kernel's dynamic shared-memory limit (needed above 48 KB) to at least `bytes` on the
+// current device; remembers what it raised, so a launch in a loop pays the driver call once.
 template <typename Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024)
-    GDNCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  if (bytes <= 48 * 1024) return;
+  static std::mutex m;
+  static std::map<std::pair<const void*, int>, size_t> raised;  // (kernel, device) → limit set
+  int dev = 0;
+  GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(m);
+  size_t& limit = raised[{reinterpret_cast<const void*>(kernel), dev}];
+  if (limit >= bytes) return;
+  GDNCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  limit = bytes;
 }
 
 // How many blocks to split each of `units` work items into so that the grid fills whole waves
@@ -82,7 +97,6 @@ inline int wave_splits(int64_t units, int64_t slots, int max_splits) {
   }
   return best;
 }
-
 
 // Calls fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, M>{}) for the runtime (D, mode).
 template <int DP, typename Fn>

@@ -1,200 +1,129 @@
 // src/kernels/scan_bidi_ref.cpp — CPU twin of the single-rank bidirectional
-// frame scan (docs/design.md §4), forward and backward.
+// frame scan (docs/design.md §4, §4a), forward and backward, and the
+// composition it runs: the sweeps of the scan core (Note [scan step] and
+// Note [clip cuts] in src/cp/cp_kernels.h) through the cp::kern dispatchers, so
+// the recurrence itself is coded once per device (cp::cpu here).
 //
-// Forward (inclusive) and reverse (strictly later frames) states, per (b, h):
-//   Mf_f = g_f (I − P_f) Mf_{f−1} + A_f,          Mf_{−1} = 0
-//   Mr_f = g_{f+1} (I − P_{f+1}) Mr_{f+1} + A_{f+1},  Mr_{F−1} = 0
-//   Msum = Mf + Mr;  z the same with (Pz, b) and vectors.
-// Backward of one step X = g (I − P) X_prev + U with G = dL/dX:
-//   dU += G,  dP += −g G X_prevᵀ,  dg += ⟨(I − P)ᵀ G, X_prev⟩,  dL/dX_prev += g (I − P)ᵀ G.
-// The forward chain is walked from the last frame back, the reverse chain from
-// the first frame on; frame f's transition feeds Mf_f and Mr_{f−1}.
-// Packed clips (§4a): at a clip start f > 0 the transition of frame f is cut in
-// both chains — Mf_f = A_f and Mr_{f−1} = 0 — so f's P and g get no gradient and
-// no adjoint crosses the boundary.
-// Gradient rule: dP, dA, dPz, dbz, ddecay are overwritten. The decay gradient
-// (a sum of D² terms of both signs) accumulates in a wider type.
+// Per (b, h), with G_t = g_t (I − P_t):
+//   Mf_t = G_t Mf_{t−1} + A_t (Mf_{−1} = 0):        ascending sweep, add_after A, out_after;  cut before.
+//   Mr_{t−1} = G_t Mr_t + A_t (Mr_{F−1} = 0):        descending sweep, add_after A, out_before; cut after.
+//   Msum = Mf + Mr;  z the same with (Pz, bz) and E = 1.
+// Backward, with Λ = dL/dMf and Λ̃ = dL/dMr (both get dMsum directly):
+//   Λ_t = dMsum_t + G_{t+1}ᵀ Λ_{t+1}:     descending transposed sweep, add_before dMsum, out_before = Λ_t
+//                                           (the adjoint of a cut before is a cut after);
+//   Λ̃_t = dMsum_t + G_tᵀ Λ̃_{t−1}:         ascending transposed sweep, add_after dMsum, out_before = Λ̃_{t−1}
+//                                           (cut before);
+//   dA_t = Λ_t + Λ̃_{t−1};  dP_t, dg_t from scan_grad_outer(s) with the sources (Λ, Mf, unshifted) and
+//   (Λ̃, Mr, shifted): Gr_t = Λ_t Mf_{t−1}ᵀ + Λ̃_{t−1} Mr_tᵀ, dP_t = −g_t Gr_t, dg_t = ⟨Gr_t, I − P_t⟩ over
+//   both KV and z. A cut frame's transition is unused: its dP, dPz and ddecay are 0.
+// The clip mask of this layer ignores column 0 (frame 0 has no transition from
+// an earlier frame); the sweeps read it there too, with the same result: the
+// state they would cut is zero or unused.
+#include <initializer_list>
+#include <vector>
+
+#include "cp/cp_kernels.h"
 #include "kernels/cpu_common.h"
 #include "kernels/kernels.h"
+#include "kernels/scan_bidi_sweeps.h"
 
 namespace gdncp {
-namespace cpu {
+namespace scan_core {
 namespace {
 
-using namespace detail;
+using cp::Cut;
+using cp::Sweep;
 
-// X = g (X_prev − P X_prev) + U for D×D states (tmp: D×D scratch).
-template <typename T>
-void step_mat(T* X, const T* P, const T* X_prev, const T* U, T g, int64_t D, T* tmp) {
-  matmul(tmp, P, X_prev, D);
-  for (int64_t i = 0; i < D * D; ++i) X[i] = g * (X_prev[i] - tmp[i]) + U[i];
+// The spec of one sweep of this layer over (BH, F) frames, none frozen.
+cp::SweepSpec spec(const Dims& d, int64_t E, bool descending, bool transpose, Cut cut) {
+  cp::SweepSpec s;
+  s.BH = d.BH();
+  s.F = d.F;
+  s.D = d.D;
+  s.E = E;
+  s.descending = descending;
+  s.transpose = transpose;
+  s.active = d.F;
+  s.cut = cut;
+  s.H = d.H;
+  return s;
 }
 
-template <typename T>
-void step_vec(T* x, const T* P, const T* x_prev, const T* u, T g, int64_t D, T* tmp) {
-  matvec(tmp, P, x_prev, D);
-  for (int64_t i = 0; i < D; ++i) x[i] = g * (x_prev[i] - tmp[i]) + u[i];
+Sweep sweep(const Tensor& P, const Tensor& clip_starts, const cp::SweepSpec& s) {
+  Sweep w;
+  w.P = P;
+  w.spec = s;
+  w.cuts = clip_starts;
+  return w;
 }
 
-// cut(bh, f): frame f > 0 of row bh / H begins a clip. An undefined mask cuts nothing.
-class ClipCuts {
- public:
-  ClipCuts(const Tensor& clip_starts, const Dims& d) : mask_(clip_starts), H_(d.H), F_(d.F) {}
-  bool operator()(int64_t bh, int64_t f) const { return f > 0 && mask_.defined() && mask_[(bh / H_) * F_ + f] != 0; }
-
- private:
-  In<float> mask_;
-  int64_t H_, F_;
-};
-
-template <typename T>
-void scan_bidi_fwd_impl(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,
-                        const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay,
-                        const Tensor& clip_starts, const Dims& d) {
-  const int64_t D = d.D, F = d.F, DD = D * D;
-  In<T> iP(P), iA(A), iPz(Pz), ib(bz), ig(decay);
-  const ClipCuts cut(clip_starts, d);
-  Out<T> oMf(Mf), oMr(Mr), oMs(Msum), ozf(zf), ozr(zr), ozs(zsum);
-  std::vector<T> tmp(static_cast<size_t>(DD));
-
-  for (int64_t bh = 0; bh < d.BH(); ++bh) {
-    const auto mat = [&](auto& t, int64_t f) { return t.data() + (bh * F + f) * DD; };
-    const auto vec = [&](auto& t, int64_t f) { return t.data() + (bh * F + f) * D; };
-    const auto g = [&](int64_t f) { return ig[bh * F + f]; };
-    // forward chain
-    std::copy(mat(iA, 0), mat(iA, 0) + DD, mat(oMf, 0));
-    std::copy(vec(ib, 0), vec(ib, 0) + D, vec(ozf, 0));
-    for (int64_t f = 1; f < F; ++f) {
-      if (cut(bh, f)) {  // Mf_f = A_f
-        std::copy(mat(iA, f), mat(iA, f) + DD, mat(oMf, f));
-        std::copy(vec(ib, f), vec(ib, f) + D, vec(ozf, f));
-        continue;
-      }
-      step_mat(mat(oMf, f), mat(iP, f), mat(oMf, f - 1), mat(iA, f), g(f), D, tmp.data());
-      step_vec(vec(ozf, f), mat(iPz, f), vec(ozf, f - 1), vec(ib, f), g(f), D, tmp.data());
-    }
-    // reverse chain
-    std::fill(mat(oMr, F - 1), mat(oMr, F - 1) + DD, T(0));
-    std::fill(vec(ozr, F - 1), vec(ozr, F - 1) + D, T(0));
-    for (int64_t f = F - 2; f >= 0; --f) {
-      if (cut(bh, f + 1)) {  // frame f ends its clip: Mr_f = 0
-        std::fill(mat(oMr, f), mat(oMr, f) + DD, T(0));
-        std::fill(vec(ozr, f), vec(ozr, f) + D, T(0));
-        continue;
-      }
-      step_mat(mat(oMr, f), mat(iP, f + 1), mat(oMr, f + 1), mat(iA, f + 1), g(f + 1), D, tmp.data());
-      step_vec(vec(ozr, f), mat(iPz, f + 1), vec(ozr, f + 1), vec(ib, f + 1), g(f + 1), D, tmp.data());
-    }
-    for (int64_t f = 0; f < F; ++f) {
-      for (int64_t i = 0; i < DD; ++i) mat(oMs, f)[i] = mat(oMf, f)[i] + mat(oMr, f)[i];
-      for (int64_t i = 0; i < D; ++i) vec(ozs, f)[i] = vec(ozf, f)[i] + vec(ozr, f)[i];
-    }
-  }
-  oMf.commit();
-  oMr.commit();
-  oMs.commit();
-  ozf.commit();
-  ozr.commit();
-  ozs.commit();
-}
-
-// Backward of X = g (I − P) X_prev + U (D×D): dU += G, dP += −g G X_prevᵀ,
-// W = (I − P)ᵀ G; returns ⟨W, X_prev⟩ = dL/dg. tmp, tmp2: D×D scratch.
-template <typename T>
-T step_mat_bwd(T* dU, T* dP, T* W, const T* G, const T* P, const T* X_prev, T g, int64_t D, T* tmp, T* tmp2) {
-  const int64_t DD = D * D;
-  for (int64_t i = 0; i < DD; ++i) dU[i] += G[i];
-  matmul_nt(tmp, G, X_prev, D, tmp2);
-  for (int64_t i = 0; i < DD; ++i) dP[i] -= g * tmp[i];
-  matmul_tn(tmp, P, G, D);
-  for (int64_t i = 0; i < DD; ++i) W[i] = G[i] - tmp[i];
-  return dot_wide(W, X_prev, DD);
-}
-
-template <typename T>
-T step_vec_bwd(T* du, T* dP, T* w, const T* G, const T* P, const T* x_prev, T g, int64_t D, T* tmp) {
-  for (int64_t i = 0; i < D; ++i) du[i] += G[i];
-  for (int64_t i = 0; i < D; ++i) {
-    const T gi = g * G[i];
-    for (int64_t j = 0; j < D; ++j) dP[i * D + j] -= gi * x_prev[j];
-  }
-  matvec_t(tmp, P, G, D);
-  for (int64_t i = 0; i < D; ++i) w[i] = G[i] - tmp[i];
-  return dot_wide(w, x_prev, D);
-}
-
-template <typename T>
-void scan_bidi_bwd_impl(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& ddecay, const Tensor& dMsum,
-                        const Tensor& dzsum, const Tensor& P, const Tensor& Pz, const Tensor& decay, const Tensor& Mf,
-                        const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Tensor& clip_starts,
-                        const Dims& d) {
-  const int64_t D = d.D, F = d.F, DD = D * D;
-  const ClipCuts cut(clip_starts, d);
-  In<T> gM(dMsum), gz(dzsum), iP(P), iPz(Pz), ig(decay), iMf(Mf), iMr(Mr), izf(zf), izr(zr);
-  Out<T> odP(dP), odA(dA), odPz(dPz), odb(dbz), odg(ddecay);
-  const auto buf = [](int64_t n) { return std::vector<T>(static_cast<size_t>(n)); };
-  std::vector<T> G = buf(DD), W = buf(DD), tmp = buf(DD), tmp2 = buf(DD), Gz = buf(D), Wz = buf(D);
-
-  for (int64_t bh = 0; bh < d.BH(); ++bh) {
-    const auto mat = [&](auto& t, int64_t f) { return t.data() + (bh * F + f) * DD; };
-    const auto vec = [&](auto& t, int64_t f) { return t.data() + (bh * F + f) * D; };
-    const auto g = [&](int64_t f) { return ig[bh * F + f]; };
-    for (int64_t f = 0; f < F; ++f) {
-      std::fill(mat(odP, f), mat(odP, f) + DD, T(0));
-      std::fill(mat(odA, f), mat(odA, f) + DD, T(0));
-      std::fill(mat(odPz, f), mat(odPz, f) + DD, T(0));
-      std::fill(vec(odb, f), vec(odb, f) + D, T(0));
-      odg[bh * F + f] = T(0);
-    }
-    // forward chain: G = dL/dMf_f, walked from the last frame back
-    std::copy(mat(gM, F - 1), mat(gM, F - 1) + DD, G.begin());
-    std::copy(vec(gz, F - 1), vec(gz, F - 1) + D, Gz.begin());
-    for (int64_t f = F - 1; f >= 1; --f) {
-      if (cut(bh, f)) {  // Mf_f = A_f: the adjoint stops here
-        for (int64_t i = 0; i < DD; ++i) mat(odA, f)[i] += G[i];
-        for (int64_t i = 0; i < D; ++i) vec(odb, f)[i] += Gz[i];
-        std::copy(mat(gM, f - 1), mat(gM, f - 1) + DD, G.begin());
-        std::copy(vec(gz, f - 1), vec(gz, f - 1) + D, Gz.begin());
-        continue;
-      }
-      odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMf, f - 1), g(f),
-                                      D, tmp.data(), tmp2.data());
-      odg[bh * F + f] += step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f), vec(izf, f - 1),
-                                      g(f), D, tmp.data());
-      for (int64_t i = 0; i < DD; ++i) G[i] = mat(gM, f - 1)[i] + g(f) * W[i];
-      for (int64_t i = 0; i < D; ++i) Gz[i] = vec(gz, f - 1)[i] + g(f) * Wz[i];
-    }
-    for (int64_t i = 0; i < DD; ++i) mat(odA, 0)[i] += G[i];  // Mf_0 = A_0
-    for (int64_t i = 0; i < D; ++i) vec(odb, 0)[i] += Gz[i];
-    // reverse chain: G = dL/dMr_{f−1}; Mr_{f−1} = g_f (I − P_f) Mr_f + A_f
-    std::copy(mat(gM, 0), mat(gM, 0) + DD, G.begin());
-    std::copy(vec(gz, 0), vec(gz, 0) + D, Gz.begin());
-    for (int64_t f = 1; f < F; ++f) {
-      if (cut(bh, f)) {  // Mr_{f−1} = 0 depends on nothing: restart from dL/dMr_f = dMsum_f
-        if (f + 1 < F) {
-          std::copy(mat(gM, f), mat(gM, f) + DD, G.begin());
-          std::copy(vec(gz, f), vec(gz, f) + D, Gz.begin());
-        }
-        continue;
-      }
-      odg[bh * F + f] += step_mat_bwd(mat(odA, f), mat(odP, f), W.data(), G.data(), mat(iP, f), mat(iMr, f), g(f), D,
-                                      tmp.data(), tmp2.data());
-      odg[bh * F + f] +=
-          step_vec_bwd(vec(odb, f), mat(odPz, f), Wz.data(), Gz.data(), mat(iPz, f), vec(izr, f), g(f), D, tmp.data());
-      if (f + 1 < F) {
-        for (int64_t i = 0; i < DD; ++i) G[i] = mat(gM, f)[i] + g(f) * W[i];
-        for (int64_t i = 0; i < D; ++i) Gz[i] = vec(gz, f)[i] + g(f) * Wz[i];
-      }
-    }
-  }
-  odP.commit();
-  odA.commit();
-  odPz.commit();
-  odb.commit();
-  odg.commit();
-}
+Tensor like(const Tensor& t) { return Tensor::empty(t.shape(), t.dtype(), t.device()); }
 
 }  // namespace
+
+void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,
+                   const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Tensor& clip_starts,
+                   const Dims& d) {
+  std::vector<Sweep> sweeps;
+  for (const bool anti : {false, true})
+    for (const bool kv : {true, false}) {
+      Sweep w = sweep(kv ? P : Pz, clip_starts,
+                      spec(d, kv ? d.D : 1, /*descending=*/anti, /*transpose=*/false, anti ? Cut::after : Cut::before));
+      w.add_after = kv ? A : bz;
+      (anti ? w.out_before : w.out_after) = kv ? (anti ? Mr : Mf) : (anti ? zr : zf);
+      sweeps.push_back(w);
+    }
+  cp::kern::scan_sweeps(sweeps, decay);
+  cp::kern::add(Msum, Mf, Mr);
+  cp::kern::add(zsum, zf, zr);
+}
+
+void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& ddecay, const Tensor& dMsum,
+                   const Tensor& dzsum, const Tensor& P, const Tensor& Pz, const Tensor& decay, const Tensor& Mf,
+                   const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Tensor& clip_starts, const Dims& d) {
+  // The adjoint sweeps: L[kv][anti] = Λ (forward) or Λ̃ shifted (anti-causal), Note [scan step].
+  const Tensor L[2][2] = {{like(dbz), like(dbz)}, {like(dA), like(dA)}};
+  std::vector<Sweep> sweeps;
+  for (const bool anti : {false, true})
+    for (const bool kv : {true, false}) {
+      Sweep w = sweep(kv ? P : Pz, clip_starts,
+                      spec(d, kv ? d.D : 1, /*descending=*/!anti, /*transpose=*/true, anti ? Cut::before : Cut::after));
+      (anti ? w.add_after : w.add_before) = kv ? dMsum : dzsum;
+      w.out_before = L[kv][anti];
+      sweeps.push_back(w);
+    }
+  cp::kern::scan_sweeps(sweeps, decay);
+  cp::kern::add(dA, L[1][0], L[1][1]);
+  cp::kern::add(dbz, L[0][0], L[0][1]);
+
+  // The transition gradients: one group per P, each with its own dg (the groups are independent), summed.
+  const DType ct = compute_dtype(P.dtype());
+  std::vector<cp::OuterGroup> groups;
+  for (const bool kv : {true, false}) {
+    cp::OuterGroup g;
+    g.dP = kv ? dP : dPz;
+    g.dg = Tensor::zeros({d.BH(), d.F}, ct, P.device());
+    g.P = kv ? P : Pz;
+    g.E = kv ? d.D : 1;
+    g.cuts = clip_starts;
+    g.H = d.H;
+    const Tensor& Rf = kv ? Mf : zf;
+    const Tensor& Rr = kv ? Mr : zr;
+    g.sources = {cp::OuterSource{L[kv][0], Rf, Tensor(), /*shifted=*/false, d.F},
+                 cp::OuterSource{L[kv][1], Rr, Tensor(), /*shifted=*/true, d.F}};
+    groups.push_back(g);
+  }
+  cp::kern::scan_grad_outers(groups, decay, d.BH(), d.F, d.D);
+  Tensor dg = Tensor::empty({d.B, d.H, d.F}, ct, P.device());
+  cp::kern::add(dg, groups[0].dg, groups[1].dg);
+  ddecay.copy_from(ddecay.dtype() == ct ? dg : dg.to(ddecay.dtype()));
+}
+
+}  // namespace scan_core
+
+namespace cpu {
+
+using namespace detail;
 
 void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr, Tensor& zsum, const Tensor& P,
                    const Tensor& A, const Tensor& Pz, const Tensor& bz, const Tensor& decay, const Tensor& clip_starts,
@@ -207,10 +136,7 @@ void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr,
     check_shape(*t, vec_s, op, "a (BH, F, D) tensor");
   check_shape(decay, {d.B, d.H, d.F}, op, "decay");
   check_shape_if_defined(clip_starts, {d.B, d.F}, op, "clip_starts");
-  if (P.dtype() == DType::f64)
-    scan_bidi_fwd_impl<double>(Mf, Mr, Msum, zf, zr, zsum, P, A, Pz, bz, decay, clip_starts, d);
-  else
-    scan_bidi_fwd_impl<float>(Mf, Mr, Msum, zf, zr, zsum, P, A, Pz, bz, decay, clip_starts, d);
+  scan_core::scan_bidi_fwd(Mf, Mr, Msum, zf, zr, zsum, P, A, Pz, bz, decay, clip_starts, d);
 }
 
 void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& ddecay, const Tensor& dMsum,
@@ -225,10 +151,7 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
   check_shape(ddecay, {d.B, d.H, d.F}, op, "ddecay");
   check_shape(decay, {d.B, d.H, d.F}, op, "decay");
   check_shape_if_defined(clip_starts, {d.B, d.F}, op, "clip_starts");
-  if (P.dtype() == DType::f64)
-    scan_bidi_bwd_impl<double>(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, clip_starts, d);
-  else
-    scan_bidi_bwd_impl<float>(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, clip_starts, d);
+  scan_core::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMsum, dzsum, P, Pz, decay, Mf, Mr, zf, zr, clip_starts, d);
 }
 
 }  // namespace cpu
