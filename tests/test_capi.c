@@ -118,7 +118,8 @@ static gdncp_status layer_call(Layer* L, const gdncp_layer_options* opt, uint32_
                                gdncp_graph** graph) {
   DLManagedTensor* in[7];
   layer_wrap(L, in);
-  return gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, F, S, opt, NULL, mask, out, graph);
+  return gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F, S, opt, NULL, mask, out,
+                     graph);
 }
 
 /* Σ w·out over the layer's output (w fixed per element). */
@@ -217,7 +218,8 @@ static void case_bad_argument(void) {
 
   /* NULL beta: the door's own check, naming it; every other input consumed. */
   layer_wrap(L, in);
-  gdncp_status st = gdncp_bigdn(in[0], NULL, in[2], in[3], in[4], in[5], in[6], NULL, F, S, NULL, NULL, 0, &out, NULL);
+  gdncp_status st =
+      gdncp_bigdn(in[0], NULL, in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL, 0, &out, NULL);
   EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "beta") != NULL, "%d '%s'", st, gdncp_last_error());
   EXPECT(L->b[0].deleted == 1 && L->b[1].deleted == 0 && L->b[6].deleted == 1, "inputs consumed once");
   EXPECT(out == NULL, "no output on failure");
@@ -226,7 +228,7 @@ static void case_bad_argument(void) {
   layer_wrap(L, in);
   in[0]->dl_tensor.dtype.code = kDLInt;
   in[0]->dl_tensor.dtype.bits = 32;
-  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, F, S, NULL, NULL, 0, &out, NULL);
+  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL, 0, &out, NULL);
   EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "qkv") != NULL, "%d '%s'", st, gdncp_last_error());
   EXPECT(all_deleted_once(L), "inputs consumed once");
 
@@ -234,7 +236,7 @@ static void case_bad_argument(void) {
   layer_wrap(L, in);
   int64_t strides[3] = {1, 1, 2};
   in[2]->dl_tensor.strides = strides;
-  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, F, S, NULL, NULL, 0, &out, NULL);
+  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL, 0, &out, NULL);
   EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "decay") != NULL &&
              strstr(gdncp_last_error(), "contiguous") != NULL,
          "%d '%s'", st, gdncp_last_error());
@@ -242,7 +244,8 @@ static void case_bad_argument(void) {
 
   /* A wrong size the library itself finds (F·S != N): gdncp::Error, naming the argument. */
   layer_wrap(L, in);
-  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, F + 1, S, NULL, NULL, 0, &out, NULL);
+  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F + 1, S, NULL, NULL, 0, &out,
+                   NULL);
   EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "qkv") != NULL, "%d '%s'", st, gdncp_last_error());
   EXPECT(all_deleted_once(L), "inputs consumed once");
   EXPECT(out == NULL, "no output on failure");
@@ -251,7 +254,8 @@ static void case_bad_argument(void) {
   {
     gdncp_graph* fg = NULL;
     layer_wrap(L, in);
-    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, F + 1, S, NULL, NULL, 0x1f, &out, &fg);
+    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F + 1, S, NULL, NULL, 0x1f,
+                     &out, &fg);
     EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "qkv") != NULL, "%d '%s'", st, gdncp_last_error());
     EXPECT(fg == NULL && out == NULL && all_deleted_once(L), "no graph, no output, inputs consumed once");
   }
@@ -262,10 +266,9 @@ static void case_bad_argument(void) {
     Blob cb;
     const int64_t cs[] = {B, F + 1};
     layer_wrap(L, in);
-    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], wrap(&cb, clip, kDLFloat, 32, 2, cs), F, S, NULL,
-                     NULL, 0, &out, NULL);
-    EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "clip_starts") != NULL, "%d '%s'", st,
-           gdncp_last_error());
+    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, wrap(&cb, clip, kDLFloat, 32, 2, cs),
+                     F, S, NULL, NULL, 0, &out, NULL);
+    EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "clip_starts") != NULL, "%d '%s'", st, gdncp_last_error());
     EXPECT(all_deleted_once(L) && cb.deleted == 1, "inputs consumed once");
   }
 

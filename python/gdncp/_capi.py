@@ -109,7 +109,8 @@ lib.gdncp_last_error.restype = ctypes.c_char_p
 lib.gdncp_last_error.argtypes = []
 lib.gdncp_abi_version.restype = ctypes.c_int
 lib.gdncp_cuda_available.restype = ctypes.c_int
-_LAYER_IN = [_p] * 8 + [_i64, _i64, ctypes.POINTER(LayerOptions)]
+# qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts, F, S, options
+_LAYER_IN = [_p] * 10 + [_i64, _i64, ctypes.POINTER(LayerOptions)]
 F = {
     "layer_options_init": _sig("gdncp_layer_options_init", ctypes.POINTER(LayerOptions)),
     "cp_options_init": _sig("gdncp_cp_options_init", ctypes.POINTER(CpOptions)),

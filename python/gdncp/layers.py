@@ -86,19 +86,22 @@ def _graph_backward(ctx, grad_out):
 class BiGDNFunction(torch.autograd.Function):
     """out = bigdn(...) (one rank; gdncp_bigdn). Arguments after ctx:
     qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts (or None), F, S,
-    opts (gdncp._capi.LayerOptions)."""
+    opts (gdncp._capi.LayerOptions), then optionally q's own tables rope_cos_q, rope_sin_q
+    (both None: q is rotated with rope_cos, rope_sin)."""
 
     @staticmethod
-    def forward(ctx, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts):
+    def forward(ctx, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts,
+                rope_cos_q=None, rope_sin_q=None):
         (out,), ctx.graph = _run(
-            "bigdn", None, [qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts], F, S, opts,
-            ctx.needs_input_grad[:_DIFF], 1)
+            "bigdn", None,
+            [qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts], F, S,
+            opts, ctx.needs_input_grad[:_DIFF], 1)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        return (*_graph_backward(ctx, grad_out), None, None, None, None, None, None)
+        return (*_graph_backward(ctx, grad_out), None, None, None, None, None, None, None, None)
 
 
 class BiGDNCPFunction(torch.autograd.Function):
@@ -108,34 +111,39 @@ class BiGDNCPFunction(torch.autograd.Function):
     (sum them over the group, e.g. comm.all_reduce_sum_ or torch.distributed)."""
 
     @staticmethod
-    def forward(ctx, comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts):
+    def forward(ctx, comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts,
+                rope_cos_q=None, rope_sin_q=None):
         (out,), ctx.graph = _run(
-            "bigdn_cp", comm, [qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts], F, S, opts,
-            ctx.needs_input_grad[1:1 + _DIFF], 1)
+            "bigdn_cp", comm,
+            [qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts], F, S,
+            opts, ctx.needs_input_grad[1:1 + _DIFF], 1)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        return (None, *_graph_backward(ctx, grad_out), None, None, None, None, None, None)
+        return (None, *_graph_backward(ctx, grad_out), None, None, None, None, None, None, None, None)
 
 
 def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5, eps=1e-6,
-          precision="auto", checkpoint="off", clip_starts=None):
+          precision="auto", checkpoint="off", clip_starts=None, rope_cos_q=None, rope_sin_q=None):
     """The single-rank layer (gdncp/bigdn.h); differentiable through torch.autograd.
-    clip_starts: the (B, F) clip-start mask (docs/design.md §4a), None = one clip per row."""
+    clip_starts: the (B, F) clip-start mask (docs/design.md §4a), None = one clip per row.
+    rope_cos_q, rope_sin_q: q's own (F·S, D) RoPE tables; both None = q uses rope_cos, rope_sin."""
     opts = _capi.layer_options(k_scale, norm_eps, eps, precision, checkpoint)
-    return BiGDNFunction.apply(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts)
+    return BiGDNFunction.apply(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts,
+                               rope_cos_q, rope_sin_q)
 
 
 def bigdn_cp(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5,
-             eps=1e-6, precision="auto", checkpoint="off", clip_starts=None):
-    """The bidirectional CP layer (gdncp/cp.h bigdn_cp) on this rank's F frames."""
+             eps=1e-6, precision="auto", checkpoint="off", clip_starts=None, rope_cos_q=None, rope_sin_q=None):
+    """The bidirectional CP layer (gdncp/cp.h bigdn_cp) on this rank's F frames (rope tables, q's included:
+    this rank's rows)."""
     if not isinstance(comm, Communicator):
         raise TypeError("gdncp.bigdn_cp: comm must be a gdncp.Communicator, got %s" % type(comm).__name__)
     opts = _capi.layer_options(k_scale, norm_eps, eps, precision, checkpoint)
     return BiGDNCPFunction.apply(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S,
-                                 opts)
+                                 opts, rope_cos_q, rope_sin_q)
 
 
 class BiGDN(torch.nn.Module):
