@@ -6,6 +6,14 @@
 // (one finished the collective, another did not), so no later collective on
 // it can be trusted. There is no watchdog: the caller's transport owns the
 // deadline (gdncp/cp.h says what that means).
+//
+// Note [callback headers]: on the CPU each collective is preceded by an
+// all-gather of a small header (kind, payload bytes, sequence number), as the
+// MPI communicator's trailer does. Ranks in different collectives (e.g. one
+// in a validation exchange the others skipped) then fail at once on every
+// rank with a message naming both, instead of handing the transport
+// mismatched sizes (gloo aborts the process on those). On CUDA the header
+// would cost a host wait per collective (docs/design.md §10), so there is none.
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -50,7 +58,7 @@ class CallbackCommunicator final : public Communicator {
                 dtype_name(in.dtype()));
     GDNCP_CHECK(out.numel() == in.numel() * size_, "all_gather: out has ", out.numel(), " elements, expected size()·",
                 in.numel(), " = ", in.numel() * size_);
-    gather(out.data(), in.data(), in.nbytes(), "all_gather", false);
+    gather(out.data(), in.data(), in.nbytes(), Kind::all_gather, false);
   }
 
   // All-gather, then the sum in rank order (as the MPI communicator does): the
@@ -66,7 +74,7 @@ class CallbackCommunicator final : public Communicator {
     }
     const int64_t n = t.numel();
     Tensor all = Tensor::empty({static_cast<int64_t>(size_) * n}, t.dtype(), device_);
-    gather(all.data(), t.data(), t.nbytes(), "all_reduce_sum", false);
+    gather(all.data(), t.data(), t.nbytes(), Kind::all_reduce_sum, false);
     Tensor acc = rank_slice(all, 0, t);
     for (int r = 1; r < size_; ++r) acc = gdncp::detail::add(acc, rank_slice(all, r, t));
     t.copy_from(acc);
@@ -76,6 +84,7 @@ class CallbackCommunicator final : public Communicator {
     check_usable("broadcast");
     check_tensor(t, "broadcast: t");
     GDNCP_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is not a rank of a group of ", size_);
+    agree(Kind::broadcast, t.nbytes());
     run("broadcast", t.nbytes(), false, [&] { return cb_.broadcast(t.data(), t.nbytes(), root, current_stream()); });
   }
 
@@ -87,6 +96,7 @@ class CallbackCommunicator final : public Communicator {
     if (dst >= 0) check_tensor(send, "send_recv: send");
     if (src >= 0) check_tensor(recv, "send_recv: recv");
     const size_t sb = dst >= 0 ? send.nbytes() : 0, rb = src >= 0 ? recv.nbytes() : 0;
+    agree(Kind::send_recv, 0);  // the sizes differ per pair: only the kind is checked
     run("send_recv", sb, false, [&] {
       return cb_.send_recv(dst >= 0 ? send.data() : nullptr, sb, dst, src >= 0 ? recv.data() : nullptr, rb, src,
                            current_stream());
@@ -97,12 +107,12 @@ class CallbackCommunicator final : public Communicator {
     check_usable("barrier");
     unsigned char mine = 0;
     std::vector<unsigned char> all(static_cast<size_t>(size_));
-    host_gather(all.data(), &mine, 1, "barrier");
+    host_gather(all.data(), &mine, 1, Kind::barrier);
   }
 
   void all_gather_host(void* out, const void* in, size_t bytes) override {
     check_usable("all_gather_host");
-    host_gather(out, in, bytes, "all_gather_host");
+    host_gather(out, in, bytes, Kind::all_gather_host);
   }
 
  private:
@@ -119,16 +129,51 @@ class CallbackCommunicator final : public Communicator {
     return Tensor::from_blob(p, t.shape(), t.dtype(), t.device(), [keep] {});
   }
 
+  enum class Kind : int64_t { all_gather = 1, all_reduce_sum, broadcast, send_recv, barrier, all_gather_host };
+  static const char* kind_name(int64_t k) {
+    static const char* const names[] = {"?",         "all_gather", "all_reduce_sum", "broadcast",
+                                        "send_recv", "barrier",    "all_gather_host"};
+    return k >= 1 && k <= 6 ? names[k] : "an unknown collective";
+  }
+  struct Header {
+    int64_t kind, bytes, seq;
+  };
+
+  // Note [callback headers]: every rank's (kind, bytes, seq) must match this rank's.
+  void agree(Kind kind, size_t bytes) {
+    if (device_ != Device::cpu) return;
+    const Header mine{static_cast<int64_t>(kind), static_cast<int64_t>(bytes), seq_++};
+    std::vector<Header> all(static_cast<size_t>(size_));
+    run(kind_name(mine.kind), 0, false, [&] { return cb_.all_gather(all.data(), &mine, sizeof mine, nullptr); });
+    for (int r = 0; r < size_; ++r) {
+      const Header& h = all[static_cast<size_t>(r)];
+      if (h.kind == mine.kind && h.bytes == mine.bytes && h.seq == mine.seq) continue;
+      const std::string why = std::string("ranks out of step: rank ") + std::to_string(rank_) + " is in " +
+                              kind_name(mine.kind) + " of " + std::to_string(mine.bytes) + " bytes (collective #" +
+                              std::to_string(mine.seq) + "), rank " + std::to_string(r) + " in " + kind_name(h.kind) +
+                              " of " + std::to_string(h.bytes) + " bytes (collective #" + std::to_string(h.seq) + ")";
+      abort_with(why);
+      GDNCP_FAIL(kind_name(mine.kind), ": the callback communicator's ", why);
+    }
+  }
+
   // The caller's all_gather of `bytes` bytes per rank on device memory.
-  void gather(void* out, const void* in, size_t bytes, const char* what, bool host_wait) {
-    run(what, bytes, host_wait, [&] { return cb_.all_gather(out, in, bytes, current_stream()); });
+  void gather(void* out, const void* in, size_t bytes, Kind kind, bool host_wait) {
+    agree(kind, bytes);
+    run(kind_name(static_cast<int64_t>(kind)), bytes, host_wait,
+        [&] { return cb_.all_gather(out, in, bytes, current_stream()); });
+  }
+
+  void abort_with(const std::string& why) {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (reason_.empty()) reason_ = why;
   }
 
   // An all_gather of host memory: direct on the CPU, staged through device
   // memory on CUDA (the host then waits for the result).
-  void host_gather(void* out, const void* in, size_t bytes, const char* what) {
+  void host_gather(void* out, const void* in, size_t bytes, Kind kind) {
     if (device_ == Device::cpu) {
-      gather(out, in, bytes, what, true);
+      gather(out, in, bytes, kind, true);
       return;
     }
     // f32 words carry the bytes (Tensor has no byte dtype).
@@ -136,7 +181,7 @@ class CallbackCommunicator final : public Communicator {
     Tensor mine = Tensor::zeros({words}, DType::f32);
     if (bytes > 0) std::memcpy(mine.data(), in, bytes);
     Tensor dev_in = mine.to(device_), dev_out = Tensor::empty({size_ * words}, DType::f32, device_);
-    gather(dev_out.data(), dev_in.data(), static_cast<size_t>(words) * 4, what, true);
+    gather(dev_out.data(), dev_in.data(), static_cast<size_t>(words) * 4, kind, true);
     const Tensor host = dev_out.to(Device::cpu);
     for (int r = 0; r < size_; ++r)
       std::memcpy(static_cast<char*>(out) + static_cast<size_t>(r) * bytes,
@@ -154,10 +199,7 @@ class CallbackCommunicator final : public Communicator {
       err = std::string("the callback threw: ") + e.what();
     }
     if (!err.empty()) {
-      {
-        std::lock_guard<std::mutex> lock(abort_mu_);
-        if (reason_.empty()) reason_ = std::string(what) + " failed in the caller's callback: " + err;
-      }
+      abort_with(std::string(what) + " failed in the caller's callback: " + err);
       GDNCP_FAIL(what, ": the callback communicator's collective failed on rank ", rank_, " of ", size_, ": ", err);
     }
     std::lock_guard<std::mutex> lock(stats_mu_);
@@ -172,6 +214,7 @@ class CallbackCommunicator final : public Communicator {
   Device device_;
   mutable std::mutex abort_mu_;
   std::string reason_;  // "" while usable
+  int64_t seq_ = 0;     // collectives issued (Note [callback headers])
 };
 
 }  // namespace
