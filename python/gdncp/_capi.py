@@ -73,7 +73,7 @@ def _load():
             # RTLD_GLOBAL: MPI's plugins resolve symbols of libmpi loaded through us.
             return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
-            tried.append("%s (%s)" % (path, e))
+            tried.append("%s (%s%s)" % (path, note + ": " if note else "", e))
     raise ImportError("gdncp: libgdncp not found; set GDNCP_LIBRARY to its path. Tried: " + "; ".join(tried))
 
 
