@@ -77,7 +77,8 @@ enum class Validation { every_call, on_change, off };
 const char* validation_name(Validation v);
 
 // A group of ranks that exchange tensors. CPU tensors go through MPI, CUDA
-// tensors through NCCL on the current stream (gdncp::current_stream()).
+// tensors through NCCL on the current stream (gdncp::current_stream()), or
+// either through the caller's own collectives (make_callback_communicator).
 // All ranks must issue the same collectives in the same order.
 //
 // Asynchrony and failure (docs/design.md §10):
@@ -246,9 +247,11 @@ std::shared_ptr<Communicator> make_nccl_communicator(const UniqueId& id, int ran
 // caller runs, so it has no watchdog here and timeout_seconds() is not
 // enforced. A lost or hung rank ends when the caller's transport gives up
 // (torch.distributed's process-group timeout) and the callback returns an
-// error; without such a timeout it hangs. Ranks out of step (different
-// collectives or sizes) are detected only as far as the transport detects
-// mismatched sizes, at worst at its timeout.
+// error; without such a timeout it hangs. Ranks out of step (in different
+// collectives): on the CPU each collective is preceded by an all-gather of a
+// small header (kind, bytes, sequence number), so they fail at once on every
+// rank naming both; on CUDA (no header: it would cost a host wait per
+// collective) only as far as the transport notices, at worst at its timeout.
 struct CollectiveCallbacks {
   std::function<std::string(void* out, const void* in, size_t bytes, void* stream)> all_gather;
   std::function<std::string(void* data, size_t bytes, int root, void* stream)> broadcast;
