@@ -2,7 +2,8 @@
 # Installs what a fresh machine lacks to build and test gdncp (Debian/Ubuntu,
 # as root or with sudo): cmake, a C++ compiler, ninja, GoogleTest, Open MPI;
 # for the C ABI and the Python package: DLPack's header, PyTorch and pytest
-# (Debian's python3-torch, python3-pytest for /usr/bin/python3). An image
+# (Debian's python3-torch, python3-pytest for /usr/bin/python3), and setuptools
+# and pip for `pip install --no-build-isolation .`. An image
 # whose python3 already has torch needs neither (CMake then takes DLPack's
 # header from torch's include folder).
 # CUDA (nvcc, cuBLAS, NCCL) is used when present in /usr/local/cuda and is
@@ -27,6 +28,10 @@ if ! { [ -x /usr/bin/python3 ] && has_torch /usr/bin/python3; } && [ $other_torc
 elif [ -x /usr/bin/python3 ] && has_torch /usr/bin/python3 && ! /usr/bin/python3 -c "import pytest" >/dev/null 2>&1; then
   need+=(python3-pytest)
 fi
+
+# pip install --no-build-isolation . (setup.py) builds with the system's setuptools; nothing is fetched.
+[ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c "import setuptools" >/dev/null 2>&1 && need+=(python3-setuptools)
+[ -x /usr/bin/python3 ] && ! /usr/bin/python3 -m pip --version >/dev/null 2>&1 && need+=(python3-pip)
 
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}"

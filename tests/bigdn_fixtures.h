@@ -21,12 +21,14 @@ namespace test {
 struct LayerInputs {
   Dims d;
   Tensor qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin;
+  Tensor rope_cos_q, rope_sin_q;  // q's own tables, or undefined (q uses rope_cos, rope_sin)
   BigdnOptions opt;
 
   std::vector<Tensor> list() const { return {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin}; }
   Tensor run(const std::vector<Tensor>& x, bool fused = true) const {
-    return fused ? bigdn(x[0], x[1], x[2], x[3], x[4], x[5], x[6], d.F, d.S, opt)
-                 : bigdn_unfused(x[0], x[1], x[2], x[3], x[4], x[5], x[6], d.F, d.S, opt);
+    return fused ? bigdn(x[0], x[1], x[2], x[3], x[4], x[5], x[6], d.F, d.S, opt, Tensor(), rope_cos_q, rope_sin_q)
+                 : bigdn_unfused(x[0], x[1], x[2], x[3], x[4], x[5], x[6], d.F, d.S, opt, Tensor(), rope_cos_q,
+                                 rope_sin_q);
   }
   Tensor run(bool fused = true) const { return run(list(), fused); }
 };
@@ -68,6 +70,8 @@ inline LayerInputs convert(const LayerInputs& in, DType dtype) {
   if (in.k_norm_w.defined()) out.k_norm_w = in.k_norm_w.to(table);
   out.rope_cos = in.rope_cos.to(table);
   out.rope_sin = in.rope_sin.to(table);
+  if (in.rope_cos_q.defined()) out.rope_cos_q = in.rope_cos_q.to(table);
+  if (in.rope_sin_q.defined()) out.rope_sin_q = in.rope_sin_q.to(table);
   return out;
 }
 

@@ -7,7 +7,8 @@
 //
 // DIR/meta.txt (DIR/rank<r>/meta.txt with --cp): "B H D F S k_scale dtype(f32|bf16|f64) checkpoint(off|on) device(cpu|cuda)
 // precision(auto|bf16|tf32|ieee)" (F = this rank's frames). Inputs: raw dense bytes qkv, beta, decay, grad_out in
-// dtype; q_norm_w, k_norm_w (absent file = no norm), rope_cos, rope_sin in f32 (f64 with f64). Writes out.ref and
+// dtype; q_norm_w, k_norm_w (absent file = no norm), rope_cos, rope_sin, and optionally q's own rope_cos_q, rope_sin_q
+// (absent files = q uses the k tables) in f32 (f64 with f64). Writes out.ref and
 // grad_<name>.ref beside them: one forward and one backward(out, grad_out). --time ITERS then times ITERS more
 // forward+backward steps and prints "door_reference: <ms> ms per step".
 #include <mpi.h>
@@ -101,6 +102,8 @@ int run(int argc, char** argv) {
   Tensor kw = read(dir + "/k_norm_w", {C}, table, device, true);
   Tensor cos = read(dir + "/rope_cos", {N, D}, table, device);
   Tensor sin = read(dir + "/rope_sin", {N, D}, table, device);
+  Tensor cos_q = read(dir + "/rope_cos_q", {N, D}, table, device, true);
+  Tensor sin_q = read(dir + "/rope_sin_q", {N, D}, table, device, true);
   Tensor grad_out = read(dir + "/grad_out", {B, N, H, D}, dtype, device);
   BigdnOptions opt;
   opt.k_scale = k_scale;
@@ -114,8 +117,8 @@ int run(int argc, char** argv) {
   const auto step = [&] {
     for (Tensor* t : leaves)
       if (t->defined()) t->zero_grad();
-    Tensor out = comm ? cp::bigdn_cp(*comm, qkv, beta, decay, qw, kw, cos, sin, F, S, opt)
-                      : bigdn(qkv, beta, decay, qw, kw, cos, sin, F, S, opt);
+    Tensor out = comm ? cp::bigdn_cp(*comm, qkv, beta, decay, qw, kw, cos, sin, F, S, opt, Tensor(), cos_q, sin_q)
+                      : bigdn(qkv, beta, decay, qw, kw, cos, sin, F, S, opt, Tensor(), cos_q, sin_q);
     backward(out, grad_out);
     return out;
   };

@@ -71,6 +71,8 @@ inline LayerInputs local_block(const LayerInputs& g, int64_t F, int b) {
   l.decay = rank_block(g.decay, 2, F, b);
   l.rope_cos = rank_block(g.rope_cos, 0, N, b);
   l.rope_sin = rank_block(g.rope_sin, 0, N, b);
+  if (g.rope_cos_q.defined()) l.rope_cos_q = rank_block(g.rope_cos_q, 0, N, b);
+  if (g.rope_sin_q.defined()) l.rope_sin_q = rank_block(g.rope_sin_q, 0, N, b);
   return l;
 }
 

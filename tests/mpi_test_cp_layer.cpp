@@ -47,18 +47,31 @@ Tensor grad_block(const Tensor& g, size_t k, int64_t F, int64_t S, int b) {
 
 // --- bigdn_cp vs bigdn ----------------------------------------------------------------
 
-void check_bigdn_cp(DType dt, bool norms, uint64_t seed, double tol_out, double tol_g, int64_t B = 1, int64_t D = 6) {
+// q's own RoPE tables over the global sequence (another offset and base than k's).
+void give_q_tables(LayerInputs& g) {
+  auto rope = rope_tables(g.d.N(), g.d.D, g.rope_cos.dtype(), Device::cpu, /*offset=*/5, /*base=*/500.0);
+  g.rope_cos_q = rope.first;
+  g.rope_sin_q = rope.second;
+}
+
+void check_bigdn_cp(DType dt, bool norms, uint64_t seed, double tol_out, double tol_g, int64_t B = 1, int64_t D = 6,
+                    bool q_tables = false) {
   const int P = nranks(), r = rank();
   const int64_t F = 2, S = 3;
-  const LayerInputs g = make_layer_inputs(dims(B, 2, D, F * P, S), dt, seed, norms, norms);
+  LayerInputs g = make_layer_inputs(dims(B, 2, D, F * P, S), dt, seed, norms, norms);
+  if (q_tables) give_q_tables(g);
   const Tensor w = Tensor::randn({B, F * P * S, 2, D}, dt, Device::cpu, seed + 50);
 
   const std::vector<Tensor> xg = leaves_of(g);
   const LayerRun ref =
-      finish(xg, {bigdn(xg[0], xg[1], xg[2], xg[3], xg[4], xg[5], xg[6], g.d.F, S, g.opt)}, {w}, nullptr);
+      finish(xg, {bigdn(xg[0], xg[1], xg[2], xg[3], xg[4], xg[5], xg[6], g.d.F, S, g.opt, Tensor(), g.rope_cos_q,
+                        g.rope_sin_q)},
+             {w}, nullptr);
   const LayerInputs l = local_block(g, F, r);
   const std::vector<Tensor> xl = leaves_of(l);
-  const LayerRun cp = finish(xl, {cp::bigdn_cp(*world(), xl[0], xl[1], xl[2], xl[3], xl[4], xl[5], xl[6], F, S, l.opt)},
+  const LayerRun cp = finish(xl,
+                             {cp::bigdn_cp(*world(), xl[0], xl[1], xl[2], xl[3], xl[4], xl[5], xl[6], F, S, l.opt,
+                                           Tensor(), l.rope_cos_q, l.rope_sin_q)},
                              {rank_block(w, 1, F * S, r)}, world().get());
 
   EXPECT_TRUE(close_rel(cp.outs[0], rank_block(ref.outs[0], 1, F * S, r), tol_out, "out")) << "rank " << r;
@@ -76,13 +89,17 @@ TEST(BigdnCp, MatchesBigdnF32) { check_bigdn_cp(DType::f32, true, 120, tol::f32_
 // bf16 storage, f32 compute on both sides: the only difference is the order
 // of f32 roundings plus the bf16 rounding of out and of the gradients.
 TEST(BigdnCp, MatchesBigdnBf16) { check_bigdn_cp(DType::bf16, true, 130, tol::bf16, tol::bf16); }
+// Separate q tables (the single-rank layer with them is checked against independent codings in test_bigdn).
+TEST(BigdnCp, RopeQMatchesBigdnF64) { check_bigdn_cp(DType::f64, true, 150, tol::f64, tol::f64, 1, 6, true); }
+TEST(BigdnCp, RopeQMatchesBigdnF32) { check_bigdn_cp(DType::f32, true, 160, tol::f32_short, tol::f32, 1, 6, true); }
 
 // --- raw single direction -------------------------------------------------------------
 
-void check_raw(DType dt, const cp::CpOptions& o, uint64_t seed) {
+void check_raw(DType dt, const cp::CpOptions& o, uint64_t seed, bool q_tables = false) {
   const int P = nranks(), r = rank();
   const int64_t F = 2, S = 3, D = 6, H = 2;
-  const LayerInputs g = make_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
+  LayerInputs g = make_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
+  if (q_tables) give_q_tables(g);
   const int b = o.reverse_rank_order ? P - 1 - r : r;
   const DType ct = dt == DType::f64 ? DType::f64 : DType::f32;
   const std::vector<Tensor> w = {Tensor::randn({1, F * P * S, H, D}, ct, Device::cpu, seed + 1),
@@ -100,12 +117,15 @@ void check_raw(DType dt, const cp::CpOptions& o, uint64_t seed) {
   const std::vector<Tensor> xg = leaves_of(g);
   const LayerRun ref = finish(
       xg,
-      raw_outputs(cp::cp_gdn_raw(*self(), xg[0], xg[1], xg[2], xg[3], xg[4], xg[5], xg[6], F * P, S, g.opt, ref_opt)),
+      raw_outputs(cp::cp_gdn_raw(*self(), xg[0], xg[1], xg[2], xg[3], xg[4], xg[5], xg[6], F * P, S, g.opt, ref_opt,
+                                 Tensor(), g.rope_cos_q, g.rope_sin_q)),
       wref, nullptr);
   const LayerInputs l = local_block(g, F, b);
   const std::vector<Tensor> xl = leaves_of(l);
   const LayerRun cp =
-      finish(xl, raw_outputs(cp::cp_gdn_raw(*world(), xl[0], xl[1], xl[2], xl[3], xl[4], xl[5], xl[6], F, S, l.opt, o)),
+      finish(xl,
+             raw_outputs(cp::cp_gdn_raw(*world(), xl[0], xl[1], xl[2], xl[3], xl[4], xl[5], xl[6], F, S, l.opt, o,
+                                        Tensor(), l.rope_cos_q, l.rope_sin_q)),
              {rank_block(w[0], 1, F * S, b), rank_block(w[1], 2, F * S, b), w[2], w[3]}, world().get());
 
   ASSERT_EQ(cp.outs.size(), ref.outs.size());
@@ -119,6 +139,8 @@ void check_raw(DType dt, const cp::CpOptions& o, uint64_t seed) {
 }
 
 TEST(CpRaw, MatchesOneRankF64) { check_raw(DType::f64, {}, 200); }
+TEST(CpRaw, RopeQMatchesOneRankF64) { check_raw(DType::f64, {}, 230, true); }
+TEST(CpRaw, RopeQReversedF64) { check_raw(DType::f64, reversed_ranks(), 240, true); }
 TEST(CpRaw, MatchesOneRankF32) { check_raw(DType::f32, {}, 210); }
 TEST(CpRaw, ReversedF64) { check_raw(DType::f64, reversed_ranks(), 220); }
 TEST(CpRaw, TruncatedF64) {

@@ -95,7 +95,10 @@ std::vector<double> naive_bigdn(const LayerInputs& in) {
   const Dims& d = in.d;
   const int64_t B = d.B, H = d.H, D = d.D, F = d.F, S = d.S, N = d.N(), C = d.C();
   const std::vector<double> x = in.qkv.to_vector(), be = in.beta.to_vector(), g = in.decay.to_vector();
-  const std::vector<double> cs = in.rope_cos.to_vector(), sn = in.rope_sin.to_vector();
+  // Tables per stream: q's own when given, else the k tables.
+  const std::vector<double> cs_k = in.rope_cos.to_vector(), sn_k = in.rope_sin.to_vector();
+  const std::vector<double> cs_q = in.rope_cos_q.defined() ? in.rope_cos_q.to_vector() : cs_k,
+                            sn_q = in.rope_sin_q.defined() ? in.rope_sin_q.to_vector() : sn_k;
   const std::vector<double> w[2] = {in.q_norm_w.defined() ? in.q_norm_w.to_vector() : std::vector<double>(),
                                     in.k_norm_w.defined() ? in.k_norm_w.to_vector() : std::vector<double>()};
   const auto X = [&](int64_t b, int64_t n, int64_t c, int64_t h, int64_t i) {
@@ -125,6 +128,7 @@ std::vector<double> naive_bigdn(const LayerInputs& in) {
             const double xh = X(b, n, c, h, i) * r * (w[c].empty() ? 1.0 : w[c][static_cast<size_t>(h * D + i)]);
             plus[c][at(b, n, h, i)] = std::max(xh, 0.0) * (c == 1 ? in.opt.k_scale : 1.0);
           }
+          const std::vector<double>&cs = c == 0 ? cs_q : cs_k, &sn = c == 0 ? sn_q : sn_k;
           for (int64_t i = 0; i < D; i += 2) {  // rotate each pair (2p, 2p+1)
             const size_t t = static_cast<size_t>(n * D + i);
             const double a = plus[c][at(b, n, h, i)], bb = plus[c][at(b, n, h, i + 1)];
@@ -218,52 +222,130 @@ double weighted(const std::vector<double>& out, const std::vector<double>& w) {
   return s;
 }
 
+struct Worst {
+  double out = 0, grad = 0, dir = 0;
+};
+
+// Fused, unfused and naive codings on one f64 input: out of all three, every
+// gradient fused vs unfused, and the directional derivative of the fused
+// gradients against central differences of the naive forward.
+void check_agreement(const LayerInputs& in, uint64_t seed, const std::string& what, Worst& worst) {
+  const Dims& d = in.d;
+  const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, DType::f64, kCpu, seed);
+  const LayerRun fused = run_layer(in, w, true), unfused = run_layer(in, w, false);
+  const Tensor naive = f64_tensor(naive_bigdn(in), fused.out.shape());
+  EXPECT_TRUE(close_rel(fused.out, naive, tol::f64, "out fused vs naive " + what));
+  EXPECT_TRUE(close_rel(unfused.out, naive, tol::f64, "out unfused vs naive " + what));
+  worst.out = std::max({worst.out, rel_l2(fused.out, naive), rel_l2(unfused.out, naive)});
+  for (size_t i = 0; i < fused.grads.size(); ++i) {
+    ASSERT_EQ(fused.grads[i].defined(), unfused.grads[i].defined()) << kGradNames[i];
+    if (!fused.grads[i].defined()) continue;
+    EXPECT_TRUE(close_rel(fused.grads[i], unfused.grads[i], tol::f64, std::string(kGradNames[i]) + " " + what));
+    worst.grad = std::max(worst.grad, rel_l2(fused.grads[i], unfused.grads[i]));
+  }
+  // Gradients against the naive coding: the directional derivative along a random δ,
+  // by central differences of the naive forward (h = 1e-6: error ~1e-10 relative).
+  const double h = 1e-6;
+  LayerInputs plus = in, minus = in;
+  double analytic = 0;
+  Tensor* p[5] = {&plus.qkv, &plus.beta, &plus.decay, &plus.q_norm_w, &plus.k_norm_w};
+  Tensor* m[5] = {&minus.qkv, &minus.beta, &minus.decay, &minus.q_norm_w, &minus.k_norm_w};
+  for (size_t i = 0; i < 5; ++i) {
+    if (!p[i]->defined()) continue;
+    const std::vector<double> dir = Tensor::randn(p[i]->shape(), DType::f64, kCpu, 77 + i).to_vector();
+    const std::vector<double> base = p[i]->to_vector(), grad = fused.grads[i].to_vector();
+    std::vector<double> vp(base), vm(base);
+    for (size_t e = 0; e < base.size(); ++e) {
+      vp[e] += h * dir[e];
+      vm[e] -= h * dir[e];
+      analytic += grad[e] * dir[e];
+    }
+    *p[i] = f64_tensor(vp, p[i]->shape());
+    *m[i] = f64_tensor(vm, m[i]->shape());
+  }
+  const std::vector<double> wv = w.to_vector();
+  const double numeric = (weighted(naive_bigdn(plus), wv) - weighted(naive_bigdn(minus), wv)) / (2 * h);
+  EXPECT_NEAR(analytic, numeric, tol::gradcheck_element * std::fabs(numeric)) << what;
+  worst.dir = std::max(worst.dir, std::fabs(analytic - numeric) / std::fabs(numeric));
+}
+
 TEST(BigdnAgreement, FusedUnfusedNaiveF64) {
   uint64_t seed = 10;
-  double worst_out = 0, worst_grad = 0, worst_dir = 0;
+  Worst worst;
   for (const Dims& d : agreement_shapes())
     for (int norms = 0; norms < 3; ++norms) {  // both, q only, none
       const LayerInputs in = make_layer_inputs(d, DType::f64, ++seed, norms < 2, norms == 0);
-      const std::string what = dims_str(d) + " norms " + std::to_string(norms);
-      const Tensor w = Tensor::randn({d.B, d.N(), d.H, d.D}, DType::f64, kCpu, ++seed);
-      const LayerRun fused = run_layer(in, w, true), unfused = run_layer(in, w, false);
-      const Tensor naive = f64_tensor(naive_bigdn(in), fused.out.shape());
-      EXPECT_TRUE(close_rel(fused.out, naive, tol::f64, "out fused vs naive " + what));
-      EXPECT_TRUE(close_rel(unfused.out, naive, tol::f64, "out unfused vs naive " + what));
-      worst_out = std::max({worst_out, rel_l2(fused.out, naive), rel_l2(unfused.out, naive)});
-      for (size_t i = 0; i < fused.grads.size(); ++i) {
-        ASSERT_EQ(fused.grads[i].defined(), unfused.grads[i].defined()) << kGradNames[i];
-        if (!fused.grads[i].defined()) continue;
-        EXPECT_TRUE(close_rel(fused.grads[i], unfused.grads[i], tol::f64, std::string(kGradNames[i]) + " " + what));
-        worst_grad = std::max(worst_grad, rel_l2(fused.grads[i], unfused.grads[i]));
-      }
-      // Gradients against the naive coding: the directional derivative along a random δ,
-      // by central differences of the naive forward (h = 1e-6: error ~1e-10 relative).
-      const double h = 1e-6;
-      LayerInputs plus = in, minus = in;
-      double analytic = 0;
-      Tensor* p[5] = {&plus.qkv, &plus.beta, &plus.decay, &plus.q_norm_w, &plus.k_norm_w};
-      Tensor* m[5] = {&minus.qkv, &minus.beta, &minus.decay, &minus.q_norm_w, &minus.k_norm_w};
-      for (size_t i = 0; i < 5; ++i) {
-        if (!p[i]->defined()) continue;
-        const std::vector<double> dir = Tensor::randn(p[i]->shape(), DType::f64, kCpu, 77 + i).to_vector();
-        const std::vector<double> base = p[i]->to_vector(), grad = fused.grads[i].to_vector();
-        std::vector<double> vp(base), vm(base);
-        for (size_t e = 0; e < base.size(); ++e) {
-          vp[e] += h * dir[e];
-          vm[e] -= h * dir[e];
-          analytic += grad[e] * dir[e];
-        }
-        *p[i] = f64_tensor(vp, p[i]->shape());
-        *m[i] = f64_tensor(vm, m[i]->shape());
-      }
-      const std::vector<double> wv = w.to_vector();
-      const double numeric = (weighted(naive_bigdn(plus), wv) - weighted(naive_bigdn(minus), wv)) / (2 * h);
-      EXPECT_NEAR(analytic, numeric, tol::gradcheck_element * std::fabs(numeric)) << what;
-      worst_dir = std::max(worst_dir, std::fabs(analytic - numeric) / std::fabs(numeric));
+      check_agreement(in, ++seed, dims_str(d) + " norms " + std::to_string(norms), worst);
     }
   std::printf("[agreement] worst rel L2: out %.2e, fused vs unfused grads %.2e; directional derivative vs naive %.2e\n",
-              worst_out, worst_grad, worst_dir);
+              worst.out, worst.grad, worst.dir);
+}
+
+// --- separate q RoPE tables (docs/design.md §5) ------------------------------------------------
+
+// q's own tables: another position offset and frequency base than k's.
+void give_q_tables(LayerInputs& in, uint64_t seed) {
+  const DType table = in.rope_cos.dtype();
+  auto rope = rope_tables(in.d.N(), in.d.D, table, kCpu, /*offset=*/static_cast<int64_t>(seed % 11) + 3, 500.0);
+  in.rope_cos_q = rope.first;
+  in.rope_sin_q = rope.second;
+}
+
+TEST(BigdnRopeQ, SeparateQTablesFusedUnfusedNaiveF64) {
+  uint64_t seed = 300;
+  Worst worst;
+  for (const Dims& d : agreement_shapes())
+    for (int norms = 0; norms < 2; ++norms) {
+      LayerInputs in = make_layer_inputs(d, DType::f64, ++seed, norms == 0, norms == 0);
+      give_q_tables(in, seed);
+      // The q tables matter: the output differs from rotating q with the k tables.
+      LayerInputs same = in;
+      same.rope_cos_q = same.rope_sin_q = Tensor();
+      EXPECT_GT(rel_l2(in.run(), same.run()), 1e-3) << dims_str(d);
+      check_agreement(in, ++seed, dims_str(d) + " q tables, norms " + std::to_string(norms), worst);
+    }
+  std::printf("[rope_q] worst rel L2: out %.2e, fused vs unfused grads %.2e; directional derivative vs naive %.2e\n",
+              worst.out, worst.grad, worst.dir);
+}
+
+TEST(BigdnRopeQ, EqualTablesBitwiseAsOmitted) {
+  for (DType dt : {DType::f64, DType::f32, DType::bf16})
+    for (Checkpoint ck : {Checkpoint::off, Checkpoint::on}) {
+      LayerInputs in = make_layer_inputs(dims(2, 2, 8, 3, 2), dt, 400);
+      in.opt.checkpoint = ck;
+      const Tensor w = Tensor::randn({2, 6, 2, 8}, DType::f64, kCpu, 401);
+      const LayerRun omitted = run_layer(in, w);
+      in.rope_cos_q = in.rope_cos.clone();  // equal values, other storage
+      in.rope_sin_q = in.rope_sin.clone();
+      const LayerRun given = run_layer(in, w);
+      const std::string what = std::string(dtype_name(dt)) + (ck == Checkpoint::on ? " checkpoint" : "");
+      EXPECT_TRUE(bitwise_equal(omitted.out, given.out)) << "out " << what;
+      for (size_t i = 0; i < omitted.grads.size(); ++i)
+        EXPECT_TRUE(bitwise_equal(omitted.grads[i], given.grads[i])) << kGradNames[i] << " " << what;
+    }
+}
+
+TEST(BigdnRopeQ, BadTablesNamed) {
+  const LayerInputs base = make_layer_inputs(dims(1, 2, 4, 2, 3), DType::f32, 500);
+  const auto fails_naming = [&](const Tensor& cq, const Tensor& sq, const std::string& name, const std::string& why) {
+    for (bool fused : {true, false}) {
+      LayerInputs in = base;
+      in.rope_cos_q = cq;
+      in.rope_sin_q = sq;
+      try {
+        in.run(fused);
+        ADD_FAILURE() << "no error for " << name << " (" << why << ")";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(name + ":"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+      }
+    }
+  };
+  const Tensor& c = base.rope_cos;
+  fails_naming(c, Tensor(), "rope_sin_q", "undefined");
+  fails_naming(Tensor(), c, "rope_cos_q", "undefined");
+  fails_naming(Tensor::zeros({5, 4}, DType::f32), c, "rope_cos_q", "shape");
+  fails_naming(c, c.to(DType::f64), "rope_sin_q", "must be f32");
 }
 
 // --- precision ---------------------------------------------------------------------------------

@@ -118,7 +118,8 @@ static gdncp_status layer_call(Layer* L, const gdncp_layer_options* opt, uint32_
                                gdncp_graph** graph) {
   DLManagedTensor* in[7];
   layer_wrap(L, in);
-  return gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, F, S, opt, NULL, mask, out, graph);
+  return gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F, S, opt, NULL, mask, out,
+                     graph);
 }
 
 /* Σ w·out over the layer's output (w fixed per element). */
@@ -217,7 +218,8 @@ static void case_bad_argument(void) {
 
   /* NULL beta: the door's own check, naming it; every other input consumed. */
   layer_wrap(L, in);
-  gdncp_status st = gdncp_bigdn(in[0], NULL, in[2], in[3], in[4], in[5], in[6], NULL, F, S, NULL, NULL, 0, &out, NULL);
+  gdncp_status st =
+      gdncp_bigdn(in[0], NULL, in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL, 0, &out, NULL);
   EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "beta") != NULL, "%d '%s'", st, gdncp_last_error());
   EXPECT(L->b[0].deleted == 1 && L->b[1].deleted == 0 && L->b[6].deleted == 1, "inputs consumed once");
   EXPECT(out == NULL, "no output on failure");
@@ -226,7 +228,7 @@ static void case_bad_argument(void) {
   layer_wrap(L, in);
   in[0]->dl_tensor.dtype.code = kDLInt;
   in[0]->dl_tensor.dtype.bits = 32;
-  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, F, S, NULL, NULL, 0, &out, NULL);
+  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL, 0, &out, NULL);
   EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "qkv") != NULL, "%d '%s'", st, gdncp_last_error());
   EXPECT(all_deleted_once(L), "inputs consumed once");
 
@@ -234,7 +236,7 @@ static void case_bad_argument(void) {
   layer_wrap(L, in);
   int64_t strides[3] = {1, 1, 2};
   in[2]->dl_tensor.strides = strides;
-  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, F, S, NULL, NULL, 0, &out, NULL);
+  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL, 0, &out, NULL);
   EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "decay") != NULL &&
              strstr(gdncp_last_error(), "contiguous") != NULL,
          "%d '%s'", st, gdncp_last_error());
@@ -242,7 +244,8 @@ static void case_bad_argument(void) {
 
   /* A wrong size the library itself finds (F·S != N): gdncp::Error, naming the argument. */
   layer_wrap(L, in);
-  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, F + 1, S, NULL, NULL, 0, &out, NULL);
+  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F + 1, S, NULL, NULL, 0, &out,
+                   NULL);
   EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "qkv") != NULL, "%d '%s'", st, gdncp_last_error());
   EXPECT(all_deleted_once(L), "inputs consumed once");
   EXPECT(out == NULL, "no output on failure");
@@ -251,7 +254,8 @@ static void case_bad_argument(void) {
   {
     gdncp_graph* fg = NULL;
     layer_wrap(L, in);
-    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, F + 1, S, NULL, NULL, 0x1f, &out, &fg);
+    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F + 1, S, NULL, NULL, 0x1f,
+                     &out, &fg);
     EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "qkv") != NULL, "%d '%s'", st, gdncp_last_error());
     EXPECT(fg == NULL && out == NULL && all_deleted_once(L), "no graph, no output, inputs consumed once");
   }
@@ -262,8 +266,8 @@ static void case_bad_argument(void) {
     Blob cb;
     const int64_t cs[] = {B, F + 1};
     layer_wrap(L, in);
-    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], wrap(&cb, clip, kDLFloat, 32, 2, cs), F, S, NULL,
-                     NULL, 0, &out, NULL);
+    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, wrap(&cb, clip, kDLFloat, 32, 2, cs),
+                     F, S, NULL, NULL, 0, &out, NULL);
     EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "clip_starts") != NULL, "%d '%s'", st, gdncp_last_error());
     EXPECT(all_deleted_once(L) && cb.deleted == 1, "inputs consumed once");
   }
@@ -540,9 +544,147 @@ static void case_cam_gdn_num(void) {
   EXPECT(gdncp_mpi_finalize() == GDNCP_OK, "finalize: '%s'", gdncp_last_error());
 }
 
+/* q's own RoPE tables through the door: equal to the k tables (other buffers) they give bitwise
+ * the output of NULL; one without the other is refused by name and consumed. */
+static void case_rope_q(void) {
+  Layer* L = (Layer*)calloc(1, sizeof(Layer));
+  layer_init(L);
+  double* cq = (double*)malloc(sizeof L->cos_);
+  double* sq = (double*)malloc(sizeof L->sin_);
+  memcpy(cq, L->cos_, sizeof L->cos_);
+  memcpy(sq, L->sin_, sizeof L->sin_);
+  const int64_t s_rope[] = {N, D};
+  DLManagedTensor *in[7], *ref = NULL, *out = NULL;
+  Blob bc, bs;
+  gdncp_status st = layer_call(L, NULL, 0, &ref, NULL);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  layer_wrap(L, in);
+  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], wrap_f64(&bc, cq, 2, s_rope),
+                   wrap_f64(&bs, sq, 2, s_rope), NULL, F, S, NULL, NULL, 0, &out, NULL);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  EXPECT(all_deleted_once(L) && bc.deleted == 1 && bs.deleted == 1, "inputs consumed once");
+  if (ref && out)
+    EXPECT(memcmp(ref->dl_tensor.data, out->dl_tensor.data, (size_t)numel(&out->dl_tensor) * sizeof(double)) == 0,
+           "equal q tables: out differs from the one with NULL");
+  release(out);
+  out = NULL;
+  layer_wrap(L, in);
+  st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], wrap_f64(&bc, cq, 2, s_rope), NULL, NULL, F, S,
+                   NULL, NULL, 0, &out, NULL);
+  EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "rope_sin_q") != NULL && out == NULL, "%d '%s'", st,
+         gdncp_last_error());
+  EXPECT(all_deleted_once(L) && bc.deleted == 1, "inputs consumed once");
+  release(ref);
+  free(cq);
+  free(sq);
+  free(L);
+}
+
+/* A one-rank communicator whose collectives this test runs: memcpy for the all-gather. */
+typedef struct Peers {
+  int gathers, broadcasts, releases, fail;
+} Peers;
+
+static int peers_all_gather(void* user, void* out, const void* in, size_t bytes, void* stream) {
+  Peers* p = (Peers*)user;
+  (void)stream;
+  if (p->fail) return 7;
+  memmove(out, in, bytes);
+  p->gathers += 1;
+  return 0;
+}
+static int peers_broadcast(void* user, void* data, size_t bytes, int root, void* stream) {
+  (void)data, (void)bytes, (void)root, (void)stream;
+  ((Peers*)user)->broadcasts += 1;
+  return 0;
+}
+static const char* peers_error(void* user) {
+  (void)user;
+  return "the link is down";
+}
+static void peers_release(void* user) { ((Peers*)user)->releases += 1; }
+
+static void case_comm_callbacks(void) {
+  Peers peers = {0, 0, 0, 0};
+  gdncp_comm_callbacks cb;
+  EXPECT(gdncp_comm_callbacks_init(&cb) == GDNCP_OK && cb.struct_size == sizeof cb && cb.all_gather == NULL, "init");
+  cb.user = &peers;
+  cb.all_gather = peers_all_gather;
+  gdncp_comm* comm = NULL;
+  /* Refused: no broadcast; a rank outside the group. Neither takes ownership of user. */
+  gdncp_status st = gdncp_comm_create_callbacks(&cb, 0, 1, -1, &comm);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "broadcast") != NULL && comm == NULL, "%d '%s'", st,
+         gdncp_last_error());
+  cb.broadcast = peers_broadcast;
+  cb.error_message = peers_error;
+  cb.release = peers_release;
+  st = gdncp_comm_create_callbacks(&cb, 1, 1, -1, &comm);
+  EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "rank") != NULL && comm == NULL, "%d '%s'", st,
+         gdncp_last_error());
+  EXPECT(peers.releases == 0, "a failed creation does not release user");
+  st = gdncp_comm_create_callbacks(&cb, 0, 1, -1, &comm);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  if (st != GDNCP_OK) return;
+  const char* backend = NULL;
+  gdncp_comm_backend(comm, &backend);
+  EXPECT(backend && strcmp(backend, "callbacks") == 0, "backend %s", backend ? backend : "?");
+
+  /* The CP layer on one rank through the caller's collectives equals the single-rank layer. */
+  Layer* L = (Layer*)calloc(1, sizeof(Layer));
+  layer_init(L);
+  DLManagedTensor *ref = NULL, *out = NULL, *in[7];
+  st = layer_call(L, NULL, 0, &ref, NULL);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  layer_wrap(L, in);
+  gdncp_graph* g = NULL;
+  st = gdncp_bigdn_cp(comm, in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL, 0x1f,
+                      &out, &g);
+  EXPECT(st == GDNCP_OK && g != NULL, "%d '%s'", st, gdncp_last_error());
+  EXPECT(peers.gathers > 0, "the layer's collectives ran through the callbacks (%d all-gathers)", peers.gathers);
+  if (ref && out) {
+    const double *a = (const double*)ref->dl_tensor.data, *b = (const double*)out->dl_tensor.data;
+    double err = 0, nrm = 0;
+    for (int64_t i = 0; i < numel(&out->dl_tensor); ++i) err += (a[i] - b[i]) * (a[i] - b[i]), nrm += a[i] * a[i];
+    EXPECT(sqrt(err / nrm) <= 1e-12, "bigdn_cp on one rank vs bigdn: rel L2 %.3g", sqrt(err / nrm));
+  }
+  /* The graph keeps the communicator (and user) alive past the handle. */
+  EXPECT(gdncp_comm_destroy(comm) == GDNCP_OK && peers.releases == 0, "released %d with a graph alive", peers.releases);
+  DLManagedTensor* grads[5] = {0};
+  st = gdncp_graph_backward(g, NULL, NULL, grads);
+  EXPECT(st == GDNCP_OK && grads[0] != NULL && grads[4] != NULL, "backward: %d '%s'", st, gdncp_last_error());
+  for (int k = 0; k < 5; ++k) release(grads[k]);
+  gdncp_graph_destroy(g);
+  EXPECT(peers.releases == 1, "release once the graph is gone, got %d", peers.releases);
+  release(out);
+  release(ref);
+
+  /* A failing collective: an error naming it and the caller's message; the communicator is aborted after. */
+  peers = (Peers){0, 0, 0, 1};
+  comm = NULL;
+  st = gdncp_comm_create_callbacks(&cb, 0, 1, -1, &comm);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  float v[3] = {1, 2, 3};
+  Blob b;
+  const int64_t shape[] = {3};
+  st = gdncp_comm_all_reduce_sum(comm, wrap(&b, v, kDLFloat, 32, 1, shape), NULL);
+  EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "all_") != NULL &&
+             strstr(gdncp_last_error(), "the link is down") != NULL,
+         "%d '%s'", st, gdncp_last_error());
+  int aborted = 0;
+  EXPECT(gdncp_comm_aborted(comm, &aborted) == GDNCP_OK && aborted == 1, "aborted %d", aborted);
+  peers.fail = 0;
+  st = gdncp_comm_all_reduce_sum(comm, wrap(&b, v, kDLFloat, 32, 1, shape), NULL);
+  EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "aborted") != NULL, "%d '%s'", st, gdncp_last_error());
+  gdncp_comm_destroy(comm);
+  EXPECT(peers.releases == 1, "released %d", peers.releases);
+  free(L);
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
-    fprintf(stderr, "usage: %s status|thread_messages|bad_argument|bigdn_backward|dlpack_in_place|cam_gdn_num\n",
+    fprintf(stderr,
+            "usage: %s status|thread_messages|bad_argument|bigdn_backward|dlpack_in_place|cam_gdn_num|rope_q|"
+            "comm_callbacks\n",
             argv[0]);
     return 2;
   }
@@ -559,6 +701,10 @@ int main(int argc, char** argv) {
     case_dlpack_in_place();
   else if (strcmp(c, "cam_gdn_num") == 0)
     case_cam_gdn_num();
+  else if (strcmp(c, "rope_q") == 0)
+    case_rope_q();
+  else if (strcmp(c, "comm_callbacks") == 0)
+    case_comm_callbacks();
   else {
     fprintf(stderr, "unknown case %s\n", c);
     return 2;

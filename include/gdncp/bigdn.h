@@ -15,6 +15,9 @@
 //         weight means that stream is not normalised at all and gets no gradient
 //   rope_cos, rope_sin (N, D) f32 (f64 with f64 inputs); sin carries the sign:
 //         rope(x)[d] = x[d]·cos[d] + x[d^1]·sin[d]
+//   rope_cos_q, rope_sin_q (N, D), optional, as rope_cos/rope_sin: q's own tables
+//         (qʳ = rope(q⁺) with them, kʳ with rope_cos/rope_sin); both undefined = q
+//         uses the k tables (bitwise the same as passing the k tables); one alone throws
 //   clip_starts (B, F)     f32 whatever qkv is, optional: 1 where frame f of row b begins a clip, 0 elsewhere
 //         (other values: unspecified). Undefined = one clip per row.
 //   out   (B, N, H, D)     qkv's dtype
@@ -64,13 +67,15 @@ constexpr int64_t kMaxHeadDim = 128;
 // The layer, as fused kernels (one node, or a checkpoint node). Returns out.
 Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w, const Tensor& k_norm_w,
              const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options = {},
-             const Tensor& clip_starts = Tensor());
+             const Tensor& clip_starts = Tensor(), const Tensor& rope_cos_q = Tensor(),
+             const Tensor& rope_sin_q = Tensor());
 
 // The same layer composed of the fine-grained ops of gdncp/ops.h, one node per
 // op (CPU). An independent coding of the math, used to check bigdn.
 Tensor bigdn_unfused(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                      const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
-                     const BigdnOptions& options = {}, const Tensor& clip_starts = Tensor());
+                     const BigdnOptions& options = {}, const Tensor& clip_starts = Tensor(),
+                     const Tensor& rope_cos_q = Tensor(), const Tensor& rope_sin_q = Tensor());
 
 // Standard RoPE tables for the pair layout of docs/design.md §2 (sin carries the sign),
 // position of token n = n + offset, frequency base^(-2i/D) for pair i.

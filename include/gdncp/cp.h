@@ -41,6 +41,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -76,7 +77,8 @@ enum class Validation { every_call, on_change, off };
 const char* validation_name(Validation v);
 
 // A group of ranks that exchange tensors. CPU tensors go through MPI, CUDA
-// tensors through NCCL on the current stream (gdncp::current_stream()).
+// tensors through NCCL on the current stream (gdncp::current_stream()), or
+// either through the caller's own collectives (make_callback_communicator).
 // All ranks must issue the same collectives in the same order.
 //
 // Asynchrony and failure (docs/design.md §10):
@@ -141,7 +143,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // collectives were captured (captured collectives are not watched at
   // capture time: a graph replays them later). No-op for MPI.
   virtual void watch(const char* what) { (void)what; }
-  // "mpi" or "nccl".
+  // "mpi", "nccl" or "callbacks".
   virtual const char* backend() const = 0;
 
   // Deadline of every collective, in seconds (finite and > 0; default 300).
@@ -222,6 +224,47 @@ struct UniqueId {
 UniqueId make_unique_id();
 std::shared_ptr<Communicator> make_nccl_communicator(const UniqueId& id, int rank, int size, int device);
 
+// A communicator whose collectives the caller runs (docs/design.md §11): e.g.
+// a torch.distributed group of any backend (gloo on the CPU, a DeviceMesh's CP
+// dimension), a trainer's own transport. The library needs two collectives:
+//   all_gather(out, in, bytes, stream): out (size·bytes) = the `bytes` bytes at
+//       in of every rank, in rank order;
+//   broadcast(data, bytes, root, stream): root's `bytes` bytes at data to
+//       every rank;
+// and, optionally, send_recv(send, send_bytes, dst, recv, recv_bytes, src,
+// stream) (dst/src -1 = none; the layers do not use it, an empty function
+// makes Communicator::send_recv throw). The pointers are memory on `device`
+// (host memory for Device::cpu); stream is the current stream
+// (gdncp::current_stream(), nullptr on the CPU), on which a CUDA collective
+// is enqueued. A callback returns "" on success, else a message: the
+// communicator is then aborted and the call throws gdncp::Error naming the
+// collective and the message (as will every later call on it).
+// all_reduce_sum is an all_gather followed by a sum in rank order, so it is
+// bitwise identical on every rank and in every run; host exchanges
+// (validation records) stage through `device` memory (a host wait on CUDA).
+//
+// Deadlines: the library cannot interrupt or abandon a collective the
+// caller runs, so it has no watchdog here and timeout_seconds() is not
+// enforced. A lost or hung rank ends when the caller's transport gives up
+// (torch.distributed's process-group timeout) and the callback returns an
+// error; without such a timeout it hangs. Ranks out of step (in different
+// collectives): on the CPU each collective is preceded by an all-gather of a
+// small header (kind, bytes, sequence number), so they fail at once on every
+// rank naming both; on CUDA (no header: it would cost a host wait per
+// collective) only as far as the transport notices, at worst at its timeout.
+struct CollectiveCallbacks {
+  std::function<std::string(void* out, const void* in, size_t bytes, void* stream)> all_gather;
+  std::function<std::string(void* data, size_t bytes, int root, void* stream)> broadcast;
+  std::function<std::string(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src,
+                            void* stream)>
+      send_recv;
+};
+// rank in [0, size), size >= 1, device cpu or cuda (made with CUDA: the
+// calling thread's current CUDA device); all_gather and broadcast given.
+// backend() is "callbacks".
+std::shared_ptr<Communicator> make_callback_communicator(CollectiveCallbacks callbacks, int rank, int size,
+                                                         Device device);
+
 // The balanced split of F_total frames over P ranks: the first F_total % P
 // ranks hold one frame more; offset = Σ_{j<r} frames_j (the rank's first
 // global frame: its RoPE rows and its slice of the data). F_total ≥ 0, P ≥ 1,
@@ -288,14 +331,17 @@ std::vector<Tensor> cp_bidi_scan(Communicator& comm, const Tensor& P, const Tens
 // decay (B, H, F), norm weights (C) or undefined, rope_cos/rope_sin this rank's
 // (N, D) rows (rows [o_r·S, (o_r + F_r)·S) of the global table: rope_tables
 // with offset o_r·S), clip_starts (B, F) f32 or undefined (header note on
-// packed clips). options.checkpoint: off | on | automatic. Gradients of the
-// norm weights are partial per rank: sum them with all_reduce_grads().
+// packed clips), rope_cos_q/rope_sin_q q's own (N, D) rows of its tables, or
+// both undefined = the k tables (gdncp/bigdn.h). options.checkpoint: off |
+// on | automatic. Gradients of the norm weights are partial per rank: sum
+// them with all_reduce_grads().
 
 // The bidirectional CP layer: out = num/(den+eps) (B, N, H, D) in qkv's dtype,
 // equal to bigdn() on the gathered sequence, for this rank's frames.
 Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                 const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
-                const BigdnOptions& options = {}, const Tensor& clip_starts = Tensor());
+                const BigdnOptions& options = {}, const Tensor& clip_starts = Tensor(),
+                const Tensor& rope_cos_q = Tensor(), const Tensor& rope_sin_q = Tensor());
 
 // Raw single direction (the Python reference's cp_fused_gdn_chunkwise_raw_autograd): Prep
 // (RMSNorm + relu + k_scale + RoPE + phase A) → CP scan → Output (phase C),
@@ -310,7 +356,8 @@ struct RawResult {
 RawResult cp_gdn_raw(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
                      const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
                      int64_t F, int64_t S, const BigdnOptions& options = {}, const CpOptions& cp_options = {},
-                     const Tensor& clip_starts = Tensor());
+                     const Tensor& clip_starts = Tensor(), const Tensor& rope_cos_q = Tensor(),
+                     const Tensor& rope_sin_q = Tensor());
 
 // Camera branch, numerator only (the Python reference's cp_fused_cam_gdn_num_autograd).
 // q, k, v (B, H, D, N) already rotated; beta (B, H, F, S) or (B, H, F) (one

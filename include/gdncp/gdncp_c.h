@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 /* Version of this ABI; bumped when a declaration here changes. */
-#define GDNCP_C_ABI_VERSION 1
+#define GDNCP_C_ABI_VERSION 2
 int gdncp_abi_version(void);
 
 typedef enum gdncp_status {
@@ -116,12 +116,49 @@ gdncp_status gdncp_comm_create_mpi_world(gdncp_comm** comm);
  * finalized yet; a no-op otherwise. Destroy the MPI communicators first. */
 gdncp_status gdncp_mpi_finalize(void);
 
+/* Any process group: a communicator whose collectives the caller runs (e.g.
+ * a torch.distributed group of any backend; gdncp/cp.h
+ * make_callback_communicator). Each callback returns 0 on success, anything
+ * else on failure; the library then aborts the communicator and fails the
+ * call with GDNCP_ERROR naming the collective and error_message(user) (every
+ * later call on it fails too). Pointers are memory on the communicator's
+ * device (host memory for device -1); stream is the cudaStream_t the
+ * collective must be ordered on (NULL on the CPU). A callback may be called
+ * from any thread that calls the library (a backward on a framework's
+ * device thread included), never from two at once for one communicator.
+ * Deadlines: the library cannot interrupt a collective the caller runs, so
+ * it has no watchdog for these and gdncp_comm_set_timeout is recorded but
+ * not enforced: a hung peer ends when the caller's transport times out and
+ * the callback returns an error (torch.distributed's `timeout`). */
+typedef struct gdncp_comm_callbacks {
+  size_t struct_size; /* sizeof(gdncp_comm_callbacks) (gdncp_comm_callbacks_init) */
+  void* user;         /* handed to every callback */
+  /* Required. out (size * bytes) = the `bytes` bytes at in of every rank, in rank order. */
+  int (*all_gather)(void* user, void* out, const void* in, size_t bytes, void* stream);
+  /* Required. root's `bytes` bytes at data to every rank. */
+  int (*broadcast)(void* user, void* data, size_t bytes, int root, void* stream);
+  /* Optional (the layers do not use it): sends send to dst, receives recv from src (-1 = none). */
+  int (*send_recv)(void* user, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes, int src,
+                   void* stream);
+  /* Optional: the message of the failure just returned by a callback on this thread (NULL = none). */
+  const char* (*error_message)(void* user);
+  /* Optional: called once when the communicator is freed — after gdncp_comm_destroy and every graph
+   * that uses it — so the caller can free user. */
+  void (*release)(void* user);
+} gdncp_comm_callbacks;
+/* Zeroes the struct and sets struct_size. */
+gdncp_status gdncp_comm_callbacks_init(gdncp_comm_callbacks* callbacks);
+/* rank in [0, size); device: -1 = CPU tensors, >= 0 = that CUDA device's tensors. Not collective (no
+ * communication). On failure release is not called (the caller still owns user). */
+gdncp_status gdncp_comm_create_callbacks(const gdncp_comm_callbacks* callbacks, int rank, int size, int device,
+                                         gdncp_comm** comm);
+
 /* Frees the handle (NULL is a no-op). A graph that used the communicator
  * keeps it alive until the graph is destroyed. */
 gdncp_status gdncp_comm_destroy(gdncp_comm* comm);
 gdncp_status gdncp_comm_rank(const gdncp_comm* comm, int* rank);
 gdncp_status gdncp_comm_size(const gdncp_comm* comm, int* size);
-/* "mpi" or "nccl" (a static string). */
+/* "mpi", "nccl" or "callbacks" (a static string). */
 gdncp_status gdncp_comm_backend(const gdncp_comm* comm, const char** backend);
 /* Deadline of each collective (seconds, finite and > 0; default 300). A missed
  * deadline aborts the communicator; every later call on it fails. */
@@ -152,21 +189,24 @@ gdncp_status gdncp_graph_destroy(gdncp_graph* graph);
 /* Inputs (gdncp/bigdn.h for the math and layouts): 0 qkv (B, F*S, 3, H, D),
  * 1 beta (B, H, F, S), 2 decay (B, H, F), 3 q_norm_w (C) or NULL, 4 k_norm_w
  * (C) or NULL, rope_cos and rope_sin (F*S, D) (not differentiable),
- * clip_starts: the clip-start mask (B, F) f32 of docs/design.md §4a, or NULL
+ * rope_cos_q and rope_sin_q: q's own tables (F*S, D), or both NULL = q is
+ * rotated with rope_cos/rope_sin (not differentiable), clip_starts: the
+ * clip-start mask (B, F) f32 of docs/design.md §4a, or NULL
  * (one clip per row). Output (graph output 0): out (B, F*S, H, D). options
  * NULL = defaults. graph NULL: no recording (inference). */
 gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay, DLManagedTensor* q_norm_w,
                          DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos, DLManagedTensor* rope_sin,
-                         DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
-                         void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph);
+                         DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q, DLManagedTensor* clip_starts,
+                         int64_t F, int64_t S, const gdncp_layer_options* options, void* stream,
+                         uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph);
 
 /* The bidirectional CP layer (gdncp/cp.h bigdn_cp): the same inputs, this
  * rank's F frames; collective over comm (forward and backward). */
 gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                             DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
-                            DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
-                            const gdncp_layer_options* options, void* stream, uint32_t requires_grad,
-                            DLManagedTensor** out, gdncp_graph** graph);
+                            DLManagedTensor* rope_sin, DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q,
+                            DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
+                            void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph);
 
 /* One direction, raw (gdncp/cp.h cp_gdn_raw): inputs as gdncp_bigdn_cp;
  * outputs (graph outputs 0-3) num (B, F*S, H, D), den (B, H, F*S), and with
@@ -174,9 +214,10 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
  * cp_options NULL = defaults. */
 gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                               DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
-                              DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
-                              const gdncp_layer_options* options, const gdncp_cp_options* cp_options, void* stream,
-                              uint32_t requires_grad, DLManagedTensor* outputs[4], gdncp_graph** graph);
+                              DLManagedTensor* rope_sin, DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q,
+                              DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
+                              const gdncp_cp_options* cp_options, void* stream, uint32_t requires_grad,
+                              DLManagedTensor* outputs[4], gdncp_graph** graph);
 
 /* The distributed frame scan (gdncp/cp.h cp_scan): inputs 0 P, 1 A, 2 Pz
  * (B*H, F, D, D), 3 bz (B*H, F, D), 4 decay (B, H, F); outputs M, z and with

@@ -6,9 +6,11 @@ library serves every interpreter (Debian's, a venv's, a container's torch).
 The calls are coarse (one per layer call), so ctypes' per-call cost is small
 next to a layer step (python/examples/bench_door.py measures it).
 
-The library is found, in order: $GDNCP_LIBRARY; the path the build wrote into
-_library.py (build/python/gdncp/_library.py); libgdncp.so beside the package
-or in ../lib of it (an install); the loader's search path.
+The library is found, in order: $GDNCP_LIBRARY (alone, when set); the path the
+build wrote into _library.py (build/python/gdncp/_library.py); libgdncp.so
+beside the package (pip install); <libdir>/libgdncp.so for the package in
+<libdir>/python3/dist-packages/gdncp (cmake --install); the loader's search
+path. The ImportError lists every place tried.
 """
 import ctypes
 import ctypes.util
@@ -37,37 +39,42 @@ class ArgumentError(GdncpError, ValueError):
 
 
 def _candidates():
+    """(path or None, why it was not found) for every place looked at, in order."""
     env = os.environ.get("GDNCP_LIBRARY")
     if env:
-        yield env
+        yield env, "$GDNCP_LIBRARY"
         return
     try:
-        from ._library import LIBRARY  # written by the build
+        from ._library import LIBRARY  # written by the build into the build tree's package
 
-        yield LIBRARY
+        yield LIBRARY, "the build tree's _library.py"
     except ImportError:
-        pass
-    for d in (_HERE, os.path.join(_HERE, "..", "..", "lib"), os.path.join(_HERE, "..", "..", "..", "lib")):
+        yield None, "no _library.py (not the build tree's package)"
+    # Beside the package (pip install), then the libdir of a cmake --install, which puts the package in
+    # <libdir>/python3/dist-packages/gdncp.
+    for d in (_HERE, os.path.normpath(os.path.join(_HERE, "..", "..", ".."))):
         for name in ("libgdncp.so", "libgdncp.so.0"):
-            p = os.path.join(d, name)
-            if os.path.exists(p):
-                yield p
+            yield os.path.join(d, name), None
     found = ctypes.util.find_library("gdncp")
-    if found:
-        yield found
+    yield found, None if found else "ctypes.util.find_library('gdncp') found nothing"
+    yield "libgdncp.so.0", "the loader's search path"
 
 
 def _load():
     tried = []
-    for path in _candidates():
+    for path, note in _candidates():
+        if path is None:
+            tried.append(note)
+            continue
+        if os.sep in path and not os.path.exists(path):
+            tried.append("%s (no such file%s)" % (path, ", " + note if note else ""))
+            continue
         try:
             # RTLD_GLOBAL: MPI's plugins resolve symbols of libmpi loaded through us.
             return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
-            tried.append("%s (%s)" % (path, e))
-    raise ImportError(
-        "gdncp: libgdncp not found; set GDNCP_LIBRARY to its path. Tried: " + ("; ".join(tried) or "nothing")
-    )
+            tried.append("%s (%s%s)" % (path, note + ": " if note else "", e))
+    raise ImportError("gdncp: libgdncp not found; set GDNCP_LIBRARY to its path. Tried: " + "; ".join(tried))
 
 
 lib = _load()
@@ -98,6 +105,29 @@ class CpOptions(ctypes.Structure):
     ]
 
 
+# gdncp_comm_callbacks: the collectives of a communicator the caller runs (comm.py).
+ALL_GATHER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                 ctypes.c_void_p)
+BROADCAST_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                ctypes.c_void_p)
+SEND_RECV_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+ERROR_MESSAGE_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)  # const char* (kept alive by the caller)
+RELEASE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class CommCallbacks(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("user", ctypes.c_void_p),
+        ("all_gather", ALL_GATHER_FN),
+        ("broadcast", BROADCAST_FN),
+        ("send_recv", SEND_RECV_FN),
+        ("error_message", ERROR_MESSAGE_FN),
+        ("release", RELEASE_FN),
+    ]
+
+
 def _sig(name, *args):
     f = getattr(lib, name)
     f.restype = ctypes.c_int
@@ -109,13 +139,17 @@ lib.gdncp_last_error.restype = ctypes.c_char_p
 lib.gdncp_last_error.argtypes = []
 lib.gdncp_abi_version.restype = ctypes.c_int
 lib.gdncp_cuda_available.restype = ctypes.c_int
-_LAYER_IN = [_p] * 8 + [_i64, _i64, ctypes.POINTER(LayerOptions)]
+# qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts, F, S, options
+_LAYER_IN = [_p] * 10 + [_i64, _i64, ctypes.POINTER(LayerOptions)]
 F = {
     "layer_options_init": _sig("gdncp_layer_options_init", ctypes.POINTER(LayerOptions)),
     "cp_options_init": _sig("gdncp_cp_options_init", ctypes.POINTER(CpOptions)),
     "unique_id": _sig("gdncp_unique_id", ctypes.c_char_p),
     "comm_create_nccl": _sig("gdncp_comm_create_nccl", ctypes.c_char_p, _int, _int, _int, _pp),
     "comm_create_mpi_world": _sig("gdncp_comm_create_mpi_world", _pp),
+    "comm_callbacks_init": _sig("gdncp_comm_callbacks_init", ctypes.POINTER(CommCallbacks)),
+    "comm_create_callbacks": _sig("gdncp_comm_create_callbacks", ctypes.POINTER(CommCallbacks), _int, _int, _int,
+                                  _pp),
     "mpi_finalize": _sig("gdncp_mpi_finalize"),
     "comm_destroy": _sig("gdncp_comm_destroy", _p),
     "comm_rank": _sig("gdncp_comm_rank", _p, ctypes.POINTER(_int)),

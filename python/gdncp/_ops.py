@@ -44,7 +44,7 @@ def _comm(key):
 
 _TENSORS = {
     "layer": ("Tensor qkv, Tensor beta, Tensor decay, Tensor? q_norm_w, Tensor? k_norm_w, Tensor rope_cos, "
-              "Tensor rope_sin, Tensor? clip_starts"),
+              "Tensor rope_sin, Tensor? rope_cos_q, Tensor? rope_sin_q, Tensor? clip_starts"),
     "cp_cam_gdn_num": "Tensor q, Tensor k, Tensor v, Tensor beta, Tensor decay",
     "cp_scan": "Tensor P, Tensor A, Tensor Pz, Tensor bz, Tensor decay, Tensor? clip_starts",
 }

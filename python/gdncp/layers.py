@@ -66,9 +66,9 @@ class _Graph(_capi.OwnedHandle):
 _LAYER_SCALARS = ("F", "S", "k_scale", "norm_eps", "eps", "precision", "checkpoint")
 _CP_SCALARS = ("reverse_rank_order", "truncate_to_active")
 ENTRIES = {
-    "bigdn": (8, 5, 1, _LAYER_SCALARS),
-    "bigdn_cp": (8, 5, 1, _LAYER_SCALARS),
-    "cp_gdn_raw": (8, 5, 4, _LAYER_SCALARS + _CP_SCALARS),
+    "bigdn": (10, 5, 1, _LAYER_SCALARS),
+    "bigdn_cp": (10, 5, 1, _LAYER_SCALARS),
+    "cp_gdn_raw": (10, 5, 4, _LAYER_SCALARS + _CP_SCALARS),
     "cp_cam_gdn_num": (5, 5, 2, ("F", "S") + _CP_SCALARS + ("checkpoint",)),
     "cp_scan": (6, 5, 4, _CP_SCALARS),
 }
@@ -209,13 +209,10 @@ def _no_grad_tables(fn, **tables):
 
 
 def _rope_args(fn, rope_cos, rope_sin, rope_cos_q, rope_sin_q):
-    """The RoPE tables of the C call. >>> rope_cos_q / rope_sin_q are passed to the C call HERE <<<
-    (the q tables; None = the k tables)."""
+    """The RoPE tables of the C call: k's, then q's own (both None: q uses k's; the library
+    refuses one without the other, naming it)."""
     _no_grad_tables(fn, rope_cos=rope_cos, rope_sin=rope_sin, rope_cos_q=rope_cos_q, rope_sin_q=rope_sin_q)
-    if rope_cos_q is not None or rope_sin_q is not None:
-        raise NotImplementedError("%s: separate q RoPE tables (rope_cos_q, rope_sin_q) are not supported by this "
-                                  "build of the library; pass None to rotate q with rope_cos, rope_sin" % fn)
-    return [rope_cos, rope_sin]
+    return [rope_cos, rope_sin, rope_cos_q, rope_sin_q]
 
 
 def _comm_of(comm, fn):

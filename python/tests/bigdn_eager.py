@@ -38,12 +38,13 @@ def inputs(B, H, D, F, S, seed, norm=True, dtype=torch.float64):
 
 
 def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale, norm_eps=1e-5, eps=1e-6,
-          raw=False, clip_starts=None, truncate_to_active=0):
+          raw=False, clip_starts=None, truncate_to_active=0, rope_cos_q=None, rope_sin_q=None):
     """out (B, N, H, D); raw=True: the forward direction's num (B, N, H, D) and
     den (B, H, N) without the divide (gdncp/cp.h cp_gdn_raw), and with
     truncate_to_active = K also the state after frame K−1, (B·H, D, D)
     [key][value] and (B·H, D): frames ≥ K neither update nor cut the state.
-    clip_starts (B, F): 1 where a frame begins a clip (§4a), None = one clip per row."""
+    clip_starts (B, F): 1 where a frame begins a clip (§4a), None = one clip per row.
+    rope_cos_q, rope_sin_q: q's own tables (§5), None = q uses rope_cos, rope_sin."""
     B, N, three, H, D = qkv.shape
     assert three == 3 and N == F * S
     C = H * D
@@ -57,13 +58,14 @@ def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scal
         r = 1.0 / torch.sqrt((flat * flat).mean(dim=-1, keepdim=True) + norm_eps)
         return (flat * r * w).reshape(B, N, H, D)
 
-    def rope(x):
+    def rope(x, cos, sin):
         partner = x.reshape(B, N, H, D // 2, 2).flip(-1).reshape(B, N, H, D)  # x[d^1]
-        return x * rope_cos[None, :, None, :] + partner * rope_sin[None, :, None, :]
+        return x * cos[None, :, None, :] + partner * sin[None, :, None, :]
 
     q_plus = torch.relu(rmsnorm(q, q_norm_w))
     k_plus = torch.relu(rmsnorm(k, k_norm_w)) * k_scale
-    q_rot, k_rot = rope(q_plus), rope(k_plus)
+    q_tables = (rope_cos, rope_sin) if rope_cos_q is None else (rope_cos_q, rope_sin_q)
+    q_rot, k_rot = rope(q_plus, *q_tables), rope(k_plus, rope_cos, rope_sin)
 
     def frames(x):  # (B, N, H, D) -> (B, H, F, S, D)
         return x.reshape(B, F, S, H, D).permute(0, 3, 1, 2, 4)

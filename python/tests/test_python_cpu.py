@@ -210,7 +210,7 @@ def test_cp_gdn_raw_through_the_c_abi():
     names = ["qkv", "beta", "decay", "q_norm_w", "k_norm_w", "rope_cos", "rope_sin"]
     outs = (ctypes.c_void_p * 4)()
     graph = ctypes.c_void_p()
-    _capi.call("cp_gdn_raw", comm.handle, *(_dlpack.give(x[k]) for k in names), None, F, S,
+    _capi.call("cp_gdn_raw", comm.handle, *(_dlpack.give(x[k]) for k in names), None, None, None, F, S,
                ctypes.byref(_capi.layer_options(k_scale=x["k_scale"])), None, None, 0x1F, outs, ctypes.byref(graph))
     num, den, tM, tz = (_dlpack.take(outs[k]) for k in range(4))
     assert tM is None and tz is None  # no truncate_to_active

@@ -66,20 +66,25 @@ def layer_args(x):
     return [x[k] for k in LAYER] + [x["rope_cos"], x["rope_sin"]]
 
 
+def q_tables(kw):
+    return {k: kw[k] for k in ("rope_cos_q", "rope_sin_q") if k in kw}
+
+
 def entry(name, comm, F, S, k_scale=None, **kw):
     """(door, eager, names of the differentiable inputs): door(x) and eager(x) -> a tuple of tensors."""
     if name in ("bigdn", "bigdn_cp"):
         head = (comm,) if name == "bigdn_cp" else ()
         fn = getattr(gdncp, name)
         return (lambda x: (fn(*head, *layer_args(x), F, S, k_scale=x["k_scale"], **kw),),
-                lambda x: (eager.bigdn(*layer_args(x), F, S, x["k_scale"], clip_starts=kw.get("clip_starts")),),
+                lambda x: (eager.bigdn(*layer_args(x), F, S, x["k_scale"], clip_starts=kw.get("clip_starts"),
+                                       **q_tables(kw)),),
                 LAYER)
     if name == "cp_gdn_raw":
         K = kw.get("truncate_to_active") or 0
         return (lambda x: tuple(t for t in gdncp.cp_gdn_raw(comm, *layer_args(x), F, S, k_scale=x["k_scale"], **kw)
                                 if t is not None),
                 lambda x: eager.bigdn(*layer_args(x), F, S, x["k_scale"], raw=True,
-                                      clip_starts=kw.get("clip_starts"), truncate_to_active=K),
+                                      clip_starts=kw.get("clip_starts"), truncate_to_active=K, **q_tables(kw)),
                 LAYER)
     if name == "cp_cam_gdn_num":
         K = kw.get("truncate_to_active") or 0
@@ -127,9 +132,11 @@ def step(fn, x, names, weights):
 
 
 EVERY = [
-    ("bigdn", {}), ("bigdn", {"checkpoint": "on"}), ("bigdn", {"clip_starts": "clips"}),
+    ("bigdn", {}), ("bigdn", {"checkpoint": "on"}), ("bigdn", {"clip_starts": "clips"}), ("bigdn", {"rope_q": 1}),
     ("bigdn_cp", {}), ("bigdn_cp", {"clip_starts": "clips", "checkpoint": "on"}),
+    ("bigdn_cp", {"rope_q": 1, "checkpoint": "on"}),
     ("cp_gdn_raw", {}), ("cp_gdn_raw", {"truncate_to_active": 2}), ("cp_gdn_raw", {"reverse_rank_order": True}),
+    ("cp_gdn_raw", {"rope_q": 1, "truncate_to_active": 2}),
     ("cp_gdn_raw", {"truncate_to_active": 3, "clip_starts": "clips", "checkpoint": "on"}),
     ("cp_cam_gdn_num", {}), ("cp_cam_gdn_num", {"truncate_to_active": 2, "checkpoint": "on"}),
     ("cp_cam_gdn_num", {"reverse_rank_order": True}),
@@ -138,14 +145,18 @@ EVERY = [
 ]
 
 
-def resolve(kw, B, F):
-    return {k: (clips_of(B, F) if v == "clips" else v) for k, v in kw.items()}
+def resolve(kw, B, F, S, D):
+    """"clips": a clip mask; rope_q: q's own RoPE tables (another offset and base than k's)."""
+    out = {k: (clips_of(B, F) if v == "clips" else v) for k, v in kw.items() if k != "rope_q"}
+    if kw.get("rope_q"):
+        out["rope_cos_q"], out["rope_sin_q"] = eager.rope_tables(F * S, D, offset=5, base=300.0)
+    return out
 
 
 @pytest.mark.parametrize("name,kw", EVERY, ids=["%s-%s" % (n, "-".join(k) or "plain") for n, k in EVERY])
 def test_every_entry_matches_eager(comm, name, kw):
     B, H, D, F, S = 2, 2, 6, 4, 3
-    kw = resolve(kw, B, F)
+    kw = resolve(kw, B, F, S, D)
     door, ref, names = entry(name, comm, F, S, **kw)
     x = inputs_for(name, B, H, D, F, S, seed=31)
     want_outs = ref(leaves(x, names))
@@ -164,7 +175,7 @@ def test_every_entry_matches_eager(comm, name, kw):
 @pytest.mark.parametrize("name,kw", EVERY, ids=["%s-%s" % (n, "-".join(k) or "plain") for n, k in EVERY])
 def test_gradcheck_every_entry(comm, name, kw):
     B, H, D, F, S = 2, 1, 2, 3, 2
-    kw = resolve(kw, B, F)
+    kw = resolve(kw, B, F, S, D)
     kw = {k: (min(v, F) if k == "truncate_to_active" else v) for k, v in kw.items()}
     door, _, names = entry(name, comm, F, S, **kw)
     x = inputs_for(name, B, H, D, F, S, seed=43)
@@ -265,10 +276,13 @@ def test_clip_mask_bool_accepted_other_dtypes_and_values_refused():
             gdncp.bigdn(*layer_args(x), F, S, clip_starts=bad)
 
 
-def test_q_rope_tables_refused_until_supported():
+def test_q_rope_tables_alone_or_requiring_grad_refused():
     x, F, S = small_layer()
-    with pytest.raises(NotImplementedError, match="rope_cos_q"):
-        gdncp.bigdn(*layer_args(x), F, S, rope_cos_q=x["rope_cos"], rope_sin_q=x["rope_sin"])
+    with pytest.raises(gdncp.GdncpError, match="rope_sin_q"):
+        gdncp.bigdn(*layer_args(x), F, S, rope_cos_q=x["rope_cos"])
+    with pytest.raises(ValueError, match="rope_cos_q requires grad"):
+        gdncp.bigdn(*layer_args(x), F, S, rope_cos_q=x["rope_cos"].clone().requires_grad_(True),
+                    rope_sin_q=x["rope_sin"])
 
 
 # --- gdncp.sana --------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 // drops it in its deleter. Either side may outlive the other.
 #include "autograd/dlpack.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -75,8 +76,10 @@ Tensor from_dlpack(DLManagedTensor* m, const char* what) {
   }
   Shape shape(t.shape, t.shape + t.ndim);
   // Dense row-major; a dimension of size 1 may carry any stride (as torch's
-  // contiguous tensors do).
-  if (t.strides) {
+  // contiguous tensors do), and so may every dimension of an empty tensor
+  // (no element is addressed: e.g. a CP rank's slice of 0 frames).
+  const bool empty = std::find(shape.begin(), shape.end(), int64_t{0}) != shape.end();
+  if (t.strides && !empty) {
     int64_t expected = 1;
     for (int i = t.ndim - 1; i >= 0; --i) {
       if (shape[static_cast<size_t>(i)] != 1)

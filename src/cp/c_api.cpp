@@ -288,13 +288,41 @@ void run_layer(const char* fn, Inputs& in, size_t n_diff, size_t n_in, uint32_t 
   if (graph) *graph = g.release();
 }
 
+namespace comm_callbacks {
+
+// The caller's table, shared by the communicator's callbacks: the last of
+// them to go (when the communicator is freed) calls release(user), once the
+// communicator was made (armed).
+struct Table {
+  gdncp_comm_callbacks cb;
+  bool armed = false;
+  ~Table() {
+    if (armed && cb.release) cb.release(cb.user);
+  }
+};
+using Shared = std::shared_ptr<Table>;
+
+// "" for status 0, else the status and the caller's message.
+std::string result(const Table& t, int status) {
+  if (status == 0) return std::string();
+  const char* msg = t.cb.error_message ? t.cb.error_message(t.cb.user) : nullptr;
+  return "status " + std::to_string(status) + (msg && *msg ? std::string(": ") + msg : std::string());
+}
+
+}  // namespace comm_callbacks
+
 std::mutex g_mpi_mutex;
 bool g_mpi_initialised_here = false;
 
-const char* const kLayerNames[] = {"qkv",      "beta",     "decay",    "q_norm_w",
-                                   "k_norm_w", "rope_cos", "rope_sin", "clip_starts"};
+// The inputs of the layer entries in the order of their parameters; the first
+// kLayerDiff are differentiable. The q tables are optional as a pair (the
+// layer checks that).
+const char* const kLayerNames[] = {"qkv",      "beta",     "decay",      "q_norm_w",   "k_norm_w",
+                                   "rope_cos", "rope_sin", "rope_cos_q", "rope_sin_q", "clip_starts"};
+constexpr size_t kLayerInputs = sizeof kLayerNames / sizeof kLayerNames[0];
+constexpr size_t kLayerDiff = 5;
 
-std::vector<const char*> layer_names() { return std::vector<const char*>(kLayerNames, kLayerNames + 8); }
+std::vector<const char*> layer_names() { return std::vector<const char*>(kLayerNames, kLayerNames + kLayerInputs); }
 
 
 }  // namespace
@@ -393,6 +421,48 @@ gdncp_status gdncp_comm_create_mpi_world(gdncp_comm** comm) {
     auto c = std::make_unique<gdncp_comm>();
     c->c = gdncp::cp::make_mpi_communicator(MPI_COMM_WORLD);
     *comm = c.release();
+  });
+}
+
+gdncp_status gdncp_comm_callbacks_init(gdncp_comm_callbacks* callbacks) {
+  return guarded([&] {
+    not_null(callbacks, "gdncp_comm_callbacks_init", "callbacks");
+    std::memset(callbacks, 0, sizeof *callbacks);
+    callbacks->struct_size = sizeof(gdncp_comm_callbacks);
+  });
+}
+
+gdncp_status gdncp_comm_create_callbacks(const gdncp_comm_callbacks* callbacks, int rank, int size, int device,
+                                         gdncp_comm** comm) {
+  const char* fn = "gdncp_comm_create_callbacks";
+  return guarded([&] {
+    not_null(callbacks, fn, "callbacks");
+    not_null(comm, fn, "comm");
+    if (callbacks->struct_size < sizeof(gdncp_comm_callbacks))
+      argument_error(fn, ": callbacks->struct_size ", callbacks->struct_size, " < ", sizeof(gdncp_comm_callbacks),
+                     " (fill callbacks with gdncp_comm_callbacks_init)");
+    if (!callbacks->all_gather) argument_error(fn, ": callbacks->all_gather is NULL (required)");
+    if (!callbacks->broadcast) argument_error(fn, ": callbacks->broadcast is NULL (required)");
+    if (device < -1) argument_error(fn, ": device ", device, " is neither -1 (CPU) nor a CUDA device");
+    const comm_callbacks::Shared t = std::make_shared<comm_callbacks::Table>();
+    t->cb = *callbacks;
+    gdncp::cp::CollectiveCallbacks c;
+    c.all_gather = [t](void* out, const void* in, size_t bytes, void* stream) {
+      return comm_callbacks::result(*t, t->cb.all_gather(t->cb.user, out, in, bytes, stream));
+    };
+    c.broadcast = [t](void* data, size_t bytes, int root, void* stream) {
+      return comm_callbacks::result(*t, t->cb.broadcast(t->cb.user, data, bytes, root, stream));
+    };
+    if (t->cb.send_recv)
+      c.send_recv = [t](const void* send, size_t sb, int dst, void* recv, size_t rb, int src, void* stream) {
+        return comm_callbacks::result(*t, t->cb.send_recv(t->cb.user, send, sb, dst, recv, rb, src, stream));
+      };
+    DeviceScope dev(device);
+    auto h = std::make_unique<gdncp_comm>();
+    h->c = gdncp::cp::make_callback_communicator(std::move(c), rank, size,
+                                                 device >= 0 ? gdncp::Device::cuda : gdncp::Device::cpu);
+    t->armed = true;  // from here on the communicator owns user (release when it is freed)
+    *comm = h.release();
   });
 }
 
@@ -556,18 +626,21 @@ gdncp_status gdncp_graph_destroy(gdncp_graph* graph) {
 
 gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay, DLManagedTensor* q_norm_w,
                          DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos, DLManagedTensor* rope_sin,
-                         DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
-                         void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph) {
+                         DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q, DLManagedTensor* clip_starts,
+                         int64_t F, int64_t S, const gdncp_layer_options* options, void* stream,
+                         uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph) {
   const char* fn = "gdncp_bigdn";
   return guarded([&] {
-    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
+    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts},
+              layer_names());
     for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
     not_null(out, fn, "out");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
     run_layer(
-        fn, in, 5, 8, requires_grad, stream, nullptr,
+        fn, in, kLayerDiff, kLayerInputs, requires_grad, stream, nullptr,
         [&](std::vector<Tensor>& x) {
-          return std::vector<Tensor>{gdncp::bigdn(x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[7])};
+          return std::vector<Tensor>{
+              gdncp::bigdn(x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[9], x[7], x[8])};
         },
         out, 1, graph);
   });
@@ -575,20 +648,23 @@ gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedT
 
 gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                             DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
-                            DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
-                            const gdncp_layer_options* options, void* stream, uint32_t requires_grad,
+                            DLManagedTensor* rope_sin, DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q,
+                            DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
+                            void* stream, uint32_t requires_grad,
                             DLManagedTensor** out, gdncp_graph** graph) {
   const char* fn = "gdncp_bigdn_cp";
   return guarded([&] {
-    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
+    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts},
+              layer_names());
     auto& c = comm_of(comm, fn);
     for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
     not_null(out, fn, "out");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
     run_layer(
-        fn, in, 5, 8, requires_grad, stream, comm->c,
+        fn, in, kLayerDiff, kLayerInputs, requires_grad, stream, comm->c,
         [&](std::vector<Tensor>& x) {
-          return std::vector<Tensor>{gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[7])};
+          return std::vector<Tensor>{gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[9],
+                                                         x[7], x[8])};
         },
         out, 1, graph);
   });
@@ -596,22 +672,24 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
 
 gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                               DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
-                              DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
-                              const gdncp_layer_options* options, const gdncp_cp_options* cp_options, void* stream,
+                              DLManagedTensor* rope_sin, DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q,
+                              DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
+                              const gdncp_cp_options* cp_options, void* stream,
                               uint32_t requires_grad, DLManagedTensor* outputs[4], gdncp_graph** graph) {
   const char* fn = "gdncp_cp_gdn_raw";
   return guarded([&] {
-    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
+    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts},
+              layer_names());
     auto& c = comm_of(comm, fn);
     for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
     not_null(outputs, fn, "outputs");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
     const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
     run_layer(
-        fn, in, 5, 8, requires_grad, stream, comm->c,
+        fn, in, kLayerDiff, kLayerInputs, requires_grad, stream, comm->c,
         [&](std::vector<Tensor>& x) {
           gdncp::cp::RawResult r =
-              gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt, x[7]);
+              gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt, x[9], x[7], x[8]);
           return std::vector<Tensor>{r.num, r.den, r.terminal_M, r.terminal_z};
         },
         outputs, 4, graph);

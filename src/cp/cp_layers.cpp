@@ -14,6 +14,8 @@
 // state arriving from rank r+1, i.e. the rank's incoming state of the reversed
 // scan, which the merge computes from the gathered composites anyway.
 //
+// Phase C rotates q with the q tables when given, else with the k tables.
+//
 // Gradients: qkv, beta, decay in their dtypes; the present norm weights in
 // theirs, partial per rank (all_reduce_grads sums them). All fresh tensors.
 //
@@ -41,7 +43,8 @@ namespace {
 using detail::ScanContext;
 using detail::ScanJob;
 
-enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kNumInputs };
+// The q tables are undefined when q is rotated with the k tables.
+enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kRopeCosQ, kRopeSinQ, kNumInputs };
 
 class CpLayerNode : public autograd::Node {
  public:
@@ -78,7 +81,8 @@ class CpLayerNode : public autograd::Node {
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
     // Handles, not references into the saved list: they outlive release().
     const Tensor qkv = saved(kQkv), beta = saved(kBeta), decay = saved(kDecay), qw = saved(kQNormW),
-                 kw = saved(kKNormW), cs = saved(kRopeCos), sn = saved(kRopeSin), rstd = saved(kRstd);
+                 kw = saved(kKNormW), cs = saved(kRopeCos), sn = saved(kRopeSin), rstd = saved(kRstd),
+                 csq = q_table(saved(kRopeCosQ), cs), snq = q_table(saved(kRopeSinQ), sn);
     const Dims& d = d_;
     const Device dev = qkv.device();
     const DType ct = compute_dtype(qkv.dtype());
@@ -93,10 +97,10 @@ class CpLayerNode : public autograd::Node {
       g = empty_rank_grads(qkv, beta, qw, kw);
     } else {
       if (bidi_)
-        kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], Tensor(), qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, true,
+        kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], Tensor(), qkv, rstd, qw, csq, snq, M, z, d, opt_.eps, true,
                              mode_);
       else
-        kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], grads[1], qkv, rstd, qw, cs, sn, M, z, d, opt_.eps, false,
+        kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], grads[1], qkv, rstd, qw, csq, snq, M, z, d, opt_.eps, false,
                              mode_);
       g = prep_backward_q(dq_hat, qkv, rstd, qw, kw, beta, d, needs_input_grad(kQNormW), needs_input_grad(kKNormW));
     }
@@ -172,7 +176,8 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
                                   const BigdnOptions& opt, const CpOptions& cpo, bool bidi, int64_t offset,
                                   const Tensor& cuts, Tensor* keep, bool recompute) {
   const Tensor &qkv = in[kQkv], &beta = in[kBeta], &decay = in[kDecay], &qw = in[kQNormW], &kw = in[kKNormW],
-               &cs = in[kRopeCos], &sn = in[kRopeSin];
+               &cs = in[kRopeCos], &sn = in[kRopeSin], &csq = q_table(in[kRopeCosQ], cs),
+               &snq = q_table(in[kRopeSinQ], sn);
   const Device dev = qkv.device();
   const DType ct = compute_dtype(qkv.dtype());
   const MathMode mode = resolve_math_mode(opt.precision, qkv.dtype());
@@ -207,11 +212,11 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   Tensor den = output({B, H, N}, ct);
   if (bidi) {
     Tensor out = output({B, N, H, D}, qkv.dtype());
-    if (run_c) kernels::phase_c_fwd(out, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/true, mode);
+    if (run_c) kernels::phase_c_fwd(out, den, qkv, rstd, qw, csq, snq, M, z, d, opt.eps, /*divide=*/true, mode);
     outputs = {out};
   } else {
     Tensor num = output({B, N, H, D}, ct);
-    if (run_c) kernels::phase_c_fwd(num, den, qkv, rstd, qw, cs, sn, M, z, d, opt.eps, /*divide=*/false, mode);
+    if (run_c) kernels::phase_c_fwd(num, den, qkv, rstd, qw, csq, snq, M, z, d, opt.eps, /*divide=*/false, mode);
     outputs = {num, den};
     if (cpo.truncate_to_active > 0) {
       outputs.push_back(jobs[0].T);
@@ -239,6 +244,7 @@ std::pair<Dims, detail::FrameLayout> validate_layer(Communicator& comm, const ch
   const detail::FrameLayout frames = detail::validate_collective(comm, entry, rec, [&](detail::CallRecord& r) {
     d = validate_bigdn_inputs(entry, in[kQkv], in[kBeta], in[kDecay], in[kQNormW], in[kKNormW], in[kRopeCos],
                               in[kRopeSin], F, S, opt, /*allow_empty=*/true);
+    validate_rope_q(entry, in[kRopeCosQ], in[kRopeSinQ], d, in[kRopeCos], in[kQkv].device());
     detail::check_clip_starts(entry, clip_starts, d.B, d.F, in[kQkv].device());
     detail::check_cp_options(entry, cpo);
     r.B = d.B;
@@ -279,8 +285,9 @@ std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in,
 
 Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                 const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
-                const BigdnOptions& options, const Tensor& clip_starts) {
-  const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
+                const BigdnOptions& options, const Tensor& clip_starts, const Tensor& rope_cos_q,
+                const Tensor& rope_sin_q) {
+  const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q};
   const auto [d, frames] = validate_layer(comm, "bigdn_cp", in, F, S, options, CpOptions(), clip_starts);
   return run_layer(comm, in, d, options, CpOptions(), true, frames.offset, clip_starts).at(0);
 }
@@ -288,8 +295,8 @@ Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const
 RawResult cp_gdn_raw(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
                      const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin,
                      int64_t F, int64_t S, const BigdnOptions& options, const CpOptions& cp_options,
-                     const Tensor& clip_starts) {
-  const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
+                     const Tensor& clip_starts, const Tensor& rope_cos_q, const Tensor& rope_sin_q) {
+  const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q};
   const auto [d, frames] = validate_layer(comm, "cp_gdn_raw", in, F, S, options, cp_options, clip_starts);
   const std::vector<Tensor> out = run_layer(comm, in, d, options, cp_options, false, frames.offset, clip_starts);
   RawResult r;

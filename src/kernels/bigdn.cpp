@@ -10,7 +10,8 @@
 // differentiable and rides along in the node and the checkpoint's closure.
 //
 // Gradients: qkv, beta, decay in their own dtypes, present norm weights in
-// theirs; the rope tables and absent weights get none. The node returns fresh
+// theirs; the rope tables (k's and q's) and absent weights get none. Phase C
+// rotates q with the q tables when given, else with the k tables. The node returns fresh
 // gradients; the engine sums them into the leaves.
 #include "gdncp/bigdn.h"
 
@@ -40,7 +41,8 @@ const char* precision_name(Precision p) {
 namespace {
 
 // Inputs of the layer, in the order given to autograd::record.
-enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kNumInputs };
+// The q tables are undefined when q is rotated with the k tables.
+enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kRopeCosQ, kRopeSinQ, kNumInputs };
 
 // Forward intermediates that backward needs (besides the inputs).
 struct Intermediates {
@@ -63,7 +65,8 @@ class BigdnNode : public autograd::Node {
     const auto input = [&](int i) -> const Tensor& { return saved(static_cast<size_t>(i)); };
     const auto mid = [&](size_t k) -> const Tensor& { return saved(kNumInputs + k); };
     const Tensor &qkv = input(kQkv), &beta = input(kBeta), &decay = input(kDecay), &qw = input(kQNormW),
-                 &kw = input(kKNormW), &cs = input(kRopeCos), &sn = input(kRopeSin);
+                 &kw = input(kKNormW), &cs = input(kRopeCos), &sn = input(kRopeSin),
+                 &csq = q_table(input(kRopeCosQ), cs), &snq = q_table(input(kRopeSinQ), sn);
     const Tensor &rstd = mid(0), &P = mid(1), &Pz = mid(2), &Mf = mid(3), &Mr = mid(4), &zf = mid(5), &zr = mid(6),
                  &Msum = mid(7), &zsum = mid(8);
     const Dims& d = d_;
@@ -73,7 +76,7 @@ class BigdnNode : public autograd::Node {
 
     Tensor dq_hat = Tensor::empty({B, N, H, D}, grad_hat_dtype(mode_, qkv.dtype()), dev);
     Tensor dMsum = Tensor::empty({BH, F, D, D}, ct, dev), dzsum = Tensor::empty({BH, F, D}, ct, dev);
-    kernels::phase_c_bwd(dq_hat, dMsum, dzsum, grads[0], Tensor(), qkv, rstd, qw, cs, sn, Msum, zsum, d, opt_.eps,
+    kernels::phase_c_bwd(dq_hat, dMsum, dzsum, grads[0], Tensor(), qkv, rstd, qw, csq, snq, Msum, zsum, d, opt_.eps,
                          /*divide=*/true, mode_);
     PrepGrads g = prep_backward_q(dq_hat, qkv, rstd, qw, kw, beta, d, needs_input_grad(kQNormW),
                                   needs_input_grad(kKNormW));
@@ -108,7 +111,8 @@ class BigdnNode : public autograd::Node {
 Tensor bigdn_fused(const std::vector<Tensor>& in, const Dims& d, const BigdnOptions& opt, const Tensor& clip_starts,
                    bool write_out) {
   const Tensor &qkv = in[kQkv], &beta = in[kBeta], &decay = in[kDecay], &qw = in[kQNormW], &kw = in[kKNormW],
-               &cs = in[kRopeCos], &sn = in[kRopeSin];
+               &cs = in[kRopeCos], &sn = in[kRopeSin], &csq = q_table(in[kRopeCosQ], cs),
+               &snq = q_table(in[kRopeSinQ], sn);
   const Device dev = qkv.device();
   const DType ct = compute_dtype(qkv.dtype());
   const MathMode mode = resolve_math_mode(opt.precision, qkv.dtype());
@@ -134,7 +138,7 @@ Tensor bigdn_fused(const std::vector<Tensor>& in, const Dims& d, const BigdnOpti
       write_out ? Tensor::empty({B, N, H, D}, qkv.dtype(), dev) : detail::shape_only({B, N, H, D}, qkv.dtype(), dev);
   if (write_out) {
     Tensor den = Tensor::empty({B, H, N}, ct, dev);
-    kernels::phase_c_fwd(out, den, qkv, m.rstd, qw, cs, sn, m.Msum, m.zsum, d, opt.eps, /*divide=*/true, mode);
+    kernels::phase_c_fwd(out, den, qkv, m.rstd, qw, csq, snq, m.Msum, m.zsum, d, opt.eps, /*divide=*/true, mode);
   }
 
   if (autograd::should_record(in)) {
@@ -149,7 +153,10 @@ Tensor unfused_forward(const std::vector<Tensor>& in, int64_t F, int64_t S, cons
                        const Tensor& clip_starts) {
   const Tensor qkv_hat = ops::rms_norm(in[kQkv], in[kQNormW], in[kKNormW], opt.norm_eps);
   const std::vector<Tensor> prep = ops::relu_rope(qkv_hat, in[kRopeCos], in[kRopeSin], opt.k_scale);
-  const Tensor &qp = prep[0], &kp = prep[1], &qr = prep[2], &kr = prep[3];
+  // With q tables of its own, q's half of a second relu_rope over them (its k half is unused).
+  const std::vector<Tensor> prep_q =
+      in[kRopeCosQ].defined() ? ops::relu_rope(qkv_hat, in[kRopeCosQ], in[kRopeSinQ], opt.k_scale) : prep;
+  const Tensor &qp = prep_q[0], &kp = prep[1], &qr = prep_q[2], &kr = prep[3];
   const std::vector<Tensor> a = ops::phase_a(kr, kp, qkv_hat, in[kBeta], F, S);
   const std::vector<Tensor> scan = ops::bidi_scan(a[0], a[1], a[2], a[3], in[kDecay], clip_starts);
   const std::vector<Tensor> c = ops::phase_c(qr, qp, scan[0], scan[1], F, S);
@@ -160,12 +167,13 @@ Tensor unfused_forward(const std::vector<Tensor>& in, int64_t F, int64_t S, cons
 
 Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w, const Tensor& k_norm_w,
              const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options,
-             const Tensor& clip_starts) {
+             const Tensor& clip_starts, const Tensor& rope_cos_q, const Tensor& rope_sin_q) {
   const Dims d =
       validate_bigdn_inputs("bigdn", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
+  validate_rope_q("bigdn", rope_cos_q, rope_sin_q, d, rope_cos, qkv.device());
   validate_clip_starts("bigdn", clip_starts, d.B, F, qkv.device());
   // Per stream, as docs/design.md §1 says ("absent ⇒ no RMSNorm"): the Python reference normalises both when either weight is given.
-  const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
+  const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q};
   const autograd::RecomputeFunction fn = [d, options, clip_starts](const std::vector<Tensor>& x, bool recompute) {
     return std::vector<Tensor>{bigdn_fused(x, d, options, clip_starts, /*write_out=*/!recompute)};
   };
@@ -174,12 +182,14 @@ Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const T
 
 Tensor bigdn_unfused(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                      const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
-                     const BigdnOptions& options, const Tensor& clip_starts) {
+                     const BigdnOptions& options, const Tensor& clip_starts, const Tensor& rope_cos_q,
+                     const Tensor& rope_sin_q) {
   const Dims d =
       validate_bigdn_inputs("bigdn_unfused", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
+  validate_rope_q("bigdn_unfused", rope_cos_q, rope_sin_q, d, rope_cos, qkv.device());
   validate_clip_starts("bigdn_unfused", clip_starts, d.B, F, qkv.device());
   GDNCP_CHECK(!qkv.is_cuda(), "bigdn_unfused: qkv: the unfused ops run on the CPU only (use bigdn on CUDA)");
-  const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin};
+  const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q};
   const autograd::Function fn = [F, S, options, clip_starts](const std::vector<Tensor>& x) {
     return std::vector<Tensor>{unfused_forward(x, F, S, options, clip_starts)};
   };

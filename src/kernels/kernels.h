@@ -88,7 +88,8 @@ inline DType grad_hat_dtype(MathMode mode, DType qkv_dtype) {
                      const Tensor& Mr, const Tensor& zf, const Tensor& zr, const Tensor& clip_starts,                \
                      const Dims& d);                                                                                \
                                                                                                                     \
-  /* Phase C with the q prep fused into the load (q̂ = q·r·w, q⁺ = relu(q̂), qʳ = rope(q⁺)).                         \
+  /* Phase C with the q prep fused into the load (q̂ = q·r·w, q⁺ = relu(q̂), qʳ = rope(q⁺)); rope_cos/rope_sin are  \
+     the tables q is rotated with (the layer's q tables when given, else its k tables).                            \
      num_s = qʳ_s M_f, den_s = q⁺_s·z_f. M (BH, F, D, D), z (BH, F, D) compute dtype.                              \
      divide: out (B, N, H, D) = num/(den+eps) in out's dtype (qkv dtype or compute dtype);                         \
      raw:    out = num (B, N, H, D) compute dtype.  den (B, H, N) compute dtype is written in both modes. */          \

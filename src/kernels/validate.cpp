@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "gdncp/error.h"
 #include "kernels/head_dims.h"
@@ -122,6 +123,23 @@ Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& b
   const int c = static_cast<int>(options.checkpoint);
   GDNCP_CHECK(c >= 0 && c <= static_cast<int>(Checkpoint::automatic), entry, ": checkpoint: unknown value ", c);
   return d;
+}
+
+void validate_rope_q(const char* entry, const Tensor& rope_cos_q, const Tensor& rope_sin_q, const Dims& d,
+                     const Tensor& rope_cos, Device device) {
+  GDNCP_CHECK(rope_cos_q.defined() == rope_sin_q.defined(), entry, ": ",
+              rope_cos_q.defined() ? "rope_sin_q" : "rope_cos_q",
+              ": is undefined but ", rope_cos_q.defined() ? "rope_cos_q" : "rope_sin_q",
+              " is given (give both q tables, or neither to rotate q with rope_cos/rope_sin)");
+  if (!rope_cos_q.defined()) return;
+  const bool f64 = rope_cos.dtype() == DType::f64;
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{rope_cos_q, "rope_cos_q"},
+                                std::pair<const Tensor&, const char*>{rope_sin_q, "rope_sin_q"}}) {
+    const Arg a{entry, name};
+    require_shape(a, t, {d.N(), d.D}, "(N, D)");
+    require_device(a, t, device);
+    require_table_dtype(a, t, f64);
+  }
 }
 
 void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, int64_t F, Device device) {

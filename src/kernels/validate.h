@@ -25,6 +25,17 @@ void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t 
 //    are f32 (f64 with f64 inputs); qkv, beta, decay any of f32/bf16 (f64 with f64);
 //  - every tensor on qkv's device, f64 only on the CPU;
 //  - k_scale finite, norm_eps and eps finite and >= 0.
+// Checks the optional tables of q's RoPE (docs/design.md §5): both undefined (q is
+// rotated with rope_cos/rope_sin) or both (N, D) with the k tables' dtype, on
+// `device`; names them "rope_cos_q", "rope_sin_q".
+void validate_rope_q(const char* entry, const Tensor& rope_cos_q, const Tensor& rope_sin_q, const Dims& d,
+                     const Tensor& rope_cos, Device device);
+
+// The tables q is rotated with: the q tables when given, else the k tables.
+inline const Tensor& q_table(const Tensor& q_table, const Tensor& k_table) {
+  return q_table.defined() ? q_table : k_table;
+}
+
 Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
                            const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos,
                            const Tensor& rope_sin, int64_t F, int64_t S, const BigdnOptions& options,
