@@ -400,7 +400,6 @@ static void case_dlpack_in_place(void) {
   EXPECT(gdncp_mpi_finalize() == GDNCP_OK, "finalize: '%s'", gdncp_last_error());
 }
 
-
 /* --- hardening: handles, ownership, DLPack, backward retries ----------------------------- */
 
 /* Destroyed and foreign handles are argument errors naming them, never a use
@@ -461,7 +460,7 @@ static void case_HardenHandles(void) {
 static void case_HardenSameTensorTwice(void) {
   Layer* L = (Layer*)calloc(1, sizeof(Layer));
   layer_init(L);
-  memcpy(L->kw, L->qw, sizeof L->qw);  /* the two-tensor call of the same values */
+  memcpy(L->kw, L->qw, sizeof L->qw); /* the two-tensor call of the same values */
   DLManagedTensor* in[7];
   DLManagedTensor* ref = NULL;
   gdncp_status st = layer_call(L, NULL, 0, &ref, NULL);

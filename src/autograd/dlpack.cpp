@@ -78,7 +78,8 @@ Tensor from_dlpack(DLManagedTensor* m, const char* what) {
   int64_t numel = 1;
   for (int i = 0; i < t.ndim; ++i) {
     GDNCP_CHECK(shape[static_cast<size_t>(i)] >= 0, what, ": DLPack shape ", shape_str(shape), " has a negative size");
-    numel = checked_mul(numel, shape[static_cast<size_t>(i)], (std::string(what) + ": DLPack shape (elements)").c_str());
+    numel =
+        checked_mul(numel, shape[static_cast<size_t>(i)], (std::string(what) + ": DLPack shape (elements)").c_str());
   }
   const int64_t esize = static_cast<int64_t>(dtype_size(dtype));
   checked_mul(numel, esize, (std::string(what) + ": DLPack shape (bytes)").c_str());
@@ -96,8 +97,9 @@ Tensor from_dlpack(DLManagedTensor* m, const char* what) {
   }
   GDNCP_CHECK(numel == 0 || t.data != nullptr, what, ": DLPack data is null for a tensor of ", numel, " elements");
   void* data = numel ? static_cast<char*>(t.data) + t.byte_offset : nullptr;
-  GDNCP_CHECK(reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(esize) == 0, what, ": DLPack data + byte_offset (",
-              t.byte_offset, ") is not aligned to the ", esize, "-byte elements of ", dtype_name(dtype));
+  GDNCP_CHECK(reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(esize) == 0, what,
+              ": DLPack data + byte_offset (", t.byte_offset, ") is not aligned to the ", esize, "-byte elements of ",
+              dtype_name(dtype));
   Tensor out = Tensor::from_blob(data, std::move(shape), dtype, device, [m] {
     if (m->deleter) m->deleter(m);
   });
