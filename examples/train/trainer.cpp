@@ -305,8 +305,8 @@ void log_write(std::ofstream& log, const std::string& path, const std::string& t
   log << text;
   log.flush();
   if (!log)
-    throw std::runtime_error("--log " + path + ": cannot write the log: " +
-                             (errno ? std::strerror(errno) : "the stream failed"));
+    throw std::runtime_error("--log " + path +
+                             ": cannot write the log: " + (errno ? std::strerror(errno) : "the stream failed"));
 }
 
 // The clips of the run as a JSON array ([] = one clip per video).
@@ -560,9 +560,8 @@ Result train(const Config& cfg, MPI_Comm world) {
     log.open(cfg.log_path, start > 0 ? std::ios::app : std::ios::trunc);
     if (!log) throw std::runtime_error("--log " + cfg.log_path + ": cannot open the log: " + std::strerror(errno));
     std::ostringstream e;
-    e << "{\"event\":\"" << (start > 0 ? "resume" : "start") << "\",\"step\":" << start
-      << ",\"ranks\":" << dist.size() << ",\"dp\":" << dist.dp_size() << ",\"cp\":" << dist.cp_size()
-      << ",\"frames_per_cp_rank\":[";
+    e << "{\"event\":\"" << (start > 0 ? "resume" : "start") << "\",\"step\":" << start << ",\"ranks\":" << dist.size()
+      << ",\"dp\":" << dist.dp_size() << ",\"cp\":" << dist.cp_size() << ",\"frames_per_cp_rank\":[";
     for (int r = 0; r < dist.cp_size(); ++r)
       e << (r ? "," : "") << gdncp::cp::balanced_split(cfg.frames, dist.cp_size(), r).frames;
     e << "],\"device\":\"" << cfg.device << "\",\"dtype\":\"" << cfg.dtype << "\",\"layers\":" << cfg.layers
