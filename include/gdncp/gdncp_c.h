@@ -152,7 +152,9 @@ gdncp_status gdncp_graph_num_inputs(const gdncp_graph* graph, int* n);
  * num_inputs entries into grad_inputs: the gradient of each input flagged at
  * the call, NULL for the others. Once per graph; collective for a CP layer.
  * A call refused for a gradient of the wrong shape, dtype or device leaves
- * the graph for a retry; the counts above stay after the backward. */
+ * the graph for a retry; the counts above stay after the backward. Given a
+ * graph that is not live (destroyed, foreign), nothing is consumed: the
+ * number of grad_outputs is unknown. */
 gdncp_status gdncp_graph_backward(gdncp_graph* graph, DLManagedTensor* const* grad_outputs, void* stream,
                                   DLManagedTensor** grad_inputs);
 /* Frees the graph (NULL is a no-op). */
