@@ -100,11 +100,12 @@ const char* validation_name(Validation v);
 //   aborted and throws (MPI cannot abort one communicator: the request is
 //   abandoned with its buffers kept alive, every later call throws at once).
 //   MPI errors come back as gdncp::Error, never through MPI's fatal handler.
-//   Each collective first exchanges a fixed-size header (kind, size, sequence
-//   number, the rank's argument error if any) and moves its payload only when
-//   every rank's agrees, so the counts of every MPI call match by
-//   construction; ranks in different collectives, with different sizes or
-//   with a bad argument on one of them raise at once on every rank, and the
+//   Each rank sends every peer of a collective one message: a fixed-size
+//   header (kind, size, sequence number, the rank's argument error if any)
+//   and its payload, received at the size that arrives (probed first), so no
+//   count of an MPI call can disagree; every rank checks every header alike,
+//   so ranks in different collectives, with different sizes or with a bad
+//   argument on one of them raise at once on every rank, and the
 //   communicator stays usable. Exit after an abort: finalize_mpi() below
 //   returns without MPI_Finalize (which would wait for a lost rank).
 // - A destructor of an aborted communicator never waits.
