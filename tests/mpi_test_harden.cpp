@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "autograd/dlpack.h"
+#include "gdncp/gdncp_c.h"
 #include "mpi_cp_fixtures.h"
 #include "util/tolerance.h"
 
@@ -449,6 +451,61 @@ TEST(HardenClip, MaskValuesOtherThanZeroOrOneAreAnError) {
     }
   }
   autograd::clear_tape();
+}
+
+// --- the C ABI: a call refused on one rank before its entry runs --------------------------------
+
+// This rank's layer call through the door; the last rank's qkv misaligned when `bad`.
+gdncp_status door_layer_call(gdncp_comm* comm, bool bad, DLManagedTensor** out) {
+  const LayerInputs l = local_block(make_layer_inputs(dims(1, 2, 4, 2 * nranks(), 2), DType::f64, 1500), 2, rank());
+  DLManagedTensor* in[7];
+  const std::vector<Tensor> x = l.list();
+  for (size_t i = 0; i < 7; ++i) in[i] = gdncp::detail::to_dlpack(x[i]);
+  if (bad) in[0]->dl_tensor.byte_offset = 4;
+  return gdncp_bigdn_cp(comm, in[0], in[1], in[2], in[3], in[4], in[5], in[6], nullptr, 2, 2, nullptr, nullptr, 0, out,
+                        nullptr);
+}
+
+TEST(HardenCApi, RefusedOnOneRankReachesEveryRankAtOnce) {
+  if (nranks() == 1) GTEST_SKIP() << "needs two ranks";
+  gdncp_comm* comm = nullptr;
+  ASSERT_EQ(gdncp_comm_create_mpi_world(&comm), GDNCP_OK) << gdncp_last_error();
+  ASSERT_EQ(gdncp_comm_set_timeout(comm, 30), GDNCP_OK);
+  const bool bad = rank() == nranks() - 1;
+  for (int round = 0; round < 2; ++round) {  // the second in a steady state (on_change skips the exchange)
+    DLManagedTensor* out = nullptr;
+    ASSERT_EQ(door_layer_call(comm, false, &out), GDNCP_OK) << gdncp_last_error();
+    out->deleter(out);
+    const auto t0 = Clock::now();
+    const gdncp_status st = door_layer_call(comm, bad, &out);
+    const std::string msg = gdncp_last_error();
+    EXPECT_LT(since(t0), 1.0) << "rank " << rank() << " raised too late";
+    if (bad) {
+      EXPECT_EQ(st, GDNCP_ERROR_ARGUMENT) << msg;
+      EXPECT_NE(msg.find("qkv"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("aligned"), std::string::npos) << msg;
+    } else {
+      EXPECT_EQ(st, GDNCP_ERROR) << msg;
+      EXPECT_TRUE(msg.find("bad argument on rank " + std::to_string(nranks() - 1)) != std::string::npos ||
+                  msg.find("out of step") != std::string::npos)
+          << "rank " << rank() << ": " << msg;
+    }
+  }
+  // The collective of the door: a tensor it refuses on one rank.
+  Tensor t = Tensor::full({3}, 1.0, DType::f32);
+  DLManagedTensor* m = gdncp::detail::to_dlpack(t);
+  if (bad) m->dl_tensor.dtype.code = kDLInt;
+  const auto t0 = Clock::now();
+  const gdncp_status st = gdncp_comm_all_reduce_sum(comm, m, nullptr);
+  EXPECT_LT(since(t0), 1.0) << "rank " << rank() << " raised too late";
+  EXPECT_EQ(st, bad ? GDNCP_ERROR_ARGUMENT : GDNCP_ERROR) << gdncp_last_error();
+  int aborted = 1;
+  ASSERT_EQ(gdncp_comm_aborted(comm, &aborted), GDNCP_OK);
+  EXPECT_EQ(aborted, 0) << "an argument error must leave the communicator usable";
+  DLManagedTensor* out = nullptr;
+  EXPECT_EQ(door_layer_call(comm, false, &out), GDNCP_OK) << gdncp_last_error();
+  if (out) out->deleter(out);
+  EXPECT_EQ(gdncp_comm_destroy(comm), GDNCP_OK);
 }
 
 }  // namespace

@@ -28,6 +28,7 @@
 
 #include "autograd/dlpack.h"
 #include "autograd/tape.h"
+#include "cp/validate_cp.h"
 #include "gdncp/bigdn.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
@@ -341,6 +342,32 @@ void run_layer(const char* fn, Inputs& in, size_t n_diff, size_t n_in, uint32_t 
   }
 }
 
+// Note [refused before the entry]: a CP call the door refuses on this rank
+// before the C++ entry runs (a bad DLPack tensor, a NULL argument, bad
+// options) leaves the other ranks in the entry's collectives. The rank joins
+// them with its error — the entry's validation exchange, which a rank with a
+// bad argument always makes (Note [validation policy]) — so that they raise
+// at once, not at their deadline; then it reports its own error. Errors from
+// inside the entry reach every rank by the entry's own exchange.
+template <typename Body>
+void collective_call(gdncp::cp::Communicator& comm, const char* entry, bool& entered, Body body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    if (!entered && !comm.aborted()) {
+      try {
+        gdncp::cp::detail::CallRecord rec;
+        const std::string why = e.what();
+        gdncp::cp::detail::validate_collective(comm, entry, rec,
+                                               [&](gdncp::cp::detail::CallRecord&) { throw Error(why); });
+      } catch (const std::exception&) {
+        // this rank's own error (or the group's verdict on it) is the one reported
+      }
+    }
+    throw;
+  }
+}
+
 std::mutex g_mpi_mutex;
 bool g_mpi_initialised_here = false;
 
@@ -517,10 +544,26 @@ gdncp_status gdncp_comm_all_reduce_sum(gdncp_comm* comm, DLManagedTensor* t, voi
   return guarded([&] {
     Inputs in(fn, {t}, {"t"});
     auto& c = comm_of(comm, fn);
-    in.require(0);
-    DeviceScope dev(in.device());
+    Tensor x;
+    int device = -1;
+    try {
+      in.require(0);
+      device = in.device();
+      DeviceScope dev(device);
+      x = in.take(0);
+    } catch (const std::exception&) {
+      // Refused here: the collective still runs with this rank's argument
+      // missing, so that the other ranks raise at once (MPI) instead of
+      // waiting for it; then this rank reports its own error.
+      Tensor none;
+      try {
+        c.all_reduce_sum(none);
+      } catch (const std::exception&) {
+      }
+      throw;
+    }
+    DeviceScope dev(device);
     gdncp::StreamGuard stream_scope(stream);
-    Tensor x = in.take(0);
     c.all_reduce_sum(x);
   });
 }
@@ -644,15 +687,20 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
   return guarded([&] {
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
     auto& c = comm_of(comm, fn);
-    for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
-    not_null(out, fn, "out");
-    const gdncp::BigdnOptions opt = layer_options(options, fn);
-    run_layer(
-        fn, in, 5, 8, requires_grad, stream, comm->c,
-        [&](std::vector<Tensor>& x) {
-          return std::vector<Tensor>{gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[7])};
-        },
-        out, 1, graph);
+    bool entered = false;
+    collective_call(c, "bigdn_cp", entered, [&] {
+      for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
+      not_null(out, fn, "out");
+      const gdncp::BigdnOptions opt = layer_options(options, fn);
+      run_layer(
+          fn, in, 5, 8, requires_grad, stream, comm->c,
+          [&](std::vector<Tensor>& x) {
+            entered = true;
+            return std::vector<Tensor>{
+                gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[7])};
+          },
+          out, 1, graph);
+    });
   });
 }
 
@@ -665,18 +713,22 @@ gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedT
   return guarded([&] {
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
     auto& c = comm_of(comm, fn);
-    for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
-    not_null(outputs, fn, "outputs");
-    const gdncp::BigdnOptions opt = layer_options(options, fn);
-    const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
-    run_layer(
-        fn, in, 5, 8, requires_grad, stream, comm->c,
-        [&](std::vector<Tensor>& x) {
-          gdncp::cp::RawResult r =
-              gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt, x[7]);
-          return std::vector<Tensor>{r.num, r.den, r.terminal_M, r.terminal_z};
-        },
-        outputs, 4, graph);
+    bool entered = false;
+    collective_call(c, "cp_gdn_raw", entered, [&] {
+      for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
+      not_null(outputs, fn, "outputs");
+      const gdncp::BigdnOptions opt = layer_options(options, fn);
+      const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
+      run_layer(
+          fn, in, 5, 8, requires_grad, stream, comm->c,
+          [&](std::vector<Tensor>& x) {
+            entered = true;
+            gdncp::cp::RawResult r =
+                gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt, x[7]);
+            return std::vector<Tensor>{r.num, r.den, r.terminal_M, r.terminal_z};
+          },
+          outputs, 4, graph);
+    });
   });
 }
 
@@ -688,16 +740,20 @@ gdncp_status gdncp_cp_scan(gdncp_comm* comm, DLManagedTensor* P, DLManagedTensor
   return guarded([&] {
     Inputs in(fn, {P, A, Pz, bz, decay, clip_starts}, {"P", "A", "Pz", "bz", "decay", "clip_starts"});
     auto& c = comm_of(comm, fn);
-    for (size_t i = 0; i < 5; ++i) in.require(i);
-    not_null(outputs, fn, "outputs");
-    const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
-    run_layer(
-        fn, in, 5, 6, requires_grad, stream, comm->c,
-        [&](std::vector<Tensor>& x) {
-          gdncp::cp::ScanResult r = gdncp::cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], cp_opt, x[5]);
-          return std::vector<Tensor>{r.M, r.z, r.terminal_M, r.terminal_z};
-        },
-        outputs, 4, graph);
+    bool entered = false;
+    collective_call(c, "cp_scan", entered, [&] {
+      for (size_t i = 0; i < 5; ++i) in.require(i);
+      not_null(outputs, fn, "outputs");
+      const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
+      run_layer(
+          fn, in, 5, 6, requires_grad, stream, comm->c,
+          [&](std::vector<Tensor>& x) {
+            entered = true;
+            gdncp::cp::ScanResult r = gdncp::cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], cp_opt, x[5]);
+            return std::vector<Tensor>{r.M, r.z, r.terminal_M, r.terminal_z};
+          },
+          outputs, 4, graph);
+    });
   });
 }
 
