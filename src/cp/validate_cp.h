@@ -54,7 +54,8 @@ FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecor
 
 // The validation policy around an entry's own record exchange (Note
 // [validation policy] in validate_cp.cpp), for entries with a record of their
-// own (all_reduce_grads): whether this rank exchanges `rec` now; after the
+// own (all_reduce_grads): whether this rank exchanges `rec` now (always when
+// its local check failed, ok false, under every policy); after the
 // exchange, forget before checking and remember once every rank agreed.
 // exchange_or_explain runs the exchange; when this rank's own local check
 // failed (ok false) and the exchange fails, it reports local_error first.
