@@ -680,12 +680,203 @@ static void case_comm_callbacks(void) {
   free(L);
 }
 
+/* --- hardening: handles, ownership, DLPack, backward retries ----------------------------- */
+
+/* Destroyed and foreign handles are argument errors naming them, never a use
+ * after free; a tensor given to a call on a dead communicator is consumed. */
+static void case_HardenHandles(void) {
+  gdncp_comm* comm = NULL;
+  gdncp_status st = gdncp_comm_create_mpi_world(&comm);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  if (st != GDNCP_OK) return;
+  EXPECT(gdncp_comm_destroy(comm) == GDNCP_OK, "destroy: '%s'", gdncp_last_error());
+  st = gdncp_comm_destroy(comm);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "comm") != NULL, "second destroy: %d '%s'", st,
+         gdncp_last_error());
+  int rank = -1;
+  st = gdncp_comm_rank(comm, &rank);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "comm") != NULL, "rank of a destroyed comm: %d '%s'",
+         st, gdncp_last_error());
+  float v[3] = {1, 2, 3};
+  Blob b;
+  const int64_t shape[] = {3};
+  st = gdncp_comm_all_reduce_sum(comm, wrap(&b, v, kDLFloat, 32, 1, shape), NULL);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "comm") != NULL && b.deleted == 1,
+         "all_reduce_sum on a destroyed comm: %d '%s', deleted %d", st, gdncp_last_error(), b.deleted);
+  double foreign[16] = {0};
+  st = gdncp_comm_set_timeout((gdncp_comm*)foreign, 1.0);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "comm") != NULL, "foreign comm: %d '%s'", st,
+         gdncp_last_error());
+
+  Layer* L = (Layer*)calloc(1, sizeof(Layer));
+  layer_init(L);
+  DLManagedTensor* out = NULL;
+  gdncp_graph* g = NULL;
+  st = layer_call(L, NULL, 0x1f, &out, &g);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  release(out);
+  EXPECT(gdncp_graph_destroy(g) == GDNCP_OK, "destroy: '%s'", gdncp_last_error());
+  EXPECT(all_deleted_once(L), "inputs released once with the graph");
+  st = gdncp_graph_destroy(g);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "graph") != NULL, "second destroy: %d '%s'", st,
+         gdncp_last_error());
+  int n = -1;
+  st = gdncp_graph_num_outputs(g, &n);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "graph") != NULL, "num_outputs: %d '%s'", st,
+         gdncp_last_error());
+  DLManagedTensor* grads[5] = {0};
+  st = gdncp_graph_backward(g, NULL, NULL, grads);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "graph") != NULL, "backward: %d '%s'", st,
+         gdncp_last_error());
+  st = gdncp_graph_backward((gdncp_graph*)foreign, NULL, NULL, grads);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "graph") != NULL, "foreign graph: %d '%s'", st,
+         gdncp_last_error());
+  free(L);
+  EXPECT(gdncp_mpi_finalize() == GDNCP_OK, "finalize: '%s'", gdncp_last_error());
+}
+
+/* One managed tensor given for two arguments: shared, deleted once (with and
+ * without a graph), and the result equals the call with two tensors. */
+static void case_HardenSameTensorTwice(void) {
+  Layer* L = (Layer*)calloc(1, sizeof(Layer));
+  layer_init(L);
+  memcpy(L->kw, L->qw, sizeof L->qw); /* the two-tensor call of the same values */
+  DLManagedTensor* in[7];
+  DLManagedTensor* ref = NULL;
+  gdncp_status st = layer_call(L, NULL, 0, &ref, NULL);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  for (int with_graph = 0; with_graph < 2 && st == GDNCP_OK; ++with_graph) {
+    layer_wrap(L, in);
+    DLManagedTensor* out = NULL;
+    gdncp_graph* g = NULL;
+    /* q_norm_w for both norm weights, rope_cos for both tables' slots is not the same math: only the weights. */
+    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[3], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL, with_graph ? 0x1f : 0,
+                     &out, with_graph ? &g : NULL);
+    release(in[4]); /* not given to the call */
+    EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+    if (st != GDNCP_OK) break;
+    const double* a = (const double*)out->dl_tensor.data;
+    const double* r = (const double*)ref->dl_tensor.data;
+    int same = 1;
+    for (int64_t i = 0; i < numel(&out->dl_tensor); ++i) same &= a[i] == r[i];
+    EXPECT(same, "one tensor for q_norm_w and k_norm_w gives the two-tensor result");
+    if (with_graph) {
+      EXPECT(L->b[3].deleted == 0, "the graph holds the shared tensor");
+      DLManagedTensor* grads[5] = {0};
+      st = gdncp_graph_backward(g, NULL, NULL, grads);
+      EXPECT(st == GDNCP_OK, "backward: %d '%s'", st, gdncp_last_error());
+      for (int k = 0; k < 5; ++k) release(grads[k]);
+      gdncp_graph_destroy(g);
+    }
+    EXPECT(all_deleted_once(L), "every tensor deleted once (q_norm_w %d)", L->b[3].deleted);
+    release(out);
+  }
+  release(ref);
+  free(L);
+}
+
+/* DLPack refusals name the argument and consume every input once; an empty
+ * tensor is accepted whatever its strides. */
+static void case_HardenDlpack(void) {
+  Layer* L = (Layer*)calloc(1, sizeof(Layer));
+  layer_init(L);
+  DLManagedTensor* in[7];
+  DLManagedTensor* out = NULL;
+  gdncp_status st;
+  /* 0: misaligned byte_offset (qkv), 1: a negative size (beta), 2: sizes whose product overflows (decay),
+   * 3: null data (rope_cos). */
+  const char* names[4] = {"qkv", "beta", "decay", "rope_cos"};
+  const char* why[4] = {"aligned", "negative", "overflow", "null"};
+  for (int k = 0; k < 4; ++k) {
+    layer_wrap(L, in);
+    int64_t huge[3] = {INT64_C(1) << 40, INT64_C(1) << 40, 4};
+    if (k == 0) in[0]->dl_tensor.byte_offset = 4;
+    if (k == 1) L->b[1].shape[2] = -3;
+    if (k == 2) in[2]->dl_tensor.shape = huge;
+    if (k == 3) in[5]->dl_tensor.data = NULL;
+    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL, 0, &out, NULL);
+    EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), names[k]) != NULL &&
+               strstr(gdncp_last_error(), why[k]) != NULL,
+           "%s: %d '%s'", names[k], st, gdncp_last_error());
+    EXPECT(all_deleted_once(L) && out == NULL, "%s: inputs consumed once, no output", names[k]);
+  }
+  free(L);
+
+  gdncp_comm* comm = NULL;
+  st = gdncp_comm_create_mpi_world(&comm);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  if (st != GDNCP_OK) return;
+  /* An empty tensor with torch's strides (sizes taken as at least 1): (2, 0, 3) with strides (3, 3, 1). */
+  Blob b;
+  const int64_t shape[] = {2, 0, 3};
+  DLManagedTensor* m = wrap(&b, NULL, kDLFloat, 32, 3, shape);
+  b.strides[0] = 3, b.strides[1] = 3, b.strides[2] = 1;
+  m->dl_tensor.strides = b.strides;
+  st = gdncp_comm_all_reduce_sum(comm, m, NULL);
+  EXPECT(st == GDNCP_OK && b.deleted == 1, "empty tensor: %d '%s'", st, gdncp_last_error());
+  EXPECT(gdncp_comm_destroy(comm) == GDNCP_OK, "destroy");
+  EXPECT(gdncp_mpi_finalize() == GDNCP_OK, "finalize: '%s'", gdncp_last_error());
+}
+
+/* A backward refused for a bad gradient can be retried with a good one; a
+ * second backward consumes its gradients; the counts stay after the backward;
+ * a clip mask value other than 0 or 1 is refused by name. */
+static void case_HardenBackward(void) {
+  Layer* L = (Layer*)calloc(1, sizeof(Layer));
+  layer_init(L);
+  DLManagedTensor* out = NULL;
+  gdncp_graph* g = NULL;
+  gdncp_status st = layer_call(L, NULL, 0x1f, &out, &g);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  if (st != GDNCP_OK) return;
+  const int64_t n_y = numel(&out->dl_tensor);
+  double* w = (double*)calloc((size_t)n_y + 1, sizeof(double));
+  for (int64_t i = 0; i < n_y; ++i) w[i] = 1.0;
+  Blob bad, good, late;
+  const int64_t wrong[] = {B, N, H, D + 1}, right[] = {B, N, H, D};
+  DLManagedTensor* go[1] = {wrap_f64(&bad, w, 4, wrong)};
+  DLManagedTensor* grads[5] = {0};
+  st = gdncp_graph_backward(g, go, NULL, grads);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "grad_outputs[0]") != NULL && bad.deleted == 1,
+         "bad gradient: %d '%s', deleted %d", st, gdncp_last_error(), bad.deleted);
+  go[0] = wrap_f64(&good, w, 4, right);
+  st = gdncp_graph_backward(g, go, NULL, grads);
+  EXPECT(st == GDNCP_OK && good.deleted == 1, "retry: %d '%s'", st, gdncp_last_error());
+  int got = 0;
+  for (int k = 0; k < 5; ++k) got += grads[k] != NULL, release(grads[k]);
+  EXPECT(got == 5, "%d gradients of 5", got);
+  int n_out = -1, n_in = -1;
+  gdncp_graph_num_outputs(g, &n_out);
+  gdncp_graph_num_inputs(g, &n_in);
+  EXPECT(n_out == 1 && n_in == 5, "after backward: %d outputs, %d inputs", n_out, n_in);
+  go[0] = wrap_f64(&late, w, 4, right);
+  st = gdncp_graph_backward(g, go, NULL, grads);
+  EXPECT(st == GDNCP_ERROR_ARGUMENT && late.deleted == 1, "second backward: %d '%s', deleted %d", st,
+         gdncp_last_error(), late.deleted);
+  gdncp_graph_destroy(g);
+  release(out);
+
+  /* Clip mask values: 0.5, 2, -1, NaN. */
+  const float bad_values[4] = {0.5f, 2.0f, -1.0f, NAN};
+  for (int k = 0; k < 4; ++k) {
+    float clip[B * F] = {1, 0, 0};
+    clip[1] = bad_values[k];
+    Blob cb;
+    const int64_t cs[] = {B, F};
+    DLManagedTensor* in[7];
+    layer_wrap(L, in);
+    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, wrap(&cb, clip, kDLFloat, 32, 2, cs),
+                     F, S, NULL, NULL, 0, &out, NULL);
+    EXPECT(st == GDNCP_ERROR && strstr(gdncp_last_error(), "clip_starts") != NULL && cb.deleted == 1, "%g: %d '%s'",
+           (double)bad_values[k], st, gdncp_last_error());
+  }
+  free(w);
+  free(L);
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
-    fprintf(stderr,
-            "usage: %s status|thread_messages|bad_argument|bigdn_backward|dlpack_in_place|cam_gdn_num|rope_q|"
-            "comm_callbacks\n",
-            argv[0]);
+    fprintf(stderr, "usage: %s <case> (see tests/CMakeLists.txt)\n", argv[0]);
     return 2;
   }
   const char* c = argv[1];
@@ -705,6 +896,14 @@ int main(int argc, char** argv) {
     case_rope_q();
   else if (strcmp(c, "comm_callbacks") == 0)
     case_comm_callbacks();
+  else if (strcmp(c, "HardenHandles") == 0)
+    case_HardenHandles();
+  else if (strcmp(c, "HardenSameTensorTwice") == 0)
+    case_HardenSameTensorTwice();
+  else if (strcmp(c, "HardenDlpack") == 0)
+    case_HardenDlpack();
+  else if (strcmp(c, "HardenBackward") == 0)
+    case_HardenBackward();
   else {
     fprintf(stderr, "unknown case %s\n", c);
     return 2;

@@ -39,9 +39,7 @@ int main(int argc, char** argv) {
       std::printf("done: %zu steps in %.1f s, loss %.6f -> %.6f\n", r.losses.size(), r.seconds, r.losses.front(),
                   r.losses.back());
       if (!cfg.log_path.empty()) std::printf("log:  %s\n", cfg.log_path.c_str());
-      const std::string plot = !cfg.plot_path.empty() || cfg.log_path.empty()
-                                   ? cfg.plot_path
-                                   : (cfg.log_path.substr(0, cfg.log_path.find_last_of('/') + 1) + "loss.svg");
+      const std::string plot = train::default_plot_path(cfg);
       if (!plot.empty()) std::printf("plot: %s\n", plot.c_str());
     }
   } catch (const train::UsageError& e) {

@@ -23,6 +23,7 @@
 #include <gdncp/optim.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -31,6 +32,7 @@
 #include <fstream>
 #include <functional>
 #include <sstream>
+#include <stdexcept>
 
 #include <unistd.h>
 
@@ -241,6 +243,9 @@ void validate(const Config& c, int world_size) {
       throw UsageError("--clips " + join(c.clips) + ": the lengths sum to " + std::to_string(total) +
                        ", but --frames is " + std::to_string(c.frames));
   }
+  if (c.save_every > 0 && c.save_dir.empty())
+    throw UsageError("--save-every " + std::to_string(c.save_every) +
+                     ": needs --save-dir (the directory the checkpoints go to)");
   if (c.device == "cuda" && !gdncp::cuda_available())
     throw UsageError("--device cuda: no CUDA device is visible (or gdncp was built without CUDA)");
   check_sizes(c);
@@ -279,9 +284,36 @@ std::string si(double v) {
   return b;
 }
 
+}  // namespace
+
 std::string default_plot_path(const Config& c) {
   if (!c.plot_path.empty() || c.log_path.empty()) return c.plot_path;
+  // Beside the log only when the log is (or will be) a regular file: not
+  // beside /dev/stdout, /dev/full or a pipe.
+  std::error_code ec;
+  const std::filesystem::file_status s = std::filesystem::status(c.log_path, ec);
+  if (std::filesystem::exists(s) && !std::filesystem::is_regular_file(s)) return "";
   return (std::filesystem::path(c.log_path).parent_path() / "loss.svg").string();
+}
+
+namespace {
+
+// Writes text to the log and flushes it: a failed write (a full disk) is an
+// error naming the file, not a log silently cut short.
+void log_write(std::ofstream& log, const std::string& path, const std::string& text) {
+  errno = 0;
+  log << text;
+  log.flush();
+  if (!log)
+    throw std::runtime_error("--log " + path +
+                             ": cannot write the log: " + (errno ? std::strerror(errno) : "the stream failed"));
+}
+
+// The clips of the run as a JSON array ([] = one clip per video).
+std::string clips_json(const Config& c) {
+  std::string s = "[";
+  for (size_t i = 0; i < c.clips.size(); ++i) s += (i ? "," : "") + std::to_string(c.clips[i]);
+  return s + "]";
 }
 
 // "" when a file can be written at path (its directory is made if missing;
@@ -526,18 +558,21 @@ Result train(const Config& cfg, MPI_Comm world) {
       if (!why.empty()) std::fprintf(stderr, "gdncp_train: warning: --log: %s\n", why.c_str());
     }
     log.open(cfg.log_path, start > 0 ? std::ios::app : std::ios::trunc);
-    if (!log) std::fprintf(stderr, "gdncp_train: warning: cannot write the log %s\n", cfg.log_path.c_str());
-    log << "{\"event\":\"" << (start > 0 ? "resume" : "start") << "\",\"step\":" << start
-        << ",\"ranks\":" << dist.size() << ",\"dp\":" << dist.dp_size() << ",\"cp\":" << dist.cp_size()
-        << ",\"device\":\"" << cfg.device << "\",\"dtype\":\"" << cfg.dtype << "\",\"layers\":" << cfg.layers
-        << ",\"heads\":" << cfg.heads << ",\"head_dim\":" << cfg.head_dim << ",\"frames\":" << cfg.frames
-        << ",\"tokens\":" << cfg.tokens << ",\"batch\":" << cfg.batch << ",\"lr\":" << cfg.lr << ",\"checkpointing\":\""
-        << cfg.checkpointing << "\",\"seed\":" << cfg.seed;
+    if (!log) throw std::runtime_error("--log " + cfg.log_path + ": cannot open the log: " + std::strerror(errno));
+    std::ostringstream e;
+    e << "{\"event\":\"" << (start > 0 ? "resume" : "start") << "\",\"step\":" << start << ",\"ranks\":" << dist.size()
+      << ",\"dp\":" << dist.dp_size() << ",\"cp\":" << dist.cp_size() << ",\"frames_per_cp_rank\":[";
+    for (int r = 0; r < dist.cp_size(); ++r)
+      e << (r ? "," : "") << gdncp::cp::balanced_split(cfg.frames, dist.cp_size(), r).frames;
+    e << "],\"device\":\"" << cfg.device << "\",\"dtype\":\"" << cfg.dtype << "\",\"layers\":" << cfg.layers
+      << ",\"heads\":" << cfg.heads << ",\"head_dim\":" << cfg.head_dim << ",\"frames\":" << cfg.frames
+      << ",\"clips\":" << clips_json(cfg) << ",\"tokens\":" << cfg.tokens << ",\"batch\":" << cfg.batch
+      << ",\"lr\":" << cfg.lr << ",\"checkpointing\":\"" << cfg.checkpointing << "\",\"seed\":" << cfg.seed;
     if (start > 0)
-      log << ",\"checkpoint\":\"" << json_escape(res.resumed_from)
-          << "\",\"skipped_checkpoints\":" << res.skipped_checkpoints.size();
-    log << "}\n";
-    log.flush();
+      e << ",\"checkpoint\":\"" << json_escape(res.resumed_from)
+        << "\",\"skipped_checkpoints\":" << res.skipped_checkpoints.size();
+    e << "}\n";
+    log_write(log, cfg.log_path, e.str());
   }
   if (lead && cfg.print_every > 0) {
     const int64_t most = gdncp::cp::balanced_split(cfg.frames, dist.cp_size(), 0).frames,
@@ -545,10 +580,11 @@ Result train(const Config& cfg, MPI_Comm world) {
     const std::string per_rank = std::to_string(most) + (most == least ? "" : " or " + std::to_string(least));
     std::printf(
         "gdncp_train: %d ranks = %d DP x %d CP on %s, %s; model L=%lld H=%lld D=%lld; video %lld frames x %lld "
-        "tokens (%s frames per CP rank), batch %lld per DP group; steps %lld..%lld\n",
+        "tokens (%s frames per CP rank), clips %s; batch %lld per DP group; steps %lld..%lld\n",
         dist.size(), dist.dp_size(), dist.cp_size(), cfg.device.c_str(), cfg.dtype.c_str(), (long long)cfg.layers,
         (long long)cfg.heads, (long long)cfg.head_dim, (long long)cfg.frames, (long long)cfg.tokens, per_rank.c_str(),
-        (long long)cfg.batch, (long long)start + 1, (long long)cfg.steps);
+        cfg.clips.empty() ? "one per video" : join(cfg.clips).c_str(), (long long)cfg.batch, (long long)start + 1,
+        (long long)cfg.steps);
   }
 
   res.dp = dist.dp_size();
@@ -605,8 +641,7 @@ Result train(const Config& cfg, MPI_Comm world) {
             line, sizeof line,
             "{\"step\":%lld,\"loss\":%.9g,\"lr\":%.6g,\"ms\":%.3f,\"tokens_per_s\":%.1f,\"batch_index\":%lld}\n",
             (long long)step, global, lr, ms, tok_s, (long long)k);
-        log << line;
-        log.flush();
+        log_write(log, cfg.log_path, line);
       }
     }
     if (!cfg.save_dir.empty() && ((cfg.save_every > 0 && step % cfg.save_every == 0) || last)) {
@@ -614,7 +649,9 @@ Result train(const Config& cfg, MPI_Comm world) {
       save_checkpoint(cfg, dist, state, step, path);
       if (lead && cfg.print_every > 0) std::printf("saved %s\n", path.c_str());
       if (lead && log.is_open())
-        log << "{\"event\":\"checkpoint\",\"step\":" << step << ",\"path\":\"" << json_escape(path) << "\"}\n";
+        log_write(log, cfg.log_path,
+                  "{\"event\":\"checkpoint\",\"step\":" + std::to_string(step) + ",\"path\":\"" + json_escape(path) +
+                      "\"}\n");
     }
   }
   res.seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
@@ -622,8 +659,11 @@ Result train(const Config& cfg, MPI_Comm world) {
 
   if (lead) {
     if (log.is_open()) {
-      log << "{\"event\":\"done\",\"step\":" << cfg.steps << ",\"seconds\":" << res.seconds << "}\n";
-      log.flush();
+      std::ostringstream e;
+      e << "{\"event\":\"done\",\"step\":" << cfg.steps << ",\"seconds\":" << res.seconds << "}\n";
+      log_write(log, cfg.log_path, e.str());
+      log.close();
+      if (!log) throw std::runtime_error("--log " + cfg.log_path + ": cannot close the log: " + std::strerror(errno));
     }
     if (!plot_path.empty()) {
       char title[256];
@@ -635,7 +675,7 @@ Result train(const Config& cfg, MPI_Comm world) {
         const std::string svg = loss_curve_svg(history, 1, title);
         return std::vector<char>(svg.begin(), svg.end());
       }());
-      if (!why.empty()) std::fprintf(stderr, "gdncp_train: warning: %s\n", why.c_str());
+      if (!why.empty()) throw std::runtime_error("--plot " + plot_path + ": " + why);
     }
   }
   return res;

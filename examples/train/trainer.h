@@ -65,6 +65,9 @@ struct UsageError : std::runtime_error {
 };
 
 std::string usage();
+// Where the loss plot goes: --plot, else loss.svg beside --log when the log
+// is (or will be) a regular file, else nowhere ("").
+std::string default_plot_path(const Config& cfg);
 // Fills cfg from the command line. Returns false when --help was given.
 // Throws UsageError naming the flag.
 bool parse_args(int argc, char** argv, Config& cfg);

@@ -15,9 +15,11 @@
 //
 // Packed clips (docs/design.md §4a): the entries that take `clip_starts` accept a
 // per-rank mask (B, F_r), f32, on the inputs' device: 1 where frame f of row
-// b begins a clip, 0 elsewhere (other values: unspecified). No state crosses
-// a clip start in either direction, so out and every gradient equal running
-// each clip as its own row. Clips may cross rank boundaries and rows may pack
+// b begins a clip, 0 elsewhere (any other value of a CPU mask is a
+// gdncp::Error naming clip_starts; a CUDA mask is not read on the host, as
+// that would wait for the device on every call). No state crosses a clip
+// start in either direction, so out and every gradient equal running each
+// clip as its own row. Clips may cross rank boundaries and rows may pack
 // differently. Undefined = one clip per row. Global frame 0 starts a clip
 // whatever the mask says (nothing comes before it).
 //
@@ -25,11 +27,12 @@
 // result with the other ranks, so a bad argument on any rank — or sizes that
 // must agree and differ between ranks (S, B, H, D, dtype, options), or every
 // rank holding 0 frames — raises gdncp::Error on EVERY rank (naming the
-// argument and the rank), never a hang or garbage. F_r may differ. The
-// exchange follows the communicator's Validation policy: under on_change (the
-// default) a rank whose arguments change while the others' do not is out of
-// step with them: it names its own bad argument, the others raise that the
-// ranks are out of step (MPI at once, NCCL at the deadline).
+// argument and the rank), never a hang or garbage. F_r may differ, and change
+// on any rank at any call. The exchange follows the communicator's Validation
+// policy: under on_change (the default) a rank whose sizes or options change
+// while the others' do not is out of step with them: it names its own bad
+// argument, the others raise that the ranks are out of step (MPI at once,
+// NCCL at the deadline).
 //
 // Checkpointing (BigdnOptions::checkpoint, docs/design.md §7): `on` keeps only the
 // inputs and recomputes in backward. The recompute issues no collective: the
@@ -62,17 +65,21 @@ struct ValidationMemory;
 // their data collectives (docs/design.md §9-10). The check exchanges a small
 // host record of the call over the group:
 //   every_call — on every call;
-//   on_change  — only when this rank's record differs from the last one it
-//                validated for the same entry on this communicator (default:
-//                a steady-state step exchanges nothing);
-//   off        — no check (ranks that disagree then get garbage or a
-//                timeout); a record that changed is still exchanged once,
-//                unchecked, because the frame offsets of uneven ownership need
-//                every rank's F (a steady-state step exchanges nothing).
-// A rank whose record changes alone (the others skip the exchange and go on
-// to their data collective) still ends in an error on every rank: the
-// collectives carry their kind and size (MPI) and meet the deadline (NCCL),
-// and the message says the ranks are out of step.
+//   on_change  — only when this rank's record (its F left out) differs from
+//                the last one it validated for the same entry on this
+//                communicator (default: a steady-state step exchanges nothing);
+//   off        — no check.
+// Under every policy: F_r may change on any rank at any call without an
+// exchange (the scan needs no other rank's F), except with
+// truncate_to_active, which places the frozen frames from every rank's F and
+// so exchanges on every call; a rank with a bad argument exchanges, so that
+// its error reaches every rank at once. A rank that exchanges while the
+// others skip (its arguments changed alone, or are bad) meets their data
+// collective: the collectives carry their kind and size and check them
+// before any payload moves (MPI), so every rank raises at once, naming the
+// out-of-step ranks, and the communicator stays usable (the next call
+// validates afresh on every rank); NCCL meets the deadline. Sizes that differ
+// between ranks under off are caught the same way by the MPI collectives.
 enum class Validation { every_call, on_change, off };
 const char* validation_name(Validation v);
 
@@ -95,10 +102,14 @@ const char* validation_name(Validation v);
 //   aborted and throws (MPI cannot abort one communicator: the request is
 //   abandoned with its buffers kept alive, every later call throws at once).
 //   MPI errors come back as gdncp::Error, never through MPI's fatal handler.
-//   Each collective carries a trailer (kind, size, sequence number), so ranks
-//   that are in different collectives fail at once with a message saying so.
-//   Exit after an abort: MPI_Finalize synchronises with every rank, a lost one
-//   included, and can hang; end such a process with MPI_Abort or _exit.
+//   Each rank sends every peer of a collective one message: a fixed-size
+//   header (kind, size, sequence number, the rank's argument error if any)
+//   and its payload, received at the size that arrives (probed first), so no
+//   count of an MPI call can disagree; every rank checks every header alike,
+//   so ranks in different collectives, with different sizes or with a bad
+//   argument on one of them raise at once on every rank, and the
+//   communicator stays usable. Exit after an abort: finalize_mpi() below
+//   returns without MPI_Finalize (which would wait for a lost rank).
 // - A destructor of an aborted communicator never waits.
 //
 // Communicators are shared: an autograd node that runs collectives in
@@ -181,6 +192,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   }
 
  protected:
+  // Drops what the validation policy remembers, so that the next call of
+  // every entry validates: after a collective found the ranks out of step.
+  void clear_validated() { validated_.clear(); }
   double timeout_seconds_ = 300.0;
   Validation validation_ = Validation::on_change;
   mutable std::mutex stats_mu_;  // the NCCL watchdog counts completed collectives
@@ -208,6 +222,16 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm = MPI_COMM_WO
 // The same on an explicit device (device >= 0; -1 = the local-rank rule above),
 // e.g. a one-rank group over MPI_COMM_SELF on the current device.
 std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device);
+
+// True once a communicator (MPI or NCCL) of this process was aborted (a
+// deadline missed, an MPI or NCCL error): a peer may be lost.
+bool any_communicator_aborted();
+// MPI_Finalize (when MPI is initialised and not finalised), except after a
+// communicator of this process was aborted: MPI_Finalize synchronises
+// with every rank, a lost one included, and could wait for it forever, so
+// then it returns false without finalising (end the process: exit or _exit
+// do not wait for the other ranks). True when MPI is finalised.
+bool finalize_mpi();
 
 // The local rank on this node (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)).
 int local_rank(MPI_Comm comm = MPI_COMM_WORLD);

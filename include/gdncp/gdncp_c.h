@@ -11,8 +11,11 @@
  * Tensors in (Note [DLPack ownership]): an input DLManagedTensor* is CONSUMED
  * by the call whatever its status — the library calls its deleter when it
  * no longer needs the memory (possibly after the call returns: a layer keeps
- * its inputs for backward). Inputs must be dense row-major (strides NULL or
- * compact), f32, f64 or bf16, on the CPU or on one CUDA device; a CUDA
+ * its inputs for backward); one tensor given for two arguments is shared by
+ * both and deleted once. Inputs must be dense row-major (strides NULL or
+ * compact; a tensor with no elements may have any strides), with data +
+ * byte_offset aligned to the element size, f32, f64 or bf16, on the CPU or on
+ * one CUDA device; a CUDA
  * call runs on that device and on `stream` (a cudaStream_t; NULL = the legacy
  * default stream), and returns once the work is enqueued.
  * Tensors out: fresh DLManagedTensor*s owned by the caller, who calls their
@@ -113,7 +116,10 @@ gdncp_status gdncp_comm_create_nccl(const unsigned char id[GDNCP_UNIQUE_ID_BYTES
  * nobody has; then gdncp_mpi_finalize() ends it before the process exits. */
 gdncp_status gdncp_comm_create_mpi_world(gdncp_comm** comm);
 /* MPI_Finalize, if gdncp_comm_create_mpi_world initialised MPI and it is not
- * finalized yet; a no-op otherwise. Destroy the MPI communicators first. */
+ * finalized yet; a no-op otherwise. Destroy the MPI communicators first.
+ * After an MPI communicator of the process was aborted it returns GDNCP_OK
+ * without finalizing: MPI_Finalize synchronises with every rank, a lost one
+ * included, and could wait for it forever (exit the process then). */
 gdncp_status gdncp_mpi_finalize(void);
 
 /* Any process group: a communicator whose collectives the caller runs (e.g.
@@ -154,7 +160,9 @@ gdncp_status gdncp_comm_create_callbacks(const gdncp_comm_callbacks* callbacks, 
                                          gdncp_comm** comm);
 
 /* Frees the handle (NULL is a no-op). A graph that used the communicator
- * keeps it alive until the graph is destroyed. */
+ * keeps it alive until the graph is destroyed. Handles are checked: a
+ * destroyed or foreign communicator or graph given to any function is
+ * GDNCP_ERROR_ARGUMENT naming it. */
 gdncp_status gdncp_comm_destroy(gdncp_comm* comm);
 gdncp_status gdncp_comm_rank(const gdncp_comm* comm, int* rank);
 gdncp_status gdncp_comm_size(const gdncp_comm* comm, int* size);
@@ -179,7 +187,11 @@ gdncp_status gdncp_graph_num_inputs(const gdncp_graph* graph, int* n);
 /* Backward of the graph's outputs with the given gradients (an array of
  * num_outputs entries, each consumed; NULL entries count as zeros). Writes
  * num_inputs entries into grad_inputs: the gradient of each input flagged at
- * the call, NULL for the others. Once per graph; collective for a CP layer. */
+ * the call, NULL for the others. Once per graph; collective for a CP layer.
+ * A call refused for a gradient of the wrong shape, dtype or device leaves
+ * the graph for a retry; the counts above stay after the backward. Given a
+ * graph that is not live (destroyed, foreign), nothing is consumed: the
+ * number of grad_outputs is unknown. */
 gdncp_status gdncp_graph_backward(gdncp_graph* graph, DLManagedTensor* const* grad_outputs, void* stream,
                                   DLManagedTensor** grad_inputs);
 /* Frees the graph (NULL is a no-op). */

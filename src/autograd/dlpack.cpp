@@ -6,7 +6,7 @@
 // drops it in its deleter. Either side may outlive the other.
 #include "autograd/dlpack.h"
 
-#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -75,11 +75,18 @@ Tensor from_dlpack(DLManagedTensor* m, const char* what) {
                 " is neither CPU (1) nor CUDA (2)");
   }
   Shape shape(t.shape, t.shape + t.ndim);
+  int64_t numel = 1;
+  for (int i = 0; i < t.ndim; ++i) {
+    GDNCP_CHECK(shape[static_cast<size_t>(i)] >= 0, what, ": DLPack shape ", shape_str(shape), " has a negative size");
+    numel =
+        checked_mul(numel, shape[static_cast<size_t>(i)], (std::string(what) + ": DLPack shape (elements)").c_str());
+  }
+  const int64_t esize = static_cast<int64_t>(dtype_size(dtype));
+  checked_mul(numel, esize, (std::string(what) + ": DLPack shape (bytes)").c_str());
   // Dense row-major; a dimension of size 1 may carry any stride (as torch's
   // contiguous tensors do), and so may every dimension of an empty tensor
-  // (no element is addressed: e.g. a CP rank's slice of 0 frames).
-  const bool empty = std::find(shape.begin(), shape.end(), int64_t{0}) != shape.end();
-  if (t.strides && !empty) {
+  // (torch's strides of shape (1, 0, 3, H, D) are not the dense ones).
+  if (t.strides && numel > 0) {
     int64_t expected = 1;
     for (int i = t.ndim - 1; i >= 0; --i) {
       if (shape[static_cast<size_t>(i)] != 1)
@@ -88,7 +95,11 @@ Tensor from_dlpack(DLManagedTensor* m, const char* what) {
       expected *= shape[static_cast<size_t>(i)];
     }
   }
-  void* data = static_cast<char*>(t.data) + t.byte_offset;
+  GDNCP_CHECK(numel == 0 || t.data != nullptr, what, ": DLPack data is null for a tensor of ", numel, " elements");
+  void* data = numel ? static_cast<char*>(t.data) + t.byte_offset : nullptr;
+  GDNCP_CHECK(reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(esize) == 0, what,
+              ": DLPack data + byte_offset (", t.byte_offset, ") is not aligned to the ", esize, "-byte elements of ",
+              dtype_name(dtype));
   Tensor out = Tensor::from_blob(data, std::move(shape), dtype, device, [m] {
     if (m->deleter) m->deleter(m);
   });

@@ -21,12 +21,14 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "autograd/dlpack.h"
 #include "autograd/tape.h"
+#include "cp/validate_cp.h"
 #include "gdncp/bigdn.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
@@ -51,11 +53,34 @@ struct gdncp_graph {
   std::shared_ptr<gdncp::cp::Communicator> comm;  // kept alive for the backward's collectives
   int device = -1;                                // CUDA device of the call, -1 = CPU
   bool consumed = false;
+  size_t n_outputs = 0, n_inputs = 0;  // the counts, kept after the backward drops outputs and inputs
 };
 
 namespace {
 
 thread_local std::string t_last_error;
+
+// Note [handle registry]: the live handles the door gave out. Every function
+// that takes a handle looks it up first, so a destroyed, foreign or garbage
+// pointer is an argument error naming it, never a use after free.
+std::mutex g_handles_mutex;
+std::set<const void*>& live_handles() {
+  static std::set<const void*>* h = new std::set<const void*>();  // never destroyed: usable at exit
+  return *h;
+}
+void register_handle(const void* p) {
+  std::lock_guard<std::mutex> lock(g_handles_mutex);
+  live_handles().insert(p);
+}
+bool is_live(const void* p) {
+  std::lock_guard<std::mutex> lock(g_handles_mutex);
+  return live_handles().count(p) != 0;
+}
+// Removes p; false when it was not live.
+bool unregister_handle(const void* p) {
+  std::lock_guard<std::mutex> lock(g_handles_mutex);
+  return live_handles().erase(p) != 0;
+}
 
 // A fault of the caller found by the door itself (status GDNCP_ERROR_ARGUMENT).
 struct ArgumentError : std::runtime_error {
@@ -131,11 +156,22 @@ class DeviceScope {
 // the call ends.
 class Inputs {
  public:
+  // A tensor given for two arguments is imported once and shared by both
+  // (deleted once).
   Inputs(const char* fn, std::vector<DLManagedTensor*> ms, std::vector<const char*> names)
-      : fn_(fn), ms_(std::move(ms)), names_(std::move(names)) {}
+      : fn_(fn), ms_(std::move(ms)), names_(std::move(names)), first_(ms_.size()), taken_(ms_.size()) {
+    for (size_t i = 0; i < ms_.size(); ++i) {
+      first_[i] = i;
+      for (size_t j = 0; j < i; ++j)
+        if (ms_[i] && ms_[j] == ms_[i]) {
+          first_[i] = first_[j];
+          break;
+        }
+    }
+  }
   ~Inputs() {
-    for (DLManagedTensor* m : ms_)
-      if (m && m->deleter) m->deleter(m);
+    for (size_t i = 0; i < ms_.size(); ++i)
+      if (first_[i] == i && ms_[i] && ms_[i]->deleter) ms_[i]->deleter(ms_[i]);
   }
   Inputs(const Inputs&) = delete;
   Inputs& operator=(const Inputs&) = delete;
@@ -146,11 +182,12 @@ class Inputs {
     int dev = -1;
     const char* first = nullptr;
     for (size_t i = 0; i < ms_.size(); ++i) {
-      if (!ms_[i] || ms_[i]->dl_tensor.device.device_type != kDLCUDA) continue;
+      const DLManagedTensor* m = ms_[i];
+      if (!m || m->dl_tensor.device.device_type != kDLCUDA) continue;
 #if !GDNCP_WITH_CUDA
       argument_error(fn_, ": ", names_[i], " is a CUDA tensor but gdncp was built without CUDA");
 #endif
-      const int d = ms_[i]->dl_tensor.device.device_id;
+      const int d = m->dl_tensor.device.device_id;
       if (dev >= 0 && d != dev)
         argument_error(fn_, ": ", names_[i], " is on CUDA device ", d, " but ", first, " is on CUDA device ", dev);
       dev = d;
@@ -166,21 +203,26 @@ class Inputs {
   }
 
   Tensor take(size_t i) {
-    DLManagedTensor* m = ms_[i];
-    ms_[i] = nullptr;
-    if (!m) return Tensor();
+    const size_t f = first_[i];
+    if (taken_[f].defined() || !ms_[f]) return taken_[f];
+    DLManagedTensor* m = ms_[f];
+    for (size_t j = f; j < ms_.size(); ++j)
+      if (first_[j] == f) ms_[j] = nullptr;  // the import owns m from here, whatever it decides
     const std::string what = std::string(fn_) + ": " + names_[i];
     try {
-      return gdncp::detail::from_dlpack(m, what.c_str());
+      taken_[f] = gdncp::detail::from_dlpack(m, what.c_str());
     } catch (const Error& e) {
       throw ArgumentError(e.what());
     }
+    return taken_[f];
   }
 
  private:
   const char* fn_;
   std::vector<DLManagedTensor*> ms_;
   std::vector<const char*> names_;
+  std::vector<size_t> first_;  // the first argument given the same tensor
+  std::vector<Tensor> taken_;  // imported, per first argument
 };
 
 gdncp::BigdnOptions layer_options(const gdncp_layer_options* o, const char* fn) {
@@ -237,8 +279,15 @@ gdncp::cp::CpOptions cp_options_of(const gdncp_cp_options* o, const char* fn) {
 
 gdncp::cp::Communicator& comm_of(gdncp_comm* comm, const char* fn) {
   not_null(comm, fn, "comm");
-  if (!comm->c) argument_error(fn, ": comm is not a live communicator");
+  if (!is_live(comm) || !comm->c)
+    argument_error(fn, ": comm is not a live gdncp_comm (destroyed, or not made by gdncp_comm_create_*)");
   return *comm->c;
+}
+
+const gdncp_graph* graph_of(const gdncp_graph* graph, const char* fn) {
+  not_null(graph, fn, "graph");
+  if (!is_live(graph)) argument_error(fn, ": graph is not a live gdncp_graph (destroyed, or not made by gdncp)");
+  return graph;
 }
 
 // What every layer call shares: validates the request, imports the inputs,
@@ -270,6 +319,8 @@ void run_layer(const char* fn, Inputs& in, size_t n_diff, size_t n_in, uint32_t 
     g->outputs = y;
     g->comm = std::move(comm);
     g->device = device;
+    g->n_outputs = y.size();
+    g->n_inputs = n_diff;
   } else {
     gdncp::NoGradGuard no_grad;
     y = forward(x);
@@ -285,7 +336,36 @@ void run_layer(const char* fn, Inputs& in, size_t n_diff, size_t n_in, uint32_t 
     throw;
   }
   for (size_t k = 0; k < n_outs; ++k) outs[k] = done[k];
-  if (graph) *graph = g.release();
+  if (graph) {
+    register_handle(g.get());
+    *graph = g.release();
+  }
+}
+
+// Note [refused before the entry]: a CP call the door refuses on this rank
+// before the C++ entry runs (a bad DLPack tensor, a NULL argument, bad
+// options) leaves the other ranks in the entry's collectives. The rank joins
+// them with its error — the entry's validation exchange, which a rank with a
+// bad argument always makes (Note [validation policy]) — so that they raise
+// at once, not at their deadline; then it reports its own error. Errors from
+// inside the entry reach every rank by the entry's own exchange.
+template <typename Body>
+void collective_call(gdncp::cp::Communicator& comm, const char* entry, bool& entered, Body body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    if (!entered && !comm.aborted()) {
+      try {
+        gdncp::cp::detail::CallRecord rec;
+        const std::string why = e.what();
+        gdncp::cp::detail::validate_collective(comm, entry, rec,
+                                               [&](gdncp::cp::detail::CallRecord&) { throw Error(why); });
+      } catch (const std::exception&) {
+        // this rank's own error (or the group's verdict on it) is the one reported
+      }
+    }
+    throw;
+  }
 }
 
 namespace comm_callbacks {
@@ -399,6 +479,7 @@ gdncp_status gdncp_comm_create_nccl(const unsigned char id[GDNCP_UNIQUE_ID_BYTES
     std::memcpy(u.bytes, id, GDNCP_UNIQUE_ID_BYTES);
     auto c = std::make_unique<gdncp_comm>();
     c->c = gdncp::cp::make_nccl_communicator(u, rank, size, device);
+    register_handle(c.get());
     *comm = c.release();
   });
 }
@@ -420,6 +501,7 @@ gdncp_status gdncp_comm_create_mpi_world(gdncp_comm** comm) {
     }
     auto c = std::make_unique<gdncp_comm>();
     c->c = gdncp::cp::make_mpi_communicator(MPI_COMM_WORLD);
+    register_handle(c.get());
     *comm = c.release();
   });
 }
@@ -470,14 +552,17 @@ gdncp_status gdncp_mpi_finalize(void) {
   return guarded([&] {
     std::lock_guard<std::mutex> lock(g_mpi_mutex);
     if (!g_mpi_initialised_here) return;
-    int fin = 0;
-    GDNCP_MPI_CHECK(MPI_Finalized(&fin));
-    if (!fin) GDNCP_MPI_CHECK(MPI_Finalize());
+    gdncp::cp::finalize_mpi();
   });
 }
 
 gdncp_status gdncp_comm_destroy(gdncp_comm* comm) {
-  return guarded([&] { delete comm; });
+  return guarded([&] {
+    if (!comm) return;
+    if (!unregister_handle(comm))
+      argument_error("gdncp_comm_destroy: comm is not a live gdncp_comm (destroyed already, or not made by gdncp)");
+    delete comm;
+  });
 }
 
 gdncp_status gdncp_comm_rank(const gdncp_comm* comm, int* rank) {
@@ -529,10 +614,26 @@ gdncp_status gdncp_comm_all_reduce_sum(gdncp_comm* comm, DLManagedTensor* t, voi
   return guarded([&] {
     Inputs in(fn, {t}, {"t"});
     auto& c = comm_of(comm, fn);
-    in.require(0);
-    DeviceScope dev(in.device());
+    Tensor x;
+    int device = -1;
+    try {
+      in.require(0);
+      device = in.device();
+      DeviceScope dev(device);
+      x = in.take(0);
+    } catch (const std::exception&) {
+      // Refused here: the collective still runs with this rank's argument
+      // missing, so that the other ranks raise at once (MPI) instead of
+      // waiting for it; then this rank reports its own error.
+      Tensor none;
+      try {
+        c.all_reduce_sum(none);
+      } catch (const std::exception&) {
+      }
+      throw;
+    }
+    DeviceScope dev(device);
     gdncp::StreamGuard stream_scope(stream);
-    Tensor x = in.take(0);
     c.all_reduce_sum(x);
   });
 }
@@ -541,15 +642,15 @@ gdncp_status gdncp_comm_all_reduce_sum(gdncp_comm* comm, DLManagedTensor* t, voi
 
 gdncp_status gdncp_graph_num_outputs(const gdncp_graph* graph, int* n) {
   return guarded([&] {
-    not_null(graph, "gdncp_graph_num_outputs", "graph");
-    *not_null(n, "gdncp_graph_num_outputs", "n") = static_cast<int>(graph->outputs.size());
+    graph_of(graph, "gdncp_graph_num_outputs");
+    *not_null(n, "gdncp_graph_num_outputs", "n") = static_cast<int>(graph->n_outputs);
   });
 }
 
 gdncp_status gdncp_graph_num_inputs(const gdncp_graph* graph, int* n) {
   return guarded([&] {
-    not_null(graph, "gdncp_graph_num_inputs", "graph");
-    *not_null(n, "gdncp_graph_num_inputs", "n") = static_cast<int>(graph->inputs.size());
+    graph_of(graph, "gdncp_graph_num_inputs");
+    *not_null(n, "gdncp_graph_num_inputs", "n") = static_cast<int>(graph->n_inputs);
   });
 }
 
@@ -557,7 +658,7 @@ gdncp_status gdncp_graph_backward(gdncp_graph* graph, DLManagedTensor* const* gr
                                   DLManagedTensor** grad_inputs) {
   const char* fn = "gdncp_graph_backward";
   return guarded([&] {
-    const size_t n_out = graph ? graph->outputs.size() : 0;
+    const size_t n_out = graph && is_live(graph) ? graph->n_outputs : 0;
     std::vector<DLManagedTensor*> ms(grad_outputs ? grad_outputs : nullptr,
                                      grad_outputs ? grad_outputs + n_out : nullptr);
     ms.resize(n_out, nullptr);
@@ -568,10 +669,9 @@ gdncp_status gdncp_graph_backward(gdncp_graph* graph, DLManagedTensor* const* gr
       names[k] = names_s[k].c_str();
     }
     Inputs in(fn, ms, names);
-    not_null(graph, fn, "graph");
+    graph_of(graph, fn);
     not_null(grad_inputs, fn, "grad_inputs");
     if (graph->consumed) argument_error(fn, ": the graph's backward ran already (once per graph)");
-    graph->consumed = true;
     DeviceScope dev(graph->device);
     gdncp::StreamGuard stream_scope(stream);
     gdncp::autograd::TapeScope tape(graph->tape);
@@ -586,6 +686,9 @@ gdncp_status gdncp_graph_backward(gdncp_graph* graph, DLManagedTensor* const* gr
       roots.push_back(y);
       grads.push_back(g);
     }
+    // Every gradient was accepted: from here the graph is spent (a refused
+    // one leaves it for a retry).
+    graph->consumed = true;
     if (!roots.empty()) gdncp::autograd::backward(roots, grads);
     gdncp::autograd::clear_tape();  // frees the saved tensors also when nothing needed a gradient
     const size_t n_in = graph->inputs.size();
@@ -617,6 +720,8 @@ gdncp_status gdncp_graph_backward(gdncp_graph* graph, DLManagedTensor* const* gr
 gdncp_status gdncp_graph_destroy(gdncp_graph* graph) {
   return guarded([&] {
     if (!graph) return;
+    if (!unregister_handle(graph))
+      argument_error("gdncp_graph_destroy: graph is not a live gdncp_graph (destroyed already, or not made by gdncp)");
     DeviceScope dev(graph->device);  // device memory returns to that device's cache
     delete graph;
   });
@@ -657,16 +762,20 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts},
               layer_names());
     auto& c = comm_of(comm, fn);
-    for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
-    not_null(out, fn, "out");
-    const gdncp::BigdnOptions opt = layer_options(options, fn);
-    run_layer(
-        fn, in, kLayerDiff, kLayerInputs, requires_grad, stream, comm->c,
-        [&](std::vector<Tensor>& x) {
-          return std::vector<Tensor>{gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[9],
-                                                         x[7], x[8])};
-        },
-        out, 1, graph);
+    bool entered = false;
+    collective_call(c, "bigdn_cp", entered, [&] {
+      for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
+      not_null(out, fn, "out");
+      const gdncp::BigdnOptions opt = layer_options(options, fn);
+      run_layer(
+          fn, in, kLayerDiff, kLayerInputs, requires_grad, stream, comm->c,
+          [&](std::vector<Tensor>& x) {
+            entered = true;
+            return std::vector<Tensor>{
+                gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[9], x[7], x[8])};
+          },
+          out, 1, graph);
+    });
   });
 }
 
@@ -681,18 +790,23 @@ gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedT
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts},
               layer_names());
     auto& c = comm_of(comm, fn);
-    for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
-    not_null(outputs, fn, "outputs");
-    const gdncp::BigdnOptions opt = layer_options(options, fn);
-    const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
-    run_layer(
-        fn, in, kLayerDiff, kLayerInputs, requires_grad, stream, comm->c,
-        [&](std::vector<Tensor>& x) {
-          gdncp::cp::RawResult r =
-              gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt, x[9], x[7], x[8]);
-          return std::vector<Tensor>{r.num, r.den, r.terminal_M, r.terminal_z};
-        },
-        outputs, 4, graph);
+    bool entered = false;
+    collective_call(c, "cp_gdn_raw", entered, [&] {
+      for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
+      not_null(outputs, fn, "outputs");
+      const gdncp::BigdnOptions opt = layer_options(options, fn);
+      const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
+      run_layer(
+          fn, in, kLayerDiff, kLayerInputs, requires_grad, stream, comm->c,
+          [&](std::vector<Tensor>& x) {
+            entered = true;
+            gdncp::cp::RawResult r =
+                gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt, x[9], x[7],
+                                      x[8]);
+            return std::vector<Tensor>{r.num, r.den, r.terminal_M, r.terminal_z};
+          },
+          outputs, 4, graph);
+    });
   });
 }
 
@@ -704,16 +818,20 @@ gdncp_status gdncp_cp_scan(gdncp_comm* comm, DLManagedTensor* P, DLManagedTensor
   return guarded([&] {
     Inputs in(fn, {P, A, Pz, bz, decay, clip_starts}, {"P", "A", "Pz", "bz", "decay", "clip_starts"});
     auto& c = comm_of(comm, fn);
-    for (size_t i = 0; i < 5; ++i) in.require(i);
-    not_null(outputs, fn, "outputs");
-    const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
-    run_layer(
-        fn, in, 5, 6, requires_grad, stream, comm->c,
-        [&](std::vector<Tensor>& x) {
-          gdncp::cp::ScanResult r = gdncp::cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], cp_opt, x[5]);
-          return std::vector<Tensor>{r.M, r.z, r.terminal_M, r.terminal_z};
-        },
-        outputs, 4, graph);
+    bool entered = false;
+    collective_call(c, "cp_scan", entered, [&] {
+      for (size_t i = 0; i < 5; ++i) in.require(i);
+      not_null(outputs, fn, "outputs");
+      const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
+      run_layer(
+          fn, in, 5, 6, requires_grad, stream, comm->c,
+          [&](std::vector<Tensor>& x) {
+            entered = true;
+            gdncp::cp::ScanResult r = gdncp::cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], cp_opt, x[5]);
+            return std::vector<Tensor>{r.M, r.z, r.terminal_M, r.terminal_z};
+          },
+          outputs, 4, graph);
+    });
   });
 }
 
@@ -725,22 +843,26 @@ gdncp_status gdncp_cp_cam_gdn_num(gdncp_comm* comm, DLManagedTensor* q, DLManage
   return guarded([&] {
     Inputs in(fn, {q, k, v, beta, decay}, {"q", "k", "v", "beta", "decay"});
     auto& c = comm_of(comm, fn);
-    for (size_t i = 0; i < 5; ++i) in.require(i);
-    not_null(outputs, fn, "outputs");
-    const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
-    if (checkpoint < GDNCP_CHECKPOINT_OFF || checkpoint > GDNCP_CHECKPOINT_AUTO)
-      argument_error(fn, ": checkpoint ", checkpoint, " is not a gdncp_checkpoint");
-    gdncp_layer_options lo;  // the one mapping of gdncp_checkpoint, through the layer options
-    gdncp_layer_options_init(&lo);
-    lo.checkpoint = checkpoint;
-    const gdncp::Checkpoint ckpt = layer_options(&lo, fn).checkpoint;
-    run_layer(
-        fn, in, 5, 5, requires_grad, stream, comm->c,
-        [&](std::vector<Tensor>& x) {
-          gdncp::cp::CamResult r = gdncp::cp::cp_cam_gdn_num(c, x[0], x[1], x[2], x[3], x[4], F, S, cp_opt, ckpt);
-          return std::vector<Tensor>{r.out, r.terminal_M};
-        },
-        outputs, 2, graph);
+    bool entered = false;
+    collective_call(c, "cp_cam_gdn_num", entered, [&] {
+      for (size_t i = 0; i < 5; ++i) in.require(i);
+      not_null(outputs, fn, "outputs");
+      const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
+      if (checkpoint < GDNCP_CHECKPOINT_OFF || checkpoint > GDNCP_CHECKPOINT_AUTO)
+        argument_error(fn, ": checkpoint ", checkpoint, " is not a gdncp_checkpoint");
+      gdncp_layer_options lo;  // the one mapping of gdncp_checkpoint, through the layer options
+      gdncp_layer_options_init(&lo);
+      lo.checkpoint = checkpoint;
+      const gdncp::Checkpoint ckpt = layer_options(&lo, fn).checkpoint;
+      run_layer(
+          fn, in, 5, 5, requires_grad, stream, comm->c,
+          [&](std::vector<Tensor>& x) {
+            entered = true;
+            gdncp::cp::CamResult r = gdncp::cp::cp_cam_gdn_num(c, x[0], x[1], x[2], x[3], x[4], F, S, cp_opt, ckpt);
+            return std::vector<Tensor>{r.out, r.terminal_M};
+          },
+          outputs, 2, graph);
+    });
   });
 }
 

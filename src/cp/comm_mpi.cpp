@@ -1,36 +1,49 @@
 // src/cp/comm_mpi.cpp — the MPI communicator (CPU tensors) and the local-rank
 // bootstrap shared with the NCCL communicator.
 //
-// Note [MPI collectives]: every collective is nonblocking (MPI_I*) on a
-// duplicate of the caller's communicator whose error handler returns errors.
-// CPU data is read by the host right after the call, so the call completes
-// its request there (its point of use), polling MPI_Test against a deadline of
-// timeout_seconds(). A miss marks the communicator aborted and throws naming
-// the collective and the deadline; the request cannot be cancelled in MPI, so
-// it is abandoned with its buffers (kept alive, never freed: MPI may still
-// write them) and the duplicate is never freed. Every later call throws at
-// once, and the destructor of an aborted communicator returns without
-// waiting. MPI_Finalize synchronises with every rank and can hang after a
-// rank was lost: such a process ends with MPI_Abort or _exit.
+// Note [MPI collectives]: a collective is a set of nonblocking messages
+// (MPI_Isend, and MPI_Improbe + MPI_Imrecv) on a duplicate of the caller's
+// communicator whose error handler returns errors. CPU data is read by the
+// host right after the call, so the call completes its messages there (its
+// point of use), polling against a deadline of timeout_seconds(). A miss
+// marks the communicator aborted and throws naming the collective and the
+// deadline; a request cannot be cancelled in MPI, so its buffers are
+// abandoned (kept alive, never freed: MPI may still use them) and the
+// duplicate is never freed. Every later call throws at once, and the
+// destructor of an aborted communicator returns without waiting. After any
+// abort, finalize_mpi() skips MPI_Finalize, which synchronises with every
+// rank, a lost one included.
 //
-// Note [collective trailer]: each collective sends its payload followed by a
-// trailer (kind, payload size, sequence number on this communicator), and the
-// receivers check every rank's trailer. Ranks in different collectives — one
-// in a layer's all-gather, another in all_reduce_grads, or one in a validation
-// exchange the others skipped — then fail at once with a message naming both
-// collectives, instead of a truncated message killing the job or a
-// same-sized message being read as data. (A message too long for its slot is
-// MPI_ERR_TRUNCATE; one too short leaves the trailer slot poisoned.)
+// Note [collective header]: each rank sends every peer of a collective one
+// message, a fixed-size header (kind, payload size, sequence number on this
+// communicator, the outcome of the rank's argument checks and their message)
+// followed by its payload, and receives each peer's message at the size that
+// arrives (probed first): no count of an MPI call can disagree between ranks,
+// and no receive buffer is sized from what this rank expected. Every rank
+// then checks every header it received the same way: ranks in different
+// collectives — one in a layer's all-gather, another in all_reduce_grads, or
+// one in a validation exchange the others skipped — or with different sizes
+// fail at once on every rank with a message naming both collectives, and a
+// rank whose arguments are bad sends its error in its header so that every
+// rank raises it at once instead of waiting out the deadline. Either way every
+// rank has taken one message from every peer: the sequence numbers are
+// realigned, the validation memory is dropped (the next call validates afresh
+// on every rank) and the communicator stays usable. Only an MPI failure or a
+// missed deadline aborts it. (A late rank's messages to peers that gave up
+// stay unmatched there; their communicator is aborted and never reads again.)
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
 
@@ -111,17 +124,17 @@ const char* kind_name(int64_t k) {
   return "an unknown collective";
 }
 
-// Note [collective trailer].
-struct Trailer {
+// Note [collective header].
+struct Header {
   int64_t magic = 0;
   int64_t kind = 0;
   int64_t bytes = 0;
   int64_t seq = 0;
+  int64_t root = 0;     // broadcast: the root (it must agree too)
+  int64_t ok = 1;       // this rank's arguments passed its checks
+  char msg[464] = {0};  // else their error
 };
-constexpr int64_t kMagic = 0x67646e6370747231;  // "gdncptr1"
-
-// Payload + trailer of one rank, 8-byte aligned.
-size_t slot_bytes(size_t payload) { return (payload + 7) / 8 * 8 + sizeof(Trailer); }
+constexpr int64_t kMagic = 0x67646e6370687231;  // "gdncphr1"
 
 std::string seconds_str(double s) {
   std::ostringstream o;
@@ -131,6 +144,17 @@ std::string seconds_str(double s) {
 
 using Buffer = std::shared_ptr<std::vector<unsigned char>>;
 Buffer buffer(size_t n) { return std::make_shared<std::vector<unsigned char>>(n, 0); }
+
+// Runs a collective's local argument checks: "" when they pass, else the error
+// (sent in the header, so that every rank raises it).
+std::string argument_error(const std::function<void()>& checks) {
+  try {
+    checks();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return std::string();
+}
 
 class MpiCommunicator final : public Communicator {
  public:
@@ -150,7 +174,9 @@ class MpiCommunicator final : public Communicator {
       new std::vector<Buffer>(std::move(abandoned_));  // MPI may still write them: never freed
       return;
     }
-    if (mpi_usable()) MPI_Comm_free(&comm_);
+    // After any abort in this process a peer may be lost: the duplicate is left
+    // to the process's end rather than risk a wait in MPI_Comm_free.
+    if (mpi_usable() && !any_communicator_aborted()) MPI_Comm_free(&comm_);
   }
 
   int rank() const override { return rank_; }
@@ -162,18 +188,22 @@ class MpiCommunicator final : public Communicator {
 
   void all_gather(Tensor& out, const Tensor& in) override {
     check("all_gather");
-    check_cpu(in, "all_gather: in");
-    check_cpu(out, "all_gather: out");
-    GDNCP_CHECK(out.dtype() == in.dtype(), "all_gather: out dtype ", dtype_name(out.dtype()), " != in dtype ",
-                dtype_name(in.dtype()));
-    GDNCP_CHECK(out.numel() == in.numel() * size_, "all_gather: out has ", out.numel(), " elements, expected size()·",
-                in.numel(), " = ", in.numel() * size_);
+    const std::string bad = argument_error([&] {
+      check_cpu(in, "all_gather: in");
+      check_cpu(out, "all_gather: out");
+      GDNCP_CHECK(out.dtype() == in.dtype(), "all_gather: out dtype ", dtype_name(out.dtype()), " != in dtype ",
+                  dtype_name(in.dtype()));
+      GDNCP_CHECK(out.numel() == in.numel() * size_, "all_gather: out has ", out.numel(), " elements, expected size()·",
+                  in.numel(), " = ", in.numel() * size_);
+    });
+    if (!bad.empty()) return gather(nullptr, nullptr, 0, Kind::all_gather, false, bad);
     gather(out.data(), in.data(), in.nbytes(), Kind::all_gather, false);
   }
 
   void all_reduce_sum(Tensor& t) override {
     check("all_reduce_sum");
-    check_cpu(t, "all_reduce_sum: t");
+    const std::string bad = argument_error([&] { check_cpu(t, "all_reduce_sum: t"); });
+    if (!bad.empty()) return gather(nullptr, nullptr, 0, Kind::all_reduce_sum, false, bad);
     if (t.dtype() == DType::bf16) {  // no MPI bf16 type: sum in f32, round once
       Tensor f = t.to(DType::f32);
       all_reduce_sum(f);
@@ -192,54 +222,37 @@ class MpiCommunicator final : public Communicator {
 
   void broadcast(Tensor& t, int root) override {
     check("broadcast");
-    check_cpu(t, "broadcast: t");
-    GDNCP_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is not a rank of a group of ", size_);
-    const size_t n = t.nbytes(), slot = slot_bytes(n);
-    Buffer buf = buffer(slot);
-    const Trailer want = trailer(Kind::broadcast, n);
-    if (rank_ == root) {
-      std::memcpy(buf->data(), t.data(), n);
-      std::memcpy(buf->data() + slot - sizeof(Trailer), &want, sizeof want);
-    }
-    MPI_Request req;
-    start(MPI_Ibcast(buf->data(), count(slot, "broadcast"), MPI_BYTE, root, comm_, &req), "MPI_Ibcast");
-    wait(req, "MPI_Ibcast", {buf}, n, false);
-    check_trailer(buf->data() + slot - sizeof(Trailer), root, want, "MPI_Ibcast");
-    if (rank_ != root) std::memcpy(t.data(), buf->data(), n);
+    const std::string bad = argument_error([&] {
+      check_cpu(t, "broadcast: t");
+      GDNCP_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is not a rank of a group of ", size_);
+    });
+    gather(bad.empty() ? t.data() : nullptr, bad.empty() ? t.data() : nullptr, bad.empty() ? t.nbytes() : 0,
+           Kind::broadcast, false, bad, root);
   }
 
   void send_recv(const Tensor& send, int dst, Tensor& recv, int src) override {
     check("send_recv");
     GDNCP_CHECK(dst >= -1 && dst < size_, "send_recv: dst ", dst, " is not a rank (or -1)");
     GDNCP_CHECK(src >= -1 && src < size_, "send_recv: src ", src, " is not a rank (or -1)");
-    if (src >= 0) check_cpu(recv, "send_recv: recv");
-    if (dst >= 0) check_cpu(send, "send_recv: send");
-    const Trailer mine = trailer(Kind::send_recv, dst >= 0 ? send.nbytes() : 0);
-    std::vector<MPI_Request> reqs;
-    Buffer in, out;
-    if (src >= 0) {
-      in = buffer(slot_bytes(recv.nbytes()));
-      MPI_Request r;
-      start(MPI_Irecv(in->data(), count(in->size(), "send_recv"), MPI_BYTE, src, kHaloTag, comm_, &r), "MPI_Irecv");
-      reqs.push_back(r);
-    }
-    if (dst >= 0) {
-      out = buffer(slot_bytes(send.nbytes()));
-      std::memcpy(out->data(), send.data(), send.nbytes());
-      std::memcpy(out->data() + out->size() - sizeof(Trailer), &mine, sizeof mine);
-      MPI_Request r;
-      start(MPI_Isend(out->data(), count(out->size(), "send_recv"), MPI_BYTE, dst, kHaloTag, comm_, &r), "MPI_Isend");
-      reqs.push_back(r);
-    }
-    for (auto& r : reqs) wait(r, "MPI_Isend/MPI_Irecv", {in, out}, 0, false);
-    if (src >= 0) {
-      Trailer want = mine;
-      want.bytes = static_cast<int64_t>(recv.nbytes());
-      check_trailer(in->data() + in->size() - sizeof(Trailer), src, want, "MPI_Irecv");
-      std::memcpy(recv.data(), in->data(), recv.nbytes());
-    }
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    stats_.bytes += static_cast<int64_t>(dst >= 0 ? send.nbytes() : 0);
+    // A bad tensor still sends its header to dst (whose receive raises it) and
+    // takes the message of src before raising here.
+    const std::string bad = argument_error([&] {
+      if (src >= 0) check_cpu(recv, "send_recv: recv");
+      if (dst >= 0) check_cpu(send, "send_recv: send");
+    });
+    const Header mine = header(Kind::send_recv, dst >= 0 && bad.empty() ? send.nbytes() : 0, bad);
+    const Buffer msg = message(mine, dst >= 0 && bad.empty() ? send.data() : nullptr);
+    std::vector<int> to, from;
+    if (dst >= 0) to.push_back(dst);
+    if (src >= 0) from.push_back(src);
+    const std::vector<Buffer> got = exchange(msg, to, from, "send_recv", static_cast<size_t>(mine.bytes), false);
+    if (!bad.empty()) throw Error(bad);
+    if (src < 0) return;
+    Header want = mine;
+    want.bytes = static_cast<int64_t>(recv.nbytes());
+    check_headers({header_of(got[0])}, {src}, want, "send_recv");
+    check_size(got[0], recv.nbytes(), src);
+    if (recv.nbytes()) std::memcpy(recv.data(), got[0]->data() + sizeof(Header), recv.nbytes());
   }
 
   void barrier() override {
@@ -261,7 +274,7 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  static constexpr int kHaloTag = 4242;
+  static constexpr int kTag = 4242;  // every message of every collective: ranks out of step meet
 
   template <typename T>
   void sum_ranks(Tensor& t, const Tensor& all) const {
@@ -289,17 +302,21 @@ class MpiCommunicator final : public Communicator {
     return static_cast<int>(n);
   }
 
-  Trailer trailer(Kind kind, size_t bytes) {
-    Trailer t;
-    t.magic = kMagic;
-    t.kind = static_cast<int64_t>(kind);
-    t.bytes = static_cast<int64_t>(bytes);
-    t.seq = seq_++;
-    return t;
+  Header header(Kind kind, size_t bytes, const std::string& bad, int64_t root = 0) {
+    Header h;
+    h.magic = kMagic;
+    h.kind = static_cast<int64_t>(kind);
+    h.bytes = static_cast<int64_t>(bytes);
+    h.seq = seq_++;
+    h.root = root;
+    h.ok = bad.empty();
+    std::strncpy(h.msg, bad.c_str(), sizeof(h.msg) - 1);
+    return h;
   }
 
   [[noreturn]] void abort_with(const std::string& why) {
     aborted_ = true;
+    detail::note_abort();
     reason_ = why;
     GDNCP_FAIL(why, "; the MPI communicator is aborted");
   }
@@ -309,82 +326,172 @@ class MpiCommunicator final : public Communicator {
       abort_with(std::string(call) + " failed on rank " + std::to_string(rank_) + ": " + mpi_error_string(rc));
   }
 
+  // A collective's message: the header, then (payload non-null) header.bytes of payload.
+  static Buffer message(const Header& h, const void* payload) {
+    Buffer m = buffer(sizeof(Header) + (payload ? static_cast<size_t>(h.bytes) : 0));
+    std::memcpy(m->data(), &h, sizeof h);
+    if (payload && h.bytes) std::memcpy(m->data() + sizeof(Header), payload, static_cast<size_t>(h.bytes));
+    return m;
+  }
+  // The header of a received message (magic 0 when it is too short to hold one).
+  static Header header_of(const Buffer& m) {
+    Header h;
+    if (m->size() >= sizeof(Header)) std::memcpy(&h, m->data(), sizeof h);
+    return h;
+  }
+  // A message whose header passed check_headers carries its payload whole.
+  void check_size(const Buffer& m, size_t payload, int from) {
+    if (m->size() == sizeof(Header) + payload) return;
+    clear_validated();
+    GDNCP_FAIL("the message of rank ", from, " holds ", m->size() - sizeof(Header), " payload bytes, its header ",
+               payload);
+  }
+
   // The all-gather of `bytes` per rank behind all_gather, all_reduce_sum,
-  // barrier, all_gather_host and exchange_record (Note [collective trailer]).
-  void gather(void* out, const void* in, size_t bytes, Kind kind, bool host_wait) {
-    const size_t slot = slot_bytes(bytes);
-    Buffer send = buffer(slot), recv = buffer(slot * static_cast<size_t>(size_));
-    const Trailer want = trailer(kind, bytes);
-    if (bytes) std::memcpy(send->data(), in, bytes);
-    std::memcpy(send->data() + slot - sizeof(Trailer), &want, sizeof want);
-    const int n = count(slot, kind_name(static_cast<int64_t>(kind)));
-    MPI_Request req;
-    start(MPI_Iallgather(send->data(), n, MPI_BYTE, recv->data(), n, MPI_BYTE, comm_, &req), "MPI_Iallgather");
-    wait(req, "MPI_Iallgather", {send, recv}, bytes, host_wait);
+  // barrier, all_gather_host, exchange_record and (root ≥ 0: only the root's
+  // payload travels, into out) broadcast. bad: this rank's argument error
+  // ("" = none), sent instead of a payload. Every rank sees every rank's
+  // header, so every rank reaches the same verdict (Note [collective header]).
+  void gather(void* out, const void* in, size_t bytes, Kind kind, bool host_wait, const std::string& bad = "",
+              int root = -1) {
+    const Header mine = header(kind, bytes, bad, root);
+    const bool carries = bad.empty() && (root < 0 || root == rank_);
+    const Buffer msg = message(mine, carries ? in : nullptr);
+    std::vector<int> peers;
     for (int r = 0; r < size_; ++r)
-      check_trailer(recv->data() + static_cast<size_t>(r + 1) * slot - sizeof(Trailer), r, want, "MPI_Iallgather");
-    for (int r = 0; r < size_ && bytes; ++r)
+      if (r != rank_) peers.push_back(r);
+    const char* call = kind_name(static_cast<int64_t>(kind));
+    const std::vector<Buffer> got = exchange(msg, peers, peers, call, bytes, host_wait);
+    std::vector<Buffer> all(static_cast<size_t>(size_));
+    std::vector<Header> hs(static_cast<size_t>(size_));
+    std::vector<int> from(static_cast<size_t>(size_));
+    for (int r = 0, k = 0; r < size_; ++r) {
+      all[static_cast<size_t>(r)] = r == rank_ ? msg : got[static_cast<size_t>(k++)];
+      hs[static_cast<size_t>(r)] = header_of(all[static_cast<size_t>(r)]);
+      from[static_cast<size_t>(r)] = r;
+    }
+    check_headers(hs, from, mine, call);
+    for (int r = 0; r < size_; ++r) check_size(all[static_cast<size_t>(r)], root < 0 || r == root ? bytes : 0, r);
+    if (bytes == 0) return;
+    if (root >= 0) {
+      if (rank_ != root) std::memcpy(out, all[static_cast<size_t>(root)]->data() + sizeof(Header), bytes);
+      return;
+    }
+    for (int r = 0; r < size_; ++r)
       std::memcpy(static_cast<unsigned char*>(out) + static_cast<size_t>(r) * bytes,
-                  recv->data() + static_cast<size_t>(r) * slot, bytes);
+                  all[static_cast<size_t>(r)]->data() + sizeof(Header), bytes);
   }
-
-  void check_trailer(const unsigned char* at, int from, const Trailer& want, const char* call) {
-    Trailer got;
-    std::memcpy(&got, at, sizeof got);
-    if (got.magic == want.magic && got.kind == want.kind && got.bytes == want.bytes && got.seq == want.seq) return;
-    const std::string here = std::string(kind_name(want.kind)) + " (" + std::to_string(want.bytes) +
-                             " bytes, collective #" + std::to_string(want.seq) + ")";
-    if (got.magic != kMagic)
-      abort_with(std::string(call) + ": the ranks are out of step: rank " + std::to_string(from) +
-                 " sent a message of another size than " + here + " on rank " + std::to_string(rank_) +
-                 " expects (it is in a different collective or call)");
-    abort_with(std::string(call) + ": the ranks are out of step: rank " + std::to_string(from) + " is in " +
-               kind_name(got.kind) + " (" + std::to_string(got.bytes) + " bytes, collective #" +
-               std::to_string(got.seq) + ") while rank " + std::to_string(rank_) + " is in " + here);
-  }
-
-  // Completes req at its point of use, polling until the deadline (Note [MPI
-  // collectives]). Yields the core between polls: test runs put several ranks
-  // on one core.
-  void wait(MPI_Request& req, const char* call, std::vector<Buffer> keep, size_t bytes, bool host_wait) {
-    const auto start = Clock::now();
+  // Sends msg to every rank of `to` and takes one message from every rank of
+  // `from` (in that order), each received at the size that arrives (probed
+  // first), so no count can disagree. Polls until all are done or the
+  // deadline (Note [MPI collectives]); counts one call.
+  std::vector<Buffer> exchange(const Buffer& msg, const std::vector<int>& to, const std::vector<int>& from,
+                               const char* call, size_t bytes, bool host_wait) {
+    const auto t0 = Clock::now();
+    std::vector<Buffer> keep = {msg};  // alive until MPI is done with them (abandoned on a miss)
+    std::vector<MPI_Request> sends(to.size(), MPI_REQUEST_NULL), recvs(from.size(), MPI_REQUEST_NULL);
+    std::vector<Buffer> got(from.size());
+    std::vector<char> matched(from.size(), 0);
+    WorldReturnsErrors world_returns;
+    for (size_t i = 0; i < to.size(); ++i)
+      start(MPI_Isend(msg->data(), count(msg->size(), call), MPI_BYTE, to[i], kTag, comm_, &sends[i]), "MPI_Isend");
     const auto deadline =
-        start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds_));
-    int done = 0;
-    {
-      WorldReturnsErrors world_returns;
-      for (int spins = 0;; ++spins) {
-        const int rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS) {
-          std::string why = std::string(call) + " failed on rank " + std::to_string(rank_) + " of " +
-                            std::to_string(size_) + ": " + mpi_error_string(rc);
-          int cls = 0;
-          MPI_Error_class(rc, &cls);
-          if (cls == MPI_ERR_TRUNCATE)
-            why +=
-                " (a message of another rank did not fit: the ranks are out of step, in different collectives "
-                "or calls)";
-          if (!done) abandoned_.insert(abandoned_.end(), keep.begin(), keep.end());
-          abort_with(why);
+        t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds_));
+    for (int spins = 0;; ++spins) {
+      bool all_matched = true;
+      for (size_t i = 0; i < from.size(); ++i) {
+        if (matched[i]) continue;
+        int flag = 0, n = 0;
+        MPI_Message m;
+        MPI_Status st;
+        progress(MPI_Improbe(from[i], kTag, comm_, &flag, &m, &st), "MPI_Improbe", keep);
+        if (!flag) {
+          all_matched = false;
+          continue;
         }
-        if (done) break;
-        if (Clock::now() > deadline) {
-          abandoned_.insert(abandoned_.end(), keep.begin(), keep.end());
-          abort_with(std::string(call) + " did not complete within the deadline of " + seconds_str(timeout_seconds_) +
-                     " s on rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
-                     " (a rank lost, stopped or out of step)");
-        }
-        if (spins < 64)
-          std::this_thread::yield();
-        else
-          std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 20 : 200));
+        progress(MPI_Get_count(&st, MPI_BYTE, &n), "MPI_Get_count", keep);
+        got[i] = buffer(static_cast<size_t>(std::max(n, 0)));
+        keep.push_back(got[i]);
+        progress(MPI_Imrecv(got[i]->data(), n, MPI_BYTE, &m, &recvs[i]), "MPI_Imrecv", keep);
+        matched[i] = 1;
       }
+      int recvs_done = 0, sends_done = 0;
+      progress(MPI_Testall(static_cast<int>(recvs.size()), recvs.data(), &recvs_done, MPI_STATUSES_IGNORE),
+               "MPI_Testall (receives)", keep);
+      progress(MPI_Testall(static_cast<int>(sends.size()), sends.data(), &sends_done, MPI_STATUSES_IGNORE),
+               "MPI_Testall (sends)", keep);
+      if (all_matched && recvs_done && sends_done) break;
+      if (Clock::now() > deadline) {
+        abandoned_.insert(abandoned_.end(), keep.begin(), keep.end());
+        abort_with(std::string(call) + " did not complete within the deadline of " + seconds_str(timeout_seconds_) +
+                   " s on rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+                   " (a rank lost, stopped or out of step)");
+      }
+      if (spins < 64)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 20 : 200));
     }
     std::lock_guard<std::mutex> lock(stats_mu_);
     stats_.calls += 1;
     stats_.bytes += static_cast<int64_t>(bytes);
-    stats_.seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    stats_.seconds += std::chrono::duration<double>(Clock::now() - t0).count();
     if (host_wait) stats_.host_waits += 1;
+    return got;
+  }
+
+  // An MPI failure while requests are in flight aborts (their buffers abandoned).
+  void progress(int rc, const char* what, const std::vector<Buffer>& keep) {
+    if (rc == MPI_SUCCESS) return;
+    abandoned_.insert(abandoned_.end(), keep.begin(), keep.end());
+    abort_with(std::string(what) + " failed on rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " +
+               mpi_error_string(rc));
+  }
+
+  void check_headers(const std::vector<Header>& got, const std::vector<int>& from, const Header& want,
+                     const char* call) {
+    int64_t top = want.seq;
+    for (const Header& h : got)
+      if (h.magic == kMagic) top = std::max(top, h.seq);
+    auto fail = [&](const std::string& why) {
+      seq_ = top + 1;
+      clear_validated();
+      throw Error(why);
+    };
+    const std::string here = std::string(kind_name(want.kind)) + " (" + std::to_string(want.bytes) +
+                             " bytes, collective #" + std::to_string(want.seq) + ")";
+    for (size_t i = 0; i < got.size(); ++i) {
+      const Header& h = got[i];
+      if (h.magic != kMagic || h.ok) continue;
+      const std::string msg(h.msg, strnlen(h.msg, sizeof(h.msg)));
+      if (from[i] == rank_) fail(msg);
+      fail(std::string(kind_name(h.kind)) + ": bad argument on rank " + std::to_string(from[i]) + " of " +
+           std::to_string(size_) + ": " + msg);
+    }
+    if (!want.ok) fail(std::string(want.msg, strnlen(want.msg, sizeof(want.msg))));
+    for (size_t i = 0; i < got.size(); ++i) {
+      const Header& h = got[i];
+      const std::string r = std::to_string(from[i]);
+      if (h.magic != kMagic)
+        fail(std::string(call) + ": the ranks are out of step: rank " + r + " sent no gdncp header where rank " +
+             std::to_string(rank_) + " is in " + here);
+      if (h.kind == want.kind && h.bytes == want.bytes && h.seq == want.seq && h.root == want.root) continue;
+      if (h.kind == want.kind && h.bytes == want.bytes && h.seq == want.seq)
+        fail(std::string(call) + ": the ranks disagree on the root of " + kind_name(want.kind) + ": rank " + r +
+             " names rank " + std::to_string(h.root) + ", rank " + std::to_string(rank_) + " names rank " +
+             std::to_string(want.root));
+      std::string why = std::string(call) + ": the ranks are out of step: rank " + r + " is in " + kind_name(h.kind) +
+                        " (" + std::to_string(h.bytes) + " bytes, collective #" + std::to_string(h.seq) +
+                        ") while rank " + std::to_string(rank_) + " is in " + here;
+      if (h.kind == want.kind && h.seq == want.seq)
+        why += " (the sizes of a call must agree on every rank)";
+      else if (h.kind == static_cast<int64_t>(Kind::record) || want.kind == static_cast<int64_t>(Kind::record))
+        why +=
+            " (a CP entry validates its call on a rank whose arguments changed or are bad while the others go "
+            "on with the record they validated last: the sizes and options of a call must agree on every rank; "
+            "the next call validates afresh on every rank)";
+      fail(why);
+    }
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -398,6 +505,16 @@ class MpiCommunicator final : public Communicator {
 }  // namespace
 
 std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm) { return std::make_shared<MpiCommunicator>(comm); }
+
+bool finalize_mpi() {
+  int init = 0, fin = 0;
+  GDNCP_MPI_CHECK(MPI_Initialized(&init));
+  GDNCP_MPI_CHECK(MPI_Finalized(&fin));
+  if (!init || fin) return true;
+  if (any_communicator_aborted()) return false;  // MPI_Finalize would wait for the lost rank
+  GDNCP_MPI_CHECK(MPI_Finalize());
+  return true;
+}
 
 }  // namespace cp
 }  // namespace gdncp

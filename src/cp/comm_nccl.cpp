@@ -46,6 +46,7 @@
 #include <thread>
 #include <vector>
 
+#include "cp/validate_cp.h"
 #include "gdncp/cp_nccl.h"
 #endif
 
@@ -331,6 +332,7 @@ class NcclCommunicator final : public Communicator {
       reason_ = why + " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ")";
       aborted_ = true;
     }
+    detail::note_abort();
     ncclCommAbort(comm_);
   }
 

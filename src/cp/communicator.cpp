@@ -1,6 +1,7 @@
 // src/cp/communicator.cpp — what every Communicator shares: the deadline, the
 // abort check, the padded record exchange of the validation policy, and the
 // shared ownership taken by the nodes that use it in backward.
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -12,6 +13,12 @@
 
 namespace gdncp {
 namespace cp {
+
+namespace {
+std::atomic<bool> g_any_aborted{false};
+}  // namespace
+
+bool any_communicator_aborted() { return g_any_aborted; }
 
 const char* validation_name(Validation v) {
   switch (v) {
@@ -52,6 +59,8 @@ void Communicator::set_timeout_seconds(double s) {
 }
 
 namespace detail {
+
+void note_abort() { g_any_aborted = true; }
 
 std::shared_ptr<Communicator> shared_comm(Communicator& comm, const char* entry) {
   std::shared_ptr<Communicator> owner = comm.weak_from_this().lock();

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gdncp/error.h"
+#include "kernels/validate.h"
 
 namespace gdncp {
 namespace cp {
@@ -57,10 +58,18 @@ std::string value_str(const Field& f, int64_t v) {
 
 // Note [validation policy]: the record of a call is exchanged under
 // comm.validation() (docs/design.md §10). on_change remembers, per entry, the
-// bytes this rank last validated successfully; an equal record skips the
-// exchange. A record that changed on one rank only makes that rank exchange
-// while the others go on to their data collective: the communicator reports
-// the ranks out of step (or the deadline passes), on every rank.
+// bytes this rank last validated successfully, this rank's F left out; an
+// equal record skips the exchange. F is free to change on any rank at any
+// step without an exchange: the scan needs no other rank's F (a rank's
+// composites have one size whatever its F), except to place the frozen frames
+// of truncate_to_active, so an entry with truncation exchanges on every call
+// under every policy. A rank with a bad argument always exchanges (its error
+// then reaches every rank at once), and so does a rank whose record changed
+// under on_change. The other ranks, going on to their data collective, meet
+// it there: the communicator's collectives check every rank's kind and size
+// first (Note [collective header] in comm_mpi.cpp), so every rank raises at
+// once, the validation memory is dropped on every rank and the next call
+// validates afresh everywhere.
 struct ValidationMemory {
   static bool same(Communicator& c, int64_t key, const void* rec, size_t bytes) {
     const auto it = c.validated_.find(key);
@@ -70,30 +79,15 @@ struct ValidationMemory {
     c.validated_[key].assign(static_cast<const char*>(rec), bytes);
   }
   static void forget(Communicator& c, int64_t key) { c.validated_.erase(key); }
-  // The frame layout found by the last exchange of an equal record, kept
-  // beside the record's bytes (offsets need every rank's F: an exchange
-  // skipped for an unchanged record must still know them).
-  static bool layout(Communicator& c, int64_t key, const void* rec, size_t bytes, FrameLayout* f) {
-    const auto it = c.validated_.find(key);
-    if (it == c.validated_.end() || it->second.size() != bytes + sizeof(FrameLayout) ||
-        std::memcmp(it->second.data(), rec, bytes) != 0)
-      return false;
-    std::memcpy(f, it->second.data() + bytes, sizeof(FrameLayout));
-    return true;
-  }
-  static void remember(Communicator& c, int64_t key, const void* rec, size_t bytes, const FrameLayout& f) {
-    std::string& m = c.validated_[key];
-    m.assign(static_cast<const char*>(rec), bytes);
-    m.append(reinterpret_cast<const char*>(&f), sizeof(FrameLayout));
-  }
 };
 
 bool exchange_needed(Communicator& comm, const char* entry, const void* rec, size_t bytes, bool ok) {
+  if (!ok) return true;
   switch (comm.validation()) {
     case Validation::off:
       return false;
     case Validation::on_change:
-      return !ok || !ValidationMemory::same(comm, hash_of(entry), rec, bytes);
+      return !ValidationMemory::same(comm, hash_of(entry), rec, bytes);
     case Validation::every_call:
       return true;
   }
@@ -136,14 +130,11 @@ FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecor
   }
   mine.rec = rec;
   const Validation policy = comm.validation();
-  // off: a bad argument raises on its own rank only; on_change and off skip
-  // the exchange when an equal record was exchanged last (its frame layout is
-  // kept with it); off still exchanges once per new record, for the layout.
-  if (policy == Validation::off && !mine.ok) throw Error(std::string(mine.msg, strnlen(mine.msg, sizeof(mine.msg))));
-  FrameLayout known;
-  if (policy != Validation::every_call && mine.ok &&
-      ValidationMemory::layout(comm, mine.entry_hash, &mine, sizeof(Wire), &known))
-    return known;
+  // What on_change compares: the record without this rank's F (Note [validation policy]).
+  Wire key = mine;
+  key.rec.F = 0;
+  const bool layout_needed = mine.ok && rec.truncate > 0;
+  if (!layout_needed && !exchange_needed(comm, entry, &key, sizeof(Wire), mine.ok)) return FrameLayout{0, -1};
   const int P = comm.size();
   std::vector<Wire> all(static_cast<size_t>(P));
   forget_validated(comm, entry);
@@ -187,7 +178,7 @@ FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecor
   }
   GDNCP_CHECK(f.total > 0, entry, ": F: every rank of the CP group holds 0 frames (the sequence is empty)");
   checked_mul(f.total, std::max<int64_t>(rec.S, 1), (std::string(entry) + ": F_total·S (global tokens)").c_str());
-  ValidationMemory::remember(comm, mine.entry_hash, &mine, sizeof(Wire), f);
+  ValidationMemory::remember(comm, mine.entry_hash, &key, sizeof(Wire));
   return f;
 }
 
@@ -198,6 +189,7 @@ void check_clip_starts(const char* entry, const Tensor& c, int64_t B, int64_t F,
   GDNCP_CHECK(c.dtype() == DType::f32, entry, ": clip_starts: must be f32, got ", dtype_name(c.dtype()));
   GDNCP_CHECK(c.device() == device, entry, ": clip_starts: on ", device_name(c.device()), ", the inputs on ",
               device_name(device));
+  validate_clip_values(entry, c);
 }
 
 void check_cp_options(const char* entry, const CpOptions& o) {
@@ -211,6 +203,8 @@ void check_cp_options(const char* entry, const CpOptions& o) {
 
 void check_cp_options_global(const char* entry, const CpOptions& o, const FrameLayout& f) {
   const int64_t K = o.truncate_to_active;
+  if (K == 0) return;
+  GDNCP_CHECK(f.total >= 0, entry, ": truncate_to_active: the frame layout was not exchanged");
   GDNCP_CHECK(K <= f.total, entry, ": truncate_to_active: must be in [1, F_total] = [1, ", f.total, "], got ", K);
 }
 

@@ -34,6 +34,8 @@ struct CallRecord {
 };
 
 // Where this rank's frames sit in the global sequence (from every rank's F).
+// Known only after an exchange (always made with truncate_to_active, the one
+// option that needs it); total = -1 when the exchange was skipped.
 struct FrameLayout {
   int64_t offset = 0;  // this rank's first global frame o_r = Σ_{j<r} F_j
   int64_t total = 0;   // F_total = Σ_j F_j
@@ -45,14 +47,15 @@ struct FrameLayout {
 // throws on every rank if any rank failed, the records differ in a field that
 // must agree, or every rank holds 0 frames. Also checks the communicator:
 // usable, and its device the tensors' device. Returns this rank's place in
-// the global sequence, which needs every rank's F: an exchange skipped for
-// an unchanged record returns the layout of the last exchange.
+// the global sequence when the records were exchanged (with truncation,
+// always), else {0, -1}: F may change on any rank without an exchange.
 FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecord& rec,
                                 const std::function<void(CallRecord&)>& local);
 
 // The validation policy around an entry's own record exchange (Note
 // [validation policy] in validate_cp.cpp), for entries with a record of their
-// own (all_reduce_grads): whether this rank exchanges `rec` now; after the
+// own (all_reduce_grads): whether this rank exchanges `rec` now (always when
+// its local check failed, ok false, under every policy); after the
 // exchange, forget before checking and remember once every rank agreed.
 // exchange_or_explain runs the exchange; when this rank's own local check
 // failed (ok false) and the exchange fails, it reports local_error first.
@@ -70,6 +73,9 @@ void check_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, 
 void check_cp_options(const char* entry, const CpOptions& o);
 // ... and the part that needs F_total (after it; the same verdict on every rank).
 void check_cp_options_global(const char* entry, const CpOptions& o, const FrameLayout& f);
+
+// Records that a communicator of this process was aborted (any_communicator_aborted()).
+void note_abort();
 
 // The shared owner of comm, taken by a node (or a checkpoint's recompute)
 // that uses comm after the entry returns, so that the communicator lives as

@@ -1,6 +1,7 @@
 // src/kernels/validate.cpp — argument checks of the BiGDN layer (docs/design.md §9).
 #include "kernels/validate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -149,6 +150,19 @@ void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t 
   GDNCP_CHECK(clip_starts.dtype() == DType::f32, entry,
               ": clip_starts: must be f32 (1 = the frame begins a clip), got ", dtype_name(clip_starts.dtype()));
   require_device(a, clip_starts, device);
+  validate_clip_values(entry, clip_starts);
+}
+
+void validate_clip_values(const char* entry, const Tensor& clip_starts) {
+  // Checked where the mask is host memory; reading a device mask would make
+  // the host wait for the device on every call, so it is taken as given there.
+  if (!clip_starts.defined() || clip_starts.device() != Device::cpu || clip_starts.dtype() != DType::f32) return;
+  const float* v = clip_starts.data_ptr<float>();
+  const int64_t F = std::max<int64_t>(clip_starts.dim() == 2 ? clip_starts.size(1) : 1, 1);
+  for (int64_t i = 0; i < clip_starts.numel(); ++i)
+    GDNCP_CHECK(v[i] == 0.0f || v[i] == 1.0f, entry,
+                ": clip_starts: must hold 0 or 1 (1 where a frame begins a clip), got ", v[i], " at (", i / F, ", ",
+                i % F, ")");
 }
 
 }  // namespace gdncp

@@ -15,8 +15,12 @@
 namespace gdncp {
 
 // Checks an optional clip-start mask (docs/design.md §4a): undefined, or (B, F) f32 on
-// `device`. Its values are not inspected (nonzero = the frame begins a clip).
+// `device`, holding 0 or 1 (validate_clip_values).
 void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, int64_t F, Device device);
+// Every value of a host (CPU) mask is 0 or 1, else gdncp::Error naming
+// clip_starts and the first bad value. A device mask is not read (that would
+// make the host wait for the device on every call).
+void validate_clip_values(const char* entry, const Tensor& clip_starts);
 
 // Checks one rank's inputs of the bidirectional layer and returns their dims:
 //  - F > 0 (F ≥ 0 with allow_empty: a CP rank may hold no frame), S > 0; qkv (B, N, 3, H, D) with B, H > 0, N = F·S, D even in 2..kMaxHeadDim;
