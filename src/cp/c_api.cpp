@@ -544,6 +544,7 @@ gdncp_status gdncp_comm_create_callbacks(const gdncp_comm_callbacks* callbacks, 
     h->c = gdncp::cp::make_callback_communicator(std::move(c), rank, size,
                                                  device >= 0 ? gdncp::Device::cuda : gdncp::Device::cpu);
     t->armed = true;  // from here on the communicator owns user (release when it is freed)
+    register_handle(h.get());
     *comm = h.release();
   });
 }
