@@ -93,7 +93,15 @@ typedef struct gdncp_cp_options {
   size_t struct_size;
   int reverse_rank_order;     /* 0 | 1 */
   int64_t truncate_to_active; /* 0 = off */
+  int exchange;               /* gdncp_exchange (gdncp/cp.h Exchange); init: GDNCP_EXCHANGE_AUTO */
+  int node_size;              /* ranks per node for the exchange, 0 = detect */
 } gdncp_cp_options;
+typedef enum gdncp_exchange {
+  GDNCP_EXCHANGE_AUTO = 0,
+  GDNCP_EXCHANGE_ALLGATHER = 1,
+  GDNCP_EXCHANGE_LOG = 2,
+  GDNCP_EXCHANGE_HIERARCHICAL = 3
+} gdncp_exchange;
 gdncp_status gdncp_cp_options_init(gdncp_cp_options* options);
 
 /* --- communicators --------------------------------------------------------------- */

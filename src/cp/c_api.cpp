@@ -15,6 +15,7 @@
 #include <mpi.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -227,11 +228,19 @@ gdncp::BigdnOptions layer_options(const gdncp_layer_options* o, const char* fn) 
 gdncp::cp::CpOptions cp_options_of(const gdncp_cp_options* o, const char* fn) {
   gdncp::cp::CpOptions opt;
   if (!o) return opt;
-  if (o->struct_size < sizeof(gdncp_cp_options))
-    argument_error(fn, ": cp_options->struct_size ", o->struct_size, " < ", sizeof(gdncp_cp_options),
+  // The fields up to truncate_to_active are the first version's; later ones are read when present.
+  constexpr size_t first_size = offsetof(gdncp_cp_options, truncate_to_active) + sizeof(int64_t);
+  if (o->struct_size < first_size)
+    argument_error(fn, ": cp_options->struct_size ", o->struct_size, " < ", first_size,
                    " (fill cp_options with gdncp_cp_options_init)");
   opt.reverse_rank_order = o->reverse_rank_order != 0;
   opt.truncate_to_active = o->truncate_to_active;
+  if (o->struct_size < offsetof(gdncp_cp_options, node_size) + sizeof(int)) return opt;
+  if (o->exchange < GDNCP_EXCHANGE_AUTO || o->exchange > GDNCP_EXCHANGE_HIERARCHICAL)
+    argument_error(fn, ": cp_options->exchange ", o->exchange, " is not a gdncp_exchange");
+  if (o->node_size < 0) argument_error(fn, ": cp_options->node_size ", o->node_size, " < 0 (0: detect)");
+  opt.exchange = static_cast<gdncp::cp::Exchange>(o->exchange);
+  opt.node_size = o->node_size;
   return opt;
 }
 
@@ -348,6 +357,8 @@ gdncp_status gdncp_cp_options_init(gdncp_cp_options* options) {
     options->struct_size = sizeof(gdncp_cp_options);
     options->reverse_rank_order = 0;
     options->truncate_to_active = 0;
+    options->exchange = GDNCP_EXCHANGE_AUTO;
+    options->node_size = 0;
   });
 }
 
