@@ -175,6 +175,13 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
                             DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
                             const gdncp_layer_options* options, void* stream, uint32_t requires_grad,
                             DLManagedTensor** out, gdncp_graph** graph);
+/* The same with CP options: only exchange and node_size apply (reverse_rank_order and
+ * truncate_to_active: GDNCP_ERROR_ARGUMENT); cp_options NULL = gdncp_bigdn_cp. */
+gdncp_status gdncp_bigdn_cp_ex(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
+                               DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
+                               DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
+                               const gdncp_layer_options* options, const gdncp_cp_options* cp_options, void* stream,
+                               uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph);
 
 /* One direction, raw (gdncp/cp.h cp_gdn_raw): inputs as gdncp_bigdn_cp;
  * outputs (graph outputs 0-3) num (B, F*S, H, D), den (B, H, F*S), and with

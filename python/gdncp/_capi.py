@@ -134,6 +134,7 @@ F = {
     "graph_destroy": _sig("gdncp_graph_destroy", _p),
     "bigdn": _sig("gdncp_bigdn", *_LAYER_IN, _p, _u32, _pp, _pp),
     "bigdn_cp": _sig("gdncp_bigdn_cp", _p, *_LAYER_IN, _p, _u32, _pp, _pp),
+    "bigdn_cp_ex": _sig("gdncp_bigdn_cp_ex", _p, *_LAYER_IN, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
     "cp_gdn_raw": _sig("gdncp_cp_gdn_raw", _p, *_LAYER_IN, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
     "cp_scan": _sig("gdncp_cp_scan", _p, _p, _p, _p, _p, _p, _p, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
 }

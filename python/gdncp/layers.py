@@ -108,16 +108,18 @@ class BiGDNCPFunction(torch.autograd.Function):
     (sum them over the group, e.g. comm.all_reduce_sum_ or torch.distributed)."""
 
     @staticmethod
-    def forward(ctx, comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts):
+    def forward(ctx, comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts,
+                cp_opts=None):
+        entry, extra = ("bigdn_cp", ()) if cp_opts is None else ("bigdn_cp_ex", (ctypes.byref(cp_opts),))
         (out,), ctx.graph = _run(
-            "bigdn_cp", comm, [qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts], F, S, opts,
-            ctx.needs_input_grad[1:1 + _DIFF], 1)
+            entry, comm, [qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts], F, S, opts,
+            ctx.needs_input_grad[1:1 + _DIFF], 1, extra)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        return (None, *_graph_backward(ctx, grad_out), None, None, None, None, None, None)
+        return (None, *_graph_backward(ctx, grad_out), None, None, None, None, None, None, None)
 
 
 def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5, eps=1e-6,
@@ -129,13 +131,16 @@ def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scal
 
 
 def bigdn_cp(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5,
-             eps=1e-6, precision="auto", checkpoint="off", clip_starts=None):
-    """The bidirectional CP layer (gdncp/cp.h bigdn_cp) on this rank's F frames."""
+             eps=1e-6, precision="auto", checkpoint="off", clip_starts=None, exchange="auto"):
+    """The bidirectional CP layer (gdncp/cp.h bigdn_cp) on this rank's F frames. exchange: how the
+    ranks exchange the scan's composites, "auto" | "allgather" | "log" | "hierarchical" (gdncp/cp.h
+    Exchange; the node size from GDNCP_CP_NODE_SIZE or the MPI split)."""
     if not isinstance(comm, Communicator):
         raise TypeError("gdncp.bigdn_cp: comm must be a gdncp.Communicator, got %s" % type(comm).__name__)
     opts = _capi.layer_options(k_scale, norm_eps, eps, precision, checkpoint)
+    cp_opts = None if exchange == "auto" else _capi.cp_options(exchange=exchange)
     return BiGDNCPFunction.apply(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S,
-                                 opts)
+                                 opts, cp_opts)
 
 
 class BiGDN(torch.nn.Module):

@@ -589,6 +589,15 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
                             DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
                             const gdncp_layer_options* options, void* stream, uint32_t requires_grad,
                             DLManagedTensor** out, gdncp_graph** graph) {
+  return gdncp_bigdn_cp_ex(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, options,
+                           nullptr, stream, requires_grad, out, graph);
+}
+
+gdncp_status gdncp_bigdn_cp_ex(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
+                               DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
+                               DLManagedTensor* rope_sin, DLManagedTensor* clip_starts, int64_t F, int64_t S,
+                               const gdncp_layer_options* options, const gdncp_cp_options* cp_options, void* stream,
+                               uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph) {
   const char* fn = "gdncp_bigdn_cp";
   return guarded([&] {
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts}, layer_names());
@@ -596,10 +605,12 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
     for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
     not_null(out, fn, "out");
     const gdncp::BigdnOptions opt = layer_options(options, fn);
+    const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
     run_layer(
         fn, in, 5, 8, requires_grad, stream, comm->c,
         [&](std::vector<Tensor>& x) {
-          return std::vector<Tensor>{gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[7])};
+          return std::vector<Tensor>{
+              gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[7], cp_opt)};
         },
         out, 1, graph);
   });
