@@ -92,9 +92,10 @@ def x_allgather(P):
 
 
 # The implementation as it is: the two rank orders of a round are two send/recv calls one
-# after the other, and a round launches 32 small kernels (copies and compositions of the 4
-# maps, src/cp/exchange.cpp). IMPROVED models what is not built: both orders in one grouped
-# send/recv (full-duplex links) and a round's compositions in one batched fold launch (8).
+# after the other, and a round launches about 20 small kernels (16 copies packing and
+# unpacking the 4 maps, their 16 compositions in batched fold launches of 4, src/cp/exchange.cpp).
+# IMPROVED models what is not built: both orders in one grouped send/recv (full-duplex links)
+# and the maps composed straight out of and into the message buffers (no copies: 8 launches).
 IMPROVED = False
 
 
@@ -102,7 +103,7 @@ def log_rounds(G, a, b, init_M=False):
     """One scan (forward or backward) of the log algorithm over G positions: h and M of both
     jobs of each rank order a round, h alone in the last round."""
     R = math.ceil(math.log2(G)) if G > 1 else 0
-    calls, launches = (1, 8) if IMPROVED else (2, 32)
+    calls, launches = (1, 8) if IMPROVED else (2, 20)
     t = 0.0
     for k in range(R):
         last = k == R - 1

@@ -248,7 +248,8 @@ FrameSplit balanced_split(int64_t F_total, int P, int r);
 //                  several nodes of n > 1 ranks when n divides P; log otherwise.
 // The node size n: CpOptions::node_size > 0, else the environment variable GDNCP_CP_NODE_SIZE
 // (e.g. to emulate nodes on one machine), else Communicator::node_size(), else one node.
-// Every rank must pass the same exchange and node size.
+// Every rank must pass the same exchange and node size. all_gather on CUDA folds at most 64
+// composites (groups of up to 65 ranks: the fold kernel's limit); log and hierarchical have none.
 enum class Exchange : int { automatic = 0, all_gather = 1, log = 2, hierarchical = 3 };
 // "auto", "allgather", "log", "hierarchical".
 const char* exchange_name(Exchange e);

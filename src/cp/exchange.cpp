@@ -53,19 +53,38 @@ struct Ops {
   Tensor zeros;  // (BH·D·D): the additive part of a product
 
   Tensor flat(int64_t E) const { return Tensor::empty({BH * D * E}, dt, dev); }
-  // op(N) x + h (x undefined: h).
-  Tensor apply(const Tensor& N, const Tensor& h, const Tensor& x, int64_t E) const {
+  // op(N) x + h (x undefined: h). With a batch, the result is computed when the batch runs.
+  Tensor apply(const Tensor& N, const Tensor& h, const Tensor& x, int64_t E, std::vector<Fold>* batch = nullptr) const {
     GDNCP_CHECK(!x.defined() || N.defined(), "cp exchange: a transition that did not travel is needed");
-    Tensor out = flat(E);
-    kern::fold(out, x, N, 0, 0, transpose, h, 0, 0, {0}, BH, D, E);
-    return out;
+    return submit(step(flat(E), x, N, transpose, h, E), batch);
   }
   // The linear part of b∘a (a applied first): N_b N_a, or N_a N_b for the transposed maps.
-  Tensor product(const Tensor& Nb, const Tensor& Na) const {
+  Tensor product(const Tensor& Nb, const Tensor& Na, std::vector<Fold>* batch = nullptr) const {
     GDNCP_CHECK(Na.defined() && Nb.defined(), "cp exchange: a transition that did not travel is needed");
-    Tensor out = flat(D);
-    kern::fold(out, transpose ? Nb : Na, transpose ? Na : Nb, 0, 0, false, zeros, 0, 0, {0}, BH, D, D);
-    return out;
+    return submit(step(flat(D), transpose ? Nb : Na, transpose ? Na : Nb, false, zeros, D), batch);
+  }
+
+ private:
+  // One fold step X = op(M) init + H.
+  static Fold step(const Tensor& X, const Tensor& init, const Tensor& M, bool t, const Tensor& H, int64_t E) {
+    Fold f;
+    f.X = X;
+    f.init = init;
+    f.Mbuf = M;
+    f.transpose = t;
+    f.Hbuf = H;
+    f.E = E;
+    f.order = {0};
+    return f;
+  }
+  Tensor submit(const Fold& f, std::vector<Fold>* batch) const {
+    if (batch) {
+      batch->push_back(f);
+    } else {
+      std::vector<Fold> one = {f};
+      kern::folds(one, BH, D);
+    }
+    return f.X;
   }
 };
 
@@ -109,6 +128,7 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
   for (int k = 0; k < rounds; ++k) {
     const int s = 1 << k;
     const bool last = k == rounds - 1;
+    std::vector<Fold> batch;  // the round's compositions, independent of each other: one launch
     for (bool dir : {false, true}) {
       std::vector<size_t> mine;
       for (size_t i = 0; i < items.size(); ++i)
@@ -160,8 +180,8 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
         State& t = st[i];
         if (t.have_excl) {
           Affine e;
-          e.h = ops.apply(t.excl.N, t.excl.h, a.h, it.E);
-          if (keep_N) e.N = ops.product(t.excl.N, a.N);
+          e.h = ops.apply(t.excl.N, t.excl.h, a.h, it.E, &batch);
+          if (keep_N) e.N = ops.product(t.excl.N, a.N, &batch);
           t.excl = e;
         } else {
           t.excl = a;
@@ -170,26 +190,29 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
         const bool incl_used = pos < G - 1 || it.want_total;
         if ((!last && incl_used) || (last && it.want_total && pos == G - 1)) {  // it travels on, or is the total
           Affine c;
-          c.h = ops.apply(t.incl.N, t.incl.h, a.h, it.E);
-          if (keep_N && !last) c.N = ops.product(t.incl.N, a.N);
+          c.h = ops.apply(t.incl.N, t.incl.h, a.h, it.E, &batch);
+          if (keep_N && !last) c.N = ops.product(t.incl.N, a.N, &batch);
           t.incl = c;
         }
       }
     }
+    if (!batch.empty()) kern::folds(batch, ops.BH, ops.D);
   }
   // The results, and the totals broadcast from the last node's first lane (the same bits everywhere).
   int64_t total_n = 0;
+  std::vector<Fold> batch;
   for (size_t i = 0; i < items.size(); ++i) {
     Item& it = items[i];
     const State& t = st[i];
     if (it.init.defined())
-      it.out = t.have_excl ? ops.apply(t.excl.N, t.excl.h, it.init, it.E) : it.init;
+      it.out = t.have_excl ? ops.apply(t.excl.N, t.excl.h, it.init, it.E, &batch) : it.init;
     else if (t.have_excl)
       it.out = t.excl.h;
     if (!it.want_total) continue;
     GDNCP_CHECK(!it.reverse, "cp exchange: a terminal state needs the forward rank order");
     total_n += ops.BH * ops.D * it.E;
   }
+  if (!batch.empty()) kern::folds(batch, ops.BH, ops.D);
   if (total_n == 0) return;
   const int root = (G - 1) * n;
   Tensor totals = Tensor::empty({total_n}, ops.dt, ops.dev);
