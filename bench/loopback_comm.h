@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
@@ -78,20 +79,34 @@ class LoopbackPeers final : public cp::Communicator {
     count(t.nbytes());
   }
   void send_recv(const Tensor& send, int dst, Tensor& recv, int src) override {
-    if (src < 0 && dst < 0) return;
-    const bool far = (dst >= 0 && dst / model_.node != rank_ / model_.node) ||
-                     (src >= 0 && src / model_.node != rank_ / model_.node);
-    const Link& l = far ? model_.inter : model_.intra;
-    const size_t bytes = std::max(dst >= 0 ? send.nbytes() : 0, src >= 0 ? recv.nbytes() : 0);
-    cudaStream_t s = begin(l.alpha_s + seconds(bytes, l));
-    if (src >= 0) {
-      if (dst >= 0 && send.nbytes() == recv.nbytes())
-        GDNCP_CUDA_CHECK(cudaMemcpyAsync(recv.data(), send.data(), send.nbytes(), cudaMemcpyDeviceToDevice, s));
+    std::vector<Transfer> ts(1);
+    ts[0] = Transfer{send, dst, recv, src};
+    send_recv_group(ts);
+  }
+  // The transfers at once over full-duplex links: the slowest one's modeled time.
+  void send_recv_group(std::vector<Transfer>& ts) override {
+    double t = 0;
+    size_t total = 0;
+    for (const Transfer& x : ts) {
+      if (x.src < 0 && x.dst < 0) continue;
+      const bool far = (x.dst >= 0 && x.dst / model_.node != rank_ / model_.node) ||
+                       (x.src >= 0 && x.src / model_.node != rank_ / model_.node);
+      const Link& l = far ? model_.inter : model_.intra;
+      const size_t bytes = std::max(x.dst >= 0 ? x.send.nbytes() : 0, x.src >= 0 ? x.recv.nbytes() : 0);
+      t = std::max(t, l.alpha_s + seconds(bytes, l));
+      total += bytes;
+    }
+    if (total == 0) return;
+    cudaStream_t s = begin(t);
+    for (Transfer& x : ts) {
+      if (x.src < 0) continue;
+      if (x.dst >= 0 && x.send.nbytes() == x.recv.nbytes())
+        GDNCP_CUDA_CHECK(cudaMemcpyAsync(x.recv.data(), x.send.data(), x.send.nbytes(), cudaMemcpyDeviceToDevice, s));
       else
-        GDNCP_CUDA_CHECK(cudaMemsetAsync(recv.data(), 0, recv.nbytes(), s));
+        GDNCP_CUDA_CHECK(cudaMemsetAsync(x.recv.data(), 0, x.recv.nbytes(), s));
     }
     end();
-    count(bytes);
+    count(total);
   }
   void barrier() override {}
   void all_gather_host(void* out, const void* in, size_t bytes) override {

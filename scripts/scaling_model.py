@@ -91,11 +91,11 @@ def x_allgather(P):
     return t
 
 
-# The implementation as it is: the two rank orders of a round are two send/recv calls one
-# after the other, and a round launches about 20 small kernels (16 copies packing and
-# unpacking the 4 maps, their 16 compositions in batched fold launches of 4, src/cp/exchange.cpp).
-# IMPROVED models what is not built: both orders in one grouped send/recv (full-duplex links)
-# and the maps composed straight out of and into the message buffers (no copies: 8 launches).
+# The implementation as it is: the two rank orders of a round go in one grouped send/recv
+# (ncclSend/ncclRecv in one group: the links' full duplex), and a round launches about 20
+# small kernels (16 copies packing and unpacking the 4 maps, their 16 compositions in batched
+# fold launches of 4, src/cp/exchange.cpp). IMPROVED models what is not built: the maps
+# composed straight out of and into the message buffers (no copies: 8 launches a round).
 IMPROVED = False
 
 
@@ -103,12 +103,12 @@ def log_rounds(G, a, b, init_M=False):
     """One scan (forward or backward) of the log algorithm over G positions: h and M of both
     jobs of each rank order a round, h alone in the last round."""
     R = math.ceil(math.log2(G)) if G > 1 else 0
-    calls, launches = (1, 8) if IMPROVED else (2, 20)
+    launches = 8 if IMPROVED else 20
     t = 0.0
     for k in range(R):
         last = k == R - 1
         bytes_dir = H_BYTES + (M_BYTES if (not last or init_M) else 0)
-        t += calls * a + 2 * bytes_dir / b / (2 if IMPROVED else 1) + 2 * TAU + launches * KAPPA
+        t += a + bytes_dir / b + 2 * TAU + launches * KAPPA  # the two orders at once
     return t
 
 
@@ -177,7 +177,8 @@ def tables():
             out.append("| %d | %s | %s |" % (P, " | ".join(fmt(e) for e in es), " / ".join("%.2f" % t for t in ts)))
     global IMPROVED
     IMPROVED = True
-    out.append("\n**Not built — duplex rounds and batched compositions** (log and hierarchical only; "
+    out.append("\n**Not built — compositions straight out of and into the message buffers** (log and "
+               "hierarchical only; "
                "strong 240 × 3 600 / 84 × 920, weak 11 × 920)\n")
     out.append("| P | log 240×3600 | hier 240×3600 | log 84×920 | hier 84×920 | log weak | hier weak |")
     out.append("|---|---|---|---|---|---|---|")

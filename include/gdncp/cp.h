@@ -120,6 +120,19 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Sends send to rank dst and receives recv from rank src in one step
   // (either rank may be -1 for none). For a halo exchange.
   virtual void send_recv(const Tensor& send, int dst, Tensor& recv, int src) = 0;
+  // One transfer of send_recv_group: send to dst, receive into recv from src (-1: none).
+  struct Transfer {
+    Tensor send;
+    int dst = -1;
+    Tensor recv;
+    int src = -1;
+  };
+  // Several transfers as one step (NCCL: one group, so that the two directions of a round of
+  // the log exchange share the links' full duplex); every rank lists its transfers in the same
+  // order. The default runs send_recv for each in turn.
+  virtual void send_recv_group(std::vector<Transfer>& ts) {
+    for (Transfer& t : ts) send_recv(t.send, t.dst, t.recv, t.src);
+  }
   virtual void barrier() = 0;
   // Host memory all-gather of `bytes` bytes per rank into out (size()·bytes).
   // The host needs the result at once: a blocking wait (Stats::host_waits).

@@ -128,41 +128,57 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
   for (int k = 0; k < rounds; ++k) {
     const int s = 1 << k;
     const bool last = k == rounds - 1;
-    std::vector<Fold> batch;  // the round's compositions, independent of each other: one launch
-    for (bool dir : {false, true}) {
+    // Both rank orders of the round in one step: each its own transfer (to the rank 2ᵏ ahead
+    // in its order, from the one 2ᵏ behind).
+    struct Way {
       std::vector<size_t> mine;
+      int pos = 0, lo_recv = 0;
+    };
+    std::vector<Way> ways;
+    std::vector<Communicator::Transfer> ts;
+    for (bool dir : {false, true}) {
+      Way w;
       for (size_t i = 0; i < items.size(); ++i)
-        if (items[i].reverse == dir) mine.push_back(i);
-      if (mine.empty()) continue;
-      const int pos = pos_of(g, G, dir);
-      const int dst = pos + s < G ? pos_of(pos + s, G, dir) * n + lane : -1;
-      const int src = pos - s >= 0 ? pos_of(pos - s, G, dir) * n + lane : -1;
-      const int lo_send = std::max(0, pos - s + 1), lo_recv = std::max(0, pos - 2 * s + 1);
+        if (items[i].reverse == dir) w.mine.push_back(i);
+      if (w.mine.empty()) continue;
+      const int pos = w.pos = pos_of(g, G, dir);
+      Communicator::Transfer t;
+      t.dst = pos + s < G ? pos_of(pos + s, G, dir) * n + lane : -1;
+      t.src = pos - s >= 0 ? pos_of(pos - s, G, dir) * n + lane : -1;
+      const int lo_send = std::max(0, pos - s + 1);
+      w.lo_recv = std::max(0, pos - 2 * s + 1);
       // Pack: per item h, then N where it travels; the receiver sizes it by the same rule.
       int64_t send_n = 0, recv_n = 0;
-      for (size_t i : mine) {
+      for (size_t i : w.mine) {
         const bool init = items[i].init.defined();
         send_n += ops.BH * ops.D * items[i].E + (carries_N(lo_send, last, init) ? ops.BH * DD : 0);
-        recv_n += ops.BH * ops.D * items[i].E + (carries_N(lo_recv, last, init) ? ops.BH * DD : 0);
+        recv_n += ops.BH * ops.D * items[i].E + (carries_N(w.lo_recv, last, init) ? ops.BH * DD : 0);
       }
-      Tensor send, recv;
-      if (dst >= 0) {
-        send = Tensor::empty({send_n}, ops.dt, ops.dev);
+      if (t.dst >= 0) {
+        t.send = Tensor::empty({send_n}, ops.dt, ops.dev);
         int64_t off = 0;
-        for (size_t i : mine) {
+        for (size_t i : w.mine) {
           const Affine& a = st[i].incl;
-          kern::copy_region(send, off, a.h, 0, a.h.numel());
+          kern::copy_region(t.send, off, a.h, 0, a.h.numel());
           off += a.h.numel();
           if (carries_N(lo_send, last, items[i].init.defined())) {
             GDNCP_CHECK(a.N.defined(), "cp exchange: a transition that must travel is missing");
-            kern::copy_region(send, off, a.N, 0, a.N.numel());
+            kern::copy_region(t.send, off, a.N, 0, a.N.numel());
             off += a.N.numel();
           }
         }
       }
-      if (src >= 0) recv = Tensor::empty({recv_n}, ops.dt, ops.dev);
-      comm.send_recv(send, dst, recv, src);
-      if (src < 0) continue;
+      if (t.src >= 0) t.recv = Tensor::empty({recv_n}, ops.dt, ops.dev);
+      ways.push_back(w);
+      ts.push_back(t);
+    }
+    comm.send_recv_group(ts);
+    std::vector<Fold> batch;  // the round's compositions, independent of each other: one launch
+    for (size_t wi = 0; wi < ways.size(); ++wi) {
+      const std::vector<size_t>& mine = ways[wi].mine;
+      const int pos = ways[wi].pos, lo_recv = ways[wi].lo_recv;
+      const Tensor& recv = ts[wi].recv;
+      if (ts[wi].src < 0) continue;
       int64_t off = 0;
       for (size_t i : mine) {
         Item& it = items[i];

@@ -10,7 +10,8 @@
 //                  k = 0 … ⌈log₂P⌉−1 the rank at position p sends its inclusive
 //                  composite of [p−2ᵏ+1, p] to p+2ᵏ and receives that of p−2ᵏ;
 //                  one composite (M, h) per job per round, the two rank orders of
-//                  a bidirectional call in opposite directions of the same round;
+//                  a bidirectional call in opposite directions of the same round
+//                  (one Communicator::send_recv_group: NCCL groups them);
 //   hierarchical — ranks in nodes of n consecutive ranks (n divides P): a ring
 //                  all-gather of the composites inside the node, the node's
 //                  composite folded from it, the log scan over nodes between the
