@@ -358,10 +358,10 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
     it.want_total = j.terminal;
     const int pos = pos_of(g, G, j.reverse);
     if (G > 1 || j.terminal) {  // the node's own map travels (or is the total)
+      GDNCP_CHECK(j.M_off >= 0 || n == 1, "cp exchange: the node's transitions were not packed");
       it.own.h = ops.flat(j.E);
       kern::fold(it.own.h, Tensor(), j.M_off >= 0 ? nodebuf : Tensor(), std::max<int64_t>(j.M_off, 0), fwd_total, false,
                  nodebuf, j.h_off, fwd_total, lanes_in_order(n, j.reverse), BH, D, j.E);
-      GDNCP_CHECK(j.M_off >= 0 || n == 1, "cp exchange: the node's transitions were not packed");
     }
     if (own_needs_N(pos, G, false, j.terminal)) it.own.N = node_product(ops, nodebuf, fwd_total, j, n);
   }
@@ -435,11 +435,10 @@ void exchange_backward(Communicator& comm, const ExchangePlan& plan, const std::
     it.init = a0[i];
     const int pos = pos_of(g, G, it.reverse);
     if (G > 1) {
-      std::vector<int> order = lanes_in_order(n, it.reverse);
+      GDNCP_CHECK(j.M_off >= 0 || n == 1, "cp exchange: the node's transitions were not packed");
       it.own.h = ops.flat(j.E);
       kern::fold(it.own.h, Tensor(), j.M_off >= 0 ? kept : Tensor(), std::max<int64_t>(j.M_off, 0), fwd_total, true,
-                 nbuf, j.dX0_off, bwd_total, order, BH, D, j.E);
-      GDNCP_CHECK(j.M_off >= 0 || n == 1, "cp exchange: the node's transitions were not packed");
+                 nbuf, j.dX0_off, bwd_total, lanes_in_order(n, it.reverse), BH, D, j.E);
     }
     if (own_needs_N(pos, G, it.init.defined(), false)) it.own.N = node_product(ops, kept, fwd_total, j, n);
   }
