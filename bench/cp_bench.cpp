@@ -22,6 +22,7 @@
 #include "gdncp/error.h"
 #include "gdncp/gdncp.h"
 #include "loopback_comm.h"
+#include "modeled_link.h"
 #include "timing.h"
 
 namespace gdncp {
@@ -33,6 +34,7 @@ cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream()); }
 struct Layer {  // inputs of one rank (leaves) and the output gradient
   Tensor qkv, beta, decay, qw, kw, cos, sin, gout;
   int64_t F = 0, S = 0;
+  cp::CpOptions cpo;  // the exchange of the CP calls
 };
 
 // Rows [lo, hi) of axis `axis` of a CUDA tensor (a strided device copy; empty when lo == hi).
@@ -72,6 +74,8 @@ Layer make_layer(const CpBenchConfig& c, int64_t Fg, int64_t F0, int64_t F, DTyp
   Layer l;
   l.F = F;
   l.S = S;
+  l.cpo.exchange = c.exchange;
+  l.cpo.node_size = c.node_size;
   l.qkv = leaf(slice_rows(g.qkv, 1, N0, N0 + N));
   l.beta = leaf(slice_rows(g.beta, 2, F0, F0 + F));
   l.decay = leaf(slice_rows(g.decay, 2, F0, F0 + F));
@@ -93,7 +97,7 @@ BigdnOptions options(const CpBenchConfig& c, Checkpoint ck) {
 
 // comm == nullptr: the single-GPU layer bigdn().
 Tensor forward(cp::Communicator* comm, const Layer& l, const BigdnOptions& o) {
-  return comm ? cp::bigdn_cp(*comm, l.qkv, l.beta, l.decay, l.qw, l.kw, l.cos, l.sin, l.F, l.S, o)
+  return comm ? cp::bigdn_cp(*comm, l.qkv, l.beta, l.decay, l.qw, l.kw, l.cos, l.sin, l.F, l.S, o, Tensor(), l.cpo)
               : bigdn(l.qkv, l.beta, l.decay, l.qw, l.kw, l.cos, l.sin, l.F, l.S, o);
 }
 
@@ -226,8 +230,17 @@ int run_emulated(const CpBenchConfig& c) {
   GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
   GDNCP_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
   std::shared_ptr<cp::Communicator> one = cp::make_nccl_communicator(MPI_COMM_SELF, dev);
-  std::vector<std::shared_ptr<cp::Communicator>> peers;
-  for (int r = 0; r < P; ++r) peers.push_back(std::make_shared<LoopbackPeers>(r, P));
+  LinkModel model;
+  model.node = c.node_size;
+  model.intra = link_preset(c.link == "none" ? "none" : "nvlink");
+  model.inter = link_preset(c.link);
+  // The ranks timed: all of them up to 8, else the first two, the middle one and the last.
+  std::vector<int> timed;
+  for (int r = 0; r < P; ++r)
+    if (P <= 8 || r <= 1 || r == P / 2 || r == P - 1) timed.push_back(r);
+  std::vector<std::shared_ptr<cp::Communicator>> peers(static_cast<size_t>(P));
+  for (int r : timed) peers[static_cast<size_t>(r)] = std::make_shared<LoopbackPeers>(r, P, model);
+  const bool whole = Fg <= 256;  // the one-GPU rows over the global frames fit
 
   struct Spec {
     std::string name;
@@ -239,10 +252,10 @@ int run_emulated(const CpBenchConfig& c) {
   std::vector<Spec> specs;
   for (const Checkpoint ck : {Checkpoint::off, Checkpoint::on}) {
     const std::string cks = ck == Checkpoint::on ? " ckpt" : "";
-    specs.push_back({"bigdn 1 GPU" + cks, nullptr, Fg, 0, ck});
-    specs.push_back({"bigdn_cp P=1" + cks, one.get(), Fg, 0, ck});
+    if (whole) specs.push_back({"bigdn 1 GPU" + cks, nullptr, Fg, 0, ck});
+    if (whole) specs.push_back({"bigdn_cp P=1" + cks, one.get(), Fg, 0, ck});
     specs.push_back({"bigdn_cp P=1 F_0" + cks, one.get(), F, 0, ck});
-    for (int r = 0; r < P; ++r) {
+    for (int r : timed) {
       const cp::FrameSplit sp = cp::balanced_split(Fg, P, r);
       specs.push_back({"bigdn_cp rank " + std::to_string(r) + "/" + std::to_string(P) + cks, peers[r].get(), sp.frames,
                        sp.offset, ck});
@@ -252,7 +265,7 @@ int run_emulated(const CpBenchConfig& c) {
     GDNCP_CHECK(c.profile_row < static_cast<int>(specs.size()), "cp_bench: --profile-row ", c.profile_row, " of ",
                 specs.size());
     const Spec& s = specs[static_cast<size_t>(c.profile_row)];
-    Layer l = make_layer(c, Fg, s.offset, s.frames, DType::bf16, 5);
+    Layer l = make_layer(c, whole ? Fg : s.frames, whole ? s.offset : 0, s.frames, DType::bf16, 5);
     const BigdnOptions o = options(c, s.ck);
     for (int i = 0; i < c.warmup; ++i) fwd_bwd(s.comm, l, o);
     synchronize();
@@ -268,29 +281,39 @@ int run_emulated(const CpBenchConfig& c) {
       "copies): B=%lld S=%lld H=%lld D=%lld bf16, %lld global frames\n",
       prop.name, P, static_cast<long long>(c.batch), static_cast<long long>(c.tokens), static_cast<long long>(c.heads),
       static_cast<long long>(c.head_dim), static_cast<long long>(Fg));
+  std::printf(
+      "  exchange %s, nodes of %d ranks, links: %s (intra %.1f us + bytes / %.0f GB/s, inter %.1f us + bytes / "
+      "%.0f GB/s; modeled on a communication stream)\n",
+      cp::exchange_name(c.exchange), c.node_size, c.link.c_str(), model.intra.alpha_s * 1e6, model.intra.beta_Bps / 1e9,
+      model.inter.alpha_s * 1e6, model.inter.beta_Bps / 1e9);
   std::vector<Row> rows;
   for (const Spec& s : specs) {
-    Layer l = make_layer(c, Fg, s.offset, s.frames, DType::bf16, 5);
+    // Beyond `whole`, a rank's own frames only (its kernels do not depend on the global count).
+    Layer l = make_layer(c, whole ? Fg : s.frames, whole ? s.offset : 0, s.frames, DType::bf16, 5);
     rows.push_back(measure(s.name, s.comm, l, s.ck, c));
   }
-  std::printf("\n  %-28s %4s %10s %10s %10s\n", "config", "F/rk", "fwd+bwd ms", "peak MiB", "held MiB");
+  std::printf("\n  %-28s %4s %10s %10s %10s %10s\n", "config", "F/rk", "fwd+bwd ms", "link ms", "peak MiB", "held MiB");
   for (const Row& x : rows)
-    std::printf("  %-28s %4lld %10.3f %10.1f %10.1f\n", x.name.c_str(), static_cast<long long>(x.F), x.ms, x.peak_mib,
-                x.held_mib);
-  const size_t per_ck = 3 + static_cast<size_t>(P);
+    std::printf("  %-28s %4lld %10.3f %10.3f %10.1f %10.1f\n", x.name.c_str(), static_cast<long long>(x.F), x.ms,
+                x.comm_ms, x.peak_mib, x.held_mib);
+  const size_t lead = whole ? 3 : 1, per_ck = lead + timed.size();
   for (size_t k = 0; k < 2; ++k) {
-    const Row &t1 = rows[k * per_ck + 1], &t1f = rows[k * per_ck + 2];
+    const Row& t1f = rows[k * per_ck + lead - 1];
     double worst = 0;
-    for (int r = 0; r < P; ++r) worst = std::max(worst, rows[k * per_ck + 3 + static_cast<size_t>(r)].ms);
-    std::printf(
-        "  %s: slowest rank %.3f ms; its CP-only compute (vs one GPU on the largest share) %.3f ms; strong scaling "
-        "without the collectives' time and skew (an upper bound): %.1f%%\n",
-        k ? "ckpt" : "off ", worst, worst - t1f.ms, 100.0 * t1.ms / (P * worst));
+    for (size_t i = 0; i < timed.size(); ++i) worst = std::max(worst, rows[k * per_ck + lead + i].ms);
+    std::printf("  %s: slowest timed rank %.3f ms; its CP-only time (vs one GPU on the largest share) %.3f ms",
+                k ? "ckpt" : "off ", worst, worst - t1f.ms);
+    if (whole)
+      std::printf("; strong scaling %s: %.1f%%",
+                  model.on() ? "with the modeled links, without skew"
+                             : "without the collectives' time and skew (an upper bound)",
+                  100.0 * rows[k * per_ck + 1].ms / (P * worst));
+    std::printf("\n");
   }
   // Memory of a deep model (as in run()): stacks of layer calls as rank 0 of P.
   std::vector<std::pair<int, std::pair<double, double>>> stacks;
   {
-    Layer l = make_layer(c, Fg, 0, F, DType::bf16, 5);
+    Layer l = make_layer(c, whole ? Fg : F, 0, F, DType::bf16, 5);
     for (const int L : {1, 8, 20}) {
       const double off = stack_peak_mib(peers[0].get(), l, Checkpoint::off, c, L);
       const double on = stack_peak_mib(peers[0].get(), l, Checkpoint::on, c, L);
@@ -304,15 +327,19 @@ int run_emulated(const CpBenchConfig& c) {
     std::ostringstream js;
     js << "{\n\"device\": \"" << prop.name << "\", \"emulated_ranks\": " << P << ", \"B\": " << c.batch
        << ", \"S\": " << c.tokens << ", \"H\": " << c.heads << ", \"D\": " << c.head_dim
-       << ", \"global_frames\": " << Fg << ", \"dtype\": \"bf16\",\n\"timing\": \"CUDA events, " << c.warmup
-       << " warm-up, median of " << c.iters << "\",\n\"stacks_rank0\": [";
+       << ", \"global_frames\": " << Fg << ", \"exchange\": \"" << cp::exchange_name(c.exchange)
+       << "\", \"node_size\": " << c.node_size << ", \"link\": \"" << c.link << "\", \"link_alpha_us\": ["
+       << model.intra.alpha_s * 1e6 << ", " << model.inter.alpha_s * 1e6 << "], \"link_beta_GBps\": ["
+       << model.intra.beta_Bps / 1e9 << ", " << model.inter.beta_Bps / 1e9 << "]"
+       << ", \"dtype\": \"bf16\",\n\"timing\": \"CUDA events, " << c.warmup << " warm-up, median of " << c.iters
+       << "\",\n\"stacks_rank0\": [";
     for (size_t i = 0; i < stacks.size(); ++i)
       js << (i ? ", " : "") << "{\"layers\": " << stacks[i].first << ", \"peak_mib_off\": " << stacks[i].second.first
          << ", \"peak_mib_ckpt\": " << stacks[i].second.second << "}";
     js << "],\n\"rows\": [\n";
     for (size_t i = 0; i < rows.size(); ++i)
       js << (i ? ",\n" : "") << "{\"name\": \"" << rows[i].name << "\", \"frames_per_rank\": " << rows[i].F
-         << ", \"ms\": " << rows[i].ms << ", \"peak_mib\": " << rows[i].peak_mib
+         << ", \"ms\": " << rows[i].ms << ", \"link_ms\": " << rows[i].comm_ms << ", \"peak_mib\": " << rows[i].peak_mib
          << ", \"held_mib\": " << rows[i].held_mib << "}";
     js << "\n]\n}\n";
     std::ofstream(c.json) << js.str();

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <string>
 
+#include "gdncp/cp.h"
+
 namespace gdncp {
 namespace bench {
 
@@ -29,6 +31,13 @@ struct CpBenchConfig {
   // >= 0 with emulate: run only this row, its timed steps between
   // cudaProfilerStart/Stop (for ncu --profile-from-start off), and print nothing else.
   int profile_row = -1;
+  // The composites' exchange (gdncp/cp.h Exchange) and the ranks per node, for every CP row.
+  cp::Exchange exchange = cp::Exchange::automatic;
+  int node_size = 8;
+  // With emulate: the modeled links (modeled_link.h): "none" (collectives cost a device
+  // copy), "nvlink" (one NVLink domain) or "ib" (NVLink inside nodes of node_size ranks,
+  // InfiniBand between them).
+  std::string link = "none";
 };
 
 // Initialises MPI if the caller has not (and finalises it then). Returns a
@@ -43,6 +52,10 @@ struct CpBenchConfig {
 // collectives replaced by device copies — with checkpointing off and on. The
 // rank rows are the compute of a P-GPU run; the real run adds the collectives'
 // time and the ranks' skew, so what it prints are bounds, not the scaling itself.
+// With a link other than "none" the collectives take their modeled time on a
+// communication stream (loopback_comm.h), so the rank rows include the exchange
+// of the chosen algorithm; above 8 ranks only ranks 0, 1, P/2 and P−1 are timed,
+// and the one-GPU rows over the global frames only up to 256 frames (memory).
 int run_cp_bench(const CpBenchConfig& config);
 
 }  // namespace bench

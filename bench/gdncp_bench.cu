@@ -5,11 +5,13 @@
 //
 //   gdncp_bench [--json PATH] [--batches 1,4,8] [--dims 112,128] [--frames 11] [--tokens 920]
 //               [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp [--emulate P [--profile-row K]]]
+//               [--exchange auto|allgather|log|hierarchical] [--node-size 8] [--link none|nvlink|ib]
 //               [--profile] [--validate-full]
 // --profile runs one forward+backward of the first configuration and exits (to run under ncu).
 // --validate-full adds the production shape against the f64 CPU layer (IEEE f32 bar 1e-6).
 // --cp --emulate P: the CP benchmark on one GPU, each rank of P on stand-in peers (cp_bench.h);
-// --profile-row K then runs only row K's steps between cudaProfilerStart/Stop (for ncu).
+// --profile-row K then runs only row K's steps between cudaProfilerStart/Stop (for ncu);
+// --link nvlink|ib then models each collective's time on a communication stream (modeled_link.h).
 // With --cp, --frames is the video's global frame count (default 22), any count: the ranks hold
 // the balanced split (21 on 2 ranks = 11 + 10) and each rank's time is printed.
 //
@@ -53,6 +55,9 @@ struct Args {
   bool cp = false;
   bool frames_given = false;          // --cp: --frames is the global count (else 2 x the default)
   int emulate = 0, profile_row = -1;  // --cp on one GPU with stand-in peers (cp_bench.h)
+  // --cp: the composites' exchange and nodes; --emulate: the modeled links (modeled_link.h).
+  std::string exchange = "auto", link = "none";
+  int node_size = 8;
   bool profile = false;  // one forward+backward of the first configuration, nothing else (for ncu)
   bool validate_full = false;  // also the production shape against the f64 CPU layer (slow: minutes of CPU)
 };
@@ -89,12 +94,24 @@ bool parse_args(int argc, char** argv, Args& a) {
     else if (f == "--cp") a.cp = true;
     else if (f == "--emulate") a.emulate = std::stoi(next());
     else if (f == "--profile-row") a.profile_row = std::stoi(next());
+    else if (f == "--exchange") a.exchange = next();
+    else if (f == "--link") a.link = next();
+    else if (f == "--node-size") a.node_size = std::stoi(next());
     else if (f == "--profile") a.profile = true;
     else if (f == "--validate-full") a.validate_full = true;
     else if (f == "--help" || f == "-h") {
       std::printf("gdncp_bench [--json PATH] [--batches 1,4,8] [--dims 112,128] [--frames 11] [--tokens 920]\n"
                   "            [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp [--emulate P [--profile-row K]]]\n"
-                  "            [--profile] [--validate-full]\n");
+                  "            [--exchange auto|allgather|log|hierarchical] [--node-size 8] [--link none|nvlink|ib]\n"
+                  "            [--profile] [--validate-full]\n"
+                  "  --cp --emulate P       one GPU times each rank of P on stand-in peers (P up to 256: above 8,\n"
+                  "                         ranks 0, 1, P/2, P-1)\n"
+                  "  --exchange X           the CP composites' exchange (gdncp/cp.h Exchange)\n"
+                  "  --node-size N          ranks per node for the exchange and the link model\n"
+                  "  --link L               with --emulate, modeled links: each collective occupies a communication\n"
+                  "                         stream for alpha + bytes/beta of each round of the exchange; nvlink: one\n"
+                  "                         NVLink domain (8 us, 365 GB/s), ib: NVLink inside nodes, NDR InfiniBand\n"
+                  "                         between them (20 us, 45 GB/s); none: collectives are device copies\n");
       std::exit(0);
     } else {
       std::fprintf(stderr, "gdncp_bench: unknown flag %s (try --help)\n", f.c_str());
@@ -478,6 +495,19 @@ int run_cp(const Args& a) {
   c.json = a.json;
   c.emulate = a.emulate;
   c.profile_row = a.profile_row;
+  const std::vector<std::pair<std::string, cp::Exchange>> xs = {{"auto", cp::Exchange::automatic},
+                                                                {"allgather", cp::Exchange::all_gather},
+                                                                {"log", cp::Exchange::log},
+                                                                {"hierarchical", cp::Exchange::hierarchical}};
+  const auto x = std::find_if(xs.begin(), xs.end(), [&](const auto& p) { return p.first == a.exchange; });
+  if (x == xs.end() || a.node_size < 1 || (a.link != "none" && a.link != "nvlink" && a.link != "ib")) {
+    std::fprintf(stderr, "gdncp_bench: bad --exchange %s, --node-size %d or --link %s (try --help)\n",
+                 a.exchange.c_str(), a.node_size, a.link.c_str());
+    return 1;
+  }
+  c.exchange = x->second;
+  c.node_size = a.node_size;
+  c.link = a.link;
   return bench::run_cp_bench(c);
 }
 

@@ -7,6 +7,7 @@
  * reads and writes the caller's memory in place.
  */
 #include <math.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -364,6 +365,34 @@ static void case_bigdn_backward(void) {
   free(L);
 }
 
+/* gdncp_cp_options' exchange fields: a value out of range is refused by name; a caller built
+ * against the first version of the struct (struct_size without them) still runs. */
+static void cp_options_exchange(gdncp_comm* comm) {
+  float P[4] = {0.1f, 0, 0, 0.1f}, A[4] = {1, 2, 3, 4}, Pz[4] = {0.1f, 0, 0, 0.1f}, bz[2] = {1, 2}, dc[1] = {0.5f};
+  const int64_t s4[] = {1, 1, 2, 2}, s3[] = {1, 1, 2}, sd[] = {1, 1, 1};
+  for (int round = 0; round < 2; ++round) {
+    Blob b[5];
+    gdncp_cp_options o;
+    EXPECT(gdncp_cp_options_init(&o) == GDNCP_OK && o.exchange == GDNCP_EXCHANGE_AUTO && o.node_size == 0, "init");
+    if (round == 0) {
+      o.exchange = 9;
+    } else {
+      o.exchange = 9; /* beyond the first version's struct_size: not read */
+      o.struct_size = offsetof(gdncp_cp_options, exchange);
+    }
+    DLManagedTensor* outs[4] = {NULL, NULL, NULL, NULL};
+    const gdncp_status st = gdncp_cp_scan(comm, wrap(&b[0], P, kDLFloat, 32, 4, s4), wrap(&b[1], A, kDLFloat, 32, 4, s4),
+                                          wrap(&b[2], Pz, kDLFloat, 32, 4, s4), wrap(&b[3], bz, kDLFloat, 32, 3, s3),
+                                          wrap(&b[4], dc, kDLFloat, 32, 3, sd), NULL, &o, NULL, 0, outs, NULL);
+    if (round == 0)
+      EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "cp_options->exchange 9") != NULL, "%d '%s'",
+             st, gdncp_last_error());
+    else
+      EXPECT(st == GDNCP_OK && outs[0] != NULL, "first-version struct: %d '%s'", st, gdncp_last_error());
+    for (int k = 0; k < 4; ++k) release(outs[k]);
+  }
+}
+
 /* In place through the door: a 1-rank MPI world sums into the caller's buffer
  * (the result lands in the same memory; nothing is copied out). */
 static void case_dlpack_in_place(void) {
@@ -399,6 +428,7 @@ static void case_dlpack_in_place(void) {
   st = gdncp_comm_all_reduce_sum(comm, m, NULL);
   EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "t:") != NULL && b.deleted == 1, "%d '%s'", st,
          gdncp_last_error());
+  cp_options_exchange(comm);
   EXPECT(gdncp_comm_destroy(comm) == GDNCP_OK, "destroy");
   EXPECT(gdncp_mpi_finalize() == GDNCP_OK, "finalize: '%s'", gdncp_last_error());
 }

@@ -133,6 +133,19 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Sends send to rank dst and receives recv from rank src in one step
   // (either rank may be -1 for none). For a halo exchange.
   virtual void send_recv(const Tensor& send, int dst, Tensor& recv, int src) = 0;
+  // One transfer of send_recv_group: send to dst, receive into recv from src (-1: none).
+  struct Transfer {
+    Tensor send;
+    int dst = -1;
+    Tensor recv;
+    int src = -1;
+  };
+  // Several transfers as one step (NCCL: one group, so that the two directions of a round of
+  // the log exchange share the links' full duplex); every rank lists its transfers in the same
+  // order. The default runs send_recv for each in turn.
+  virtual void send_recv_group(std::vector<Transfer>& ts) {
+    for (Transfer& t : ts) send_recv(t.send, t.dst, t.recv, t.src);
+  }
   virtual void barrier() = 0;
   // Host memory all-gather of `bytes` bytes per rank into out (size()·bytes).
   // The host needs the result at once: a blocking wait (Stats::host_waits).
@@ -156,6 +169,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   virtual void watch(const char* what) { (void)what; }
   // "mpi", "nccl" or "callbacks".
   virtual const char* backend() const = 0;
+  // Ranks per node when the group fills its nodes in blocks of that many consecutive ranks,
+  // else 0 (unknown or irregular). MPI: from MPI_Comm_split_type(MPI_COMM_TYPE_SHARED), found
+  // when the communicator is made (no collective here). NCCL: 0 (declare it:
+  // CpOptions::node_size or GDNCP_CP_NODE_SIZE).
+  virtual int node_size() const { return 0; }
 
   // Deadline of every collective, in seconds (finite and > 0; default 300).
   double timeout_seconds() const { return timeout_seconds_; }
@@ -299,6 +317,23 @@ struct FrameSplit {
 };
 FrameSplit balanced_split(int64_t F_total, int P, int r);
 
+// How the CP scan exchanges the per-rank composites (docs/design.md §6, Note [exchange] in
+// src/cp/exchange.h). All give the one-rank result up to rounding; each rank sends and receives:
+//   all_gather   — one all-gather of every rank's composites: (P−1) composites in, one collective;
+//   log          — recursive doubling over the ranks: ⌈log₂P⌉ rounds of one composite each way;
+//   hierarchical — an all-gather inside each node (a ring of n−1 exchanges), then log over the nodes
+//                  between the ranks of one lane (rank mod n); nodes are n consecutive ranks, n
+//                  dividing P (else gdncp::Error naming node_size);
+//   automatic    — all_gather for P ≤ 2 and for one node of at most 8 ranks; hierarchical for
+//                  several nodes of n > 1 ranks when n divides P; log otherwise.
+// The node size n: CpOptions::node_size > 0, else the environment variable GDNCP_CP_NODE_SIZE
+// (e.g. to emulate nodes on one machine), else Communicator::node_size(), else one node.
+// Every rank must pass the same exchange and node size. all_gather on CUDA folds at most 64
+// composites (groups of up to 65 ranks: the fold kernel's limit); log and hierarchical have none.
+enum class Exchange : int { automatic = 0, all_gather = 1, log = 2, hierarchical = 3 };
+// "auto", "allgather", "log", "hierarchical".
+const char* exchange_name(Exchange e);
+
 struct CpOptions {
   // State flows from rank P−1 to rank 0: the global sequence is the ranks'
   // frames concatenated in reverse rank order (each rank's own frames stay in
@@ -313,6 +348,9 @@ struct CpOptions {
   // state), so the terminal state is the state after frame K−1 of the clip
   // that holds frame K−1, from that clip's start.
   int64_t truncate_to_active = 0;
+  // The composites' exchange and the ranks per node it assumes (0: detect), see Exchange.
+  Exchange exchange = Exchange::automatic;
+  int node_size = 0;
 };
 
 // --- the distributed frame scan (docs/design.md §6) -----------------------------------
@@ -346,8 +384,10 @@ ScanResult cp_scan(Communicator& comm, const Tensor& P, const Tensor& A, const T
 // f also ends the strictly-later state of frame f−1 (M̃_{f−1} = 0), on this
 // rank or, for f the first frame of a later rank, on the nearest non-empty
 // rank before it.
+// cp_options: only the exchange and node size apply (reverse_rank_order, truncate_to_active: error).
 std::vector<Tensor> cp_bidi_scan(Communicator& comm, const Tensor& P, const Tensor& A, const Tensor& Pz,
-                                 const Tensor& bz, const Tensor& decay, const Tensor& clip_starts = Tensor());
+                                 const Tensor& bz, const Tensor& decay, const Tensor& clip_starts = Tensor(),
+                                 const CpOptions& cp_options = {});
 
 // --- the CP layers -------------------------------------------------------------
 // Inputs as bigdn() (gdncp/bigdn.h), CP-local: qkv (B, N, 3, H, D) with N = F·S
@@ -361,11 +401,13 @@ std::vector<Tensor> cp_bidi_scan(Communicator& comm, const Tensor& P, const Tens
 // them with all_reduce_grads().
 
 // The bidirectional CP layer: out = num/(den+eps) (B, N, H, D) in qkv's dtype,
-// equal to bigdn() on the gathered sequence, for this rank's frames.
+// equal to bigdn() on the gathered sequence, for this rank's frames. cp_options: only the
+// exchange and node size apply (reverse_rank_order, truncate_to_active: error).
 Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                 const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
                 const BigdnOptions& options = {}, const Tensor& clip_starts = Tensor(),
-                const Tensor& rope_cos_q = Tensor(), const Tensor& rope_sin_q = Tensor());
+                const Tensor& rope_cos_q = Tensor(), const Tensor& rope_sin_q = Tensor(),
+                const CpOptions& cp_options = {});
 
 // Raw single direction (the Python reference's cp_fused_gdn_chunkwise_raw_autograd): Prep
 // (RMSNorm + relu + k_scale + RoPE + phase A) → CP scan → Output (phase C),

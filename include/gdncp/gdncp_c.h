@@ -96,7 +96,15 @@ typedef struct gdncp_cp_options {
   size_t struct_size;
   int reverse_rank_order;     /* 0 | 1 */
   int64_t truncate_to_active; /* 0 = off */
+  int exchange;               /* gdncp_exchange (gdncp/cp.h Exchange); init: GDNCP_EXCHANGE_AUTO */
+  int node_size;              /* ranks per node for the exchange, 0 = detect */
 } gdncp_cp_options;
+typedef enum gdncp_exchange {
+  GDNCP_EXCHANGE_AUTO = 0,
+  GDNCP_EXCHANGE_ALLGATHER = 1,
+  GDNCP_EXCHANGE_LOG = 2,
+  GDNCP_EXCHANGE_HIERARCHICAL = 3
+} gdncp_exchange;
 gdncp_status gdncp_cp_options_init(gdncp_cp_options* options);
 
 /* --- communicators --------------------------------------------------------------- */
@@ -219,6 +227,14 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
                             DLManagedTensor* rope_sin, DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q,
                             DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
                             void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph);
+/* The same with CP options: only exchange and node_size apply (reverse_rank_order and
+ * truncate_to_active: GDNCP_ERROR_ARGUMENT); cp_options NULL = gdncp_bigdn_cp. */
+gdncp_status gdncp_bigdn_cp_ex(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
+                               DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
+                               DLManagedTensor* rope_sin, DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q,
+                               DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
+                               const gdncp_cp_options* cp_options, void* stream, uint32_t requires_grad,
+                               DLManagedTensor** out, gdncp_graph** graph);
 
 /* One direction, raw (gdncp/cp.h cp_gdn_raw): inputs as gdncp_bigdn_cp;
  * outputs (graph outputs 0-3) num (B, F*S, H, D), den (B, H, F*S), and with

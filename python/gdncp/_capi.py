@@ -23,6 +23,7 @@ STATUS_NAMES = {0: "ok", 1: "argument", 2: "error", 3: "out of memory", 4: "inte
 
 PRECISIONS = {"auto": 0, "bf16": 1, "tf32": 2, "ieee": 3}
 CHECKPOINTS = {"off": 0, "on": 1, "auto": 2}
+EXCHANGES = {"auto": 0, "allgather": 1, "log": 2, "hierarchical": 3}
 UNIQUE_ID_BYTES = 128
 
 
@@ -102,6 +103,8 @@ class CpOptions(ctypes.Structure):
         ("struct_size", ctypes.c_size_t),
         ("reverse_rank_order", ctypes.c_int),
         ("truncate_to_active", ctypes.c_int64),
+        ("exchange", ctypes.c_int),
+        ("node_size", ctypes.c_int),
     ]
 
 
@@ -165,6 +168,7 @@ F = {
     "graph_destroy": _sig("gdncp_graph_destroy", _p),
     "bigdn": _sig("gdncp_bigdn", *_LAYER_IN, _p, _u32, _pp, _pp),
     "bigdn_cp": _sig("gdncp_bigdn_cp", _p, *_LAYER_IN, _p, _u32, _pp, _pp),
+    "bigdn_cp_ex": _sig("gdncp_bigdn_cp_ex", _p, *_LAYER_IN, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
     "cp_gdn_raw": _sig("gdncp_cp_gdn_raw", _p, *_LAYER_IN, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
     "cp_scan": _sig("gdncp_cp_scan", _p, _p, _p, _p, _p, _p, _p, ctypes.POINTER(CpOptions), _p, _u32, _pp, _pp),
     "cp_cam_gdn_num": _sig("gdncp_cp_cam_gdn_num", _p, _p, _p, _p, _p, _p, _i64, _i64, ctypes.POINTER(CpOptions), _int,
@@ -206,11 +210,15 @@ def layer_options(k_scale=1.0, norm_eps=1e-5, eps=1e-6, precision="auto", checkp
     return o
 
 
-def cp_options(reverse_rank_order=False, truncate_to_active=0):
+def cp_options(reverse_rank_order=False, truncate_to_active=0, exchange="auto", node_size=0):
     o = CpOptions()
     call("cp_options_init", ctypes.byref(o))
     o.reverse_rank_order = int(bool(reverse_rank_order))
     o.truncate_to_active = int(truncate_to_active)
+    if exchange not in EXCHANGES:
+        raise ValueError("gdncp: exchange must be one of %s, got %r" % (sorted(EXCHANGES), exchange))
+    o.exchange = EXCHANGES[exchange]
+    o.node_size = int(node_size)
     return o
 
 

@@ -49,7 +49,8 @@ _TENSORS = {
     "cp_scan": "Tensor P, Tensor A, Tensor Pz, Tensor bz, Tensor decay, Tensor? clip_starts",
 }
 _SCALAR_TYPES = {"F": "int", "S": "int", "k_scale": "float", "norm_eps": "float", "eps": "float",
-                 "precision": "str", "checkpoint": "str", "reverse_rank_order": "bool", "truncate_to_active": "int"}
+                 "precision": "str", "checkpoint": "str", "reverse_rank_order": "bool", "truncate_to_active": "int",
+                 "exchange": "str"}
 
 
 def _tuple_of(n):

@@ -40,9 +40,10 @@ def leaves(x):
             for k, v in x.items()}
 
 
-def door_step(comm, x, F, w, checkpoint="off", clip_starts=None):
+def door_step(comm, x, F, w, checkpoint="off", clip_starts=None, exchange="auto"):
     out = gdncp.bigdn_cp(comm, x["qkv"], x["beta"], x["decay"], x["q_norm_w"], x["k_norm_w"], x["rope_cos"],
-                         x["rope_sin"], F, S, k_scale=x["k_scale"], checkpoint=checkpoint, clip_starts=clip_starts)
+                         x["rope_sin"], F, S, k_scale=x["k_scale"], checkpoint=checkpoint, clip_starts=clip_starts,
+                         exchange=exchange)
     (out * w).sum().backward()
     grads = {k: x[k].grad for k in GRADS if x[k] is not None}
     for k in ("q_norm_w", "k_norm_w"):  # partial per rank: the sum over ranks is the gradient
@@ -63,7 +64,7 @@ def clip_mask(F_total):
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("checkpoint", ["off", "on"])
 @pytest.mark.parametrize("shape", ["even", "uneven", "clips"])
-def test_cp_layer_matches_eager(comm, norm, checkpoint, shape):
+def test_cp_layer_matches_eager(comm, norm, checkpoint, shape, exchange="auto"):
     P, r = comm.size, comm.rank
     # even: 2 frames a rank; uneven: 2·P + 1 frames (5 on 2 ranks = 3 + 2); clips: uneven, packed clips.
     F_total = 2 * P if shape == "even" else 2 * P + 1
@@ -75,7 +76,7 @@ def test_cp_layer_matches_eager(comm, norm, checkpoint, shape):
     clips_local = clips[:, off:off + F].contiguous() if clips is not None else None
 
     # Collectives first, on every rank, so a failed comparison cannot leave a peer waiting.
-    out, grads = door_step(comm, leaves(local(x, off, F)), F, w_local, checkpoint, clips_local)
+    out, grads = door_step(comm, leaves(local(x, off, F)), F, w_local, checkpoint, clips_local, exchange)
 
     ref = leaves(x)
     out_ref = eager.bigdn(ref["qkv"], ref["beta"], ref["decay"], ref["q_norm_w"], ref["k_norm_w"], ref["rope_cos"],
@@ -90,6 +91,17 @@ def test_cp_layer_matches_eager(comm, norm, checkpoint, shape):
     assert set(grads) == {k for k in GRADS if x[k] is not None}
     bad = {k: e for k, e in errs.items() if not e <= TOL}
     assert not bad, "rank %d of %d: rel L2 above %g: %s" % (r, P, TOL, bad)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "log", "hierarchical"])
+def test_cp_layer_exchange_matches_eager(comm, exchange):
+    """Every exchange of the composites (gdncp/cp.h Exchange), packed clips across ranks."""
+    test_cp_layer_matches_eager(comm, True, "off", "clips", exchange)
+
+
+def test_bad_exchange_is_refused():
+    with pytest.raises(ValueError, match="exchange"):
+        gdncp._capi.cp_options(exchange="ring")
 
 
 def test_bad_argument_on_one_rank_raises_on_every_rank(comm):

@@ -15,6 +15,7 @@
 #include <mpi.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -269,11 +270,19 @@ gdncp::BigdnOptions layer_options(const gdncp_layer_options* o, const char* fn) 
 gdncp::cp::CpOptions cp_options_of(const gdncp_cp_options* o, const char* fn) {
   gdncp::cp::CpOptions opt;
   if (!o) return opt;
-  if (o->struct_size < sizeof(gdncp_cp_options))
-    argument_error(fn, ": cp_options->struct_size ", o->struct_size, " < ", sizeof(gdncp_cp_options),
+  // The fields up to truncate_to_active are the first version's; later ones are read when present.
+  constexpr size_t first_size = offsetof(gdncp_cp_options, truncate_to_active) + sizeof(int64_t);
+  if (o->struct_size < first_size)
+    argument_error(fn, ": cp_options->struct_size ", o->struct_size, " < ", first_size,
                    " (fill cp_options with gdncp_cp_options_init)");
   opt.reverse_rank_order = o->reverse_rank_order != 0;
   opt.truncate_to_active = o->truncate_to_active;
+  if (o->struct_size < offsetof(gdncp_cp_options, node_size) + sizeof(int)) return opt;
+  if (o->exchange < GDNCP_EXCHANGE_AUTO || o->exchange > GDNCP_EXCHANGE_HIERARCHICAL)
+    argument_error(fn, ": cp_options->exchange ", o->exchange, " is not a gdncp_exchange");
+  if (o->node_size < 0) argument_error(fn, ": cp_options->node_size ", o->node_size, " < 0 (0: detect)");
+  opt.exchange = static_cast<gdncp::cp::Exchange>(o->exchange);
+  opt.node_size = o->node_size;
   return opt;
 }
 
@@ -456,6 +465,8 @@ gdncp_status gdncp_cp_options_init(gdncp_cp_options* options) {
     options->struct_size = sizeof(gdncp_cp_options);
     options->reverse_rank_order = 0;
     options->truncate_to_active = 0;
+    options->exchange = GDNCP_EXCHANGE_AUTO;
+    options->node_size = 0;
   });
 }
 
@@ -758,6 +769,16 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
                             DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
                             void* stream, uint32_t requires_grad,
                             DLManagedTensor** out, gdncp_graph** graph) {
+  return gdncp_bigdn_cp_ex(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q,
+                           clip_starts, F, S, options, nullptr, stream, requires_grad, out, graph);
+}
+
+gdncp_status gdncp_bigdn_cp_ex(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
+                               DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
+                               DLManagedTensor* rope_sin, DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q,
+                               DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
+                               const gdncp_cp_options* cp_options, void* stream, uint32_t requires_grad,
+                               DLManagedTensor** out, gdncp_graph** graph) {
   const char* fn = "gdncp_bigdn_cp";
   return guarded([&] {
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts},
@@ -768,12 +789,14 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
       for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
       not_null(out, fn, "out");
       const gdncp::BigdnOptions opt = layer_options(options, fn);
+      const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
       run_layer(
           fn, in, kLayerDiff, kLayerInputs, requires_grad, stream, comm->c,
           [&](std::vector<Tensor>& x) {
             entered = true;
             return std::vector<Tensor>{
-                gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[9], x[7], x[8])};
+                gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[9], x[7], x[8],
+                                    cp_opt)};
           },
           out, 1, graph);
     });

@@ -62,6 +62,26 @@ int local_rank(MPI_Comm comm) {
 
 namespace {
 
+// Ranks per node of comm when its nodes hold equal blocks of consecutive ranks, else 0
+// (Communicator::node_size). Collective over comm: run where the communicator is made.
+int detect_node_size(MPI_Comm comm) {
+  MPI_Comm shared;
+  GDNCP_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &shared));
+  int mine[2] = {0, 0};
+  int rc = MPI_Comm_rank(shared, &mine[0]);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_size(shared, &mine[1]);
+  MPI_Comm_free(&shared);
+  GDNCP_MPI_CHECK(rc);
+  int P = 0;
+  GDNCP_MPI_CHECK(MPI_Comm_size(comm, &P));
+  std::vector<int> all(static_cast<size_t>(2 * P));
+  GDNCP_MPI_CHECK(MPI_Allgather(mine, 2, MPI_INT, all.data(), 2, MPI_INT, comm));
+  const int n = all[1];
+  for (int r = 0; r < P; ++r)
+    if (all[2 * r + 1] != n || all[2 * r] != r % n) return 0;
+  return n;
+}
+
 using Clock = std::chrono::steady_clock;
 
 bool mpi_usable() {
@@ -165,6 +185,7 @@ class MpiCommunicator final : public Communicator {
     GDNCP_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     GDNCP_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     GDNCP_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+    node_size_ = detect_node_size(comm_);  // collective like the duplicate: no collective later
   }
 
   // Never waits: an aborted communicator keeps its duplicate and the buffers
@@ -185,6 +206,7 @@ class MpiCommunicator final : public Communicator {
   bool aborted() const override { return aborted_; }
   std::string abort_reason() const override { return reason_; }
   const char* backend() const override { return "mpi"; }
+  int node_size() const override { return node_size_; }
 
   void all_gather(Tensor& out, const Tensor& in) override {
     check("all_gather");
@@ -497,6 +519,7 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   int64_t seq_ = 0;
+  int node_size_ = 0;  // node_size(), detected at construction
   bool aborted_ = false;
   std::string reason_;
   std::vector<Buffer> abandoned_;

@@ -240,6 +240,36 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  void send_recv_group(std::vector<Transfer>& ts) override {
+    check("send_recv_group");
+    size_t bytes = 0;
+    bool any = false;
+    for (const Transfer& t : ts) {
+      GDNCP_CHECK(t.dst >= -1 && t.dst < size_, "send_recv_group: dst ", t.dst, " is not a rank (or -1)");
+      GDNCP_CHECK(t.src >= -1 && t.src < size_, "send_recv_group: src ", t.src, " is not a rank (or -1)");
+      if (t.dst >= 0) check_cuda(t.send, "send_recv_group: send");
+      if (t.src >= 0) check_cuda(t.recv, "send_recv_group: recv");
+      bytes += t.dst >= 0 ? t.send.nbytes() : 0;
+      any = any || t.dst >= 0 || t.src >= 0;
+    }
+    if (!any) return;
+    run("ncclSend/ncclRecv group", bytes, [&](cudaStream_t s) {
+      ncclResult_t r = ncclGroupStart();
+      if (r != ncclSuccess) return r;
+      for (Transfer& t : ts) {
+        if (t.dst >= 0) {
+          r = ncclSend(t.send.data(), t.send.nbytes(), ncclUint8, t.dst, comm_, s);
+          if (r != ncclSuccess && r != ncclInProgress) return r;
+        }
+        if (t.src >= 0) {
+          r = ncclRecv(t.recv.data(), t.recv.nbytes(), ncclUint8, t.src, comm_, s);
+          if (r != ncclSuccess && r != ncclInProgress) return r;
+        }
+      }
+      return ncclGroupEnd();
+    });
+  }
+
   // Enqueued like any collective: the host does not wait for the others.
   void barrier() override {
     Tensor one = Tensor::zeros({1}, DType::f32, Device::cuda);

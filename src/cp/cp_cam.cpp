@@ -62,6 +62,7 @@ class CamNode : public autograd::Node {
     kern::cam_out_bwd(dq, dM, grads[0], q, Y, d);
 
     ScanContext ctx{&comm_, BH, F, D, decay, gathered, Tensor(), d.H};
+    detail::set_exchange(ctx, opt_);
     std::vector<ScanJob> jobs = {cam_job(Pc, Tensor(), d, opt_, offset_)};
     jobs[0].Y = Y;
     jobs[0].X0 = X0;
@@ -102,6 +103,7 @@ std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& i
   Tensor Pc = Tensor::empty({BH, F, D, D}, ct, dev), Ac = Tensor::empty({BH, F, D, D}, ct, dev);
   kern::cam_phase_a_fwd(Pc, Ac, k, v, beta, d);
   ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor(), Tensor(), d.H};
+  detail::set_exchange(ctx, o);
   std::vector<ScanJob> jobs = {cam_job(Pc, Ac, d, o, offset)};
   detail::scan_forward(ctx, jobs);
   if (keep) *keep = ctx.gathered;

@@ -27,6 +27,7 @@
 #include <utility>
 
 #include "autograd/tensor_internals.h"
+#include "cp/exchange.h"
 #include "cp/kv_z_scan.h"
 #include "cp/scan_engine.h"
 #include "cp/validate_cp.h"
@@ -144,6 +145,7 @@ class CpLayerNode : public autograd::Node {
   detail::KvZGrads scan_backward(const std::vector<Tensor>& grads, const Tensor& dM, const Tensor& dz) const {
     const Dims& d = d_;
     ScanContext ctx{&comm_, d.BH(), d.F, d.D, saved(kDecay), saved(kGathered), cuts_, d.H};
+    detail::set_exchange(ctx, cpo_);
     std::vector<ScanJob> jobs =
         detail::kv_z_jobs(saved(kP), Tensor(), saved(kPz), Tensor(), d.D, d.F, bidi_, cpo_, offset_);
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -198,6 +200,7 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
 
   // The CP scans: every direction's composites in one all-gather.
   ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor(), cuts, H};
+  detail::set_exchange(ctx, cpo);
   std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi, cpo, offset);
   detail::scan_forward(ctx, jobs);
   if (keep) *keep = ctx.gathered;
@@ -286,10 +289,11 @@ std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in,
 Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                 const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
                 const BigdnOptions& options, const Tensor& clip_starts, const Tensor& rope_cos_q,
-                const Tensor& rope_sin_q) {
+                const Tensor& rope_sin_q, const CpOptions& cp_options) {
+  detail::check_exchange_only("bigdn_cp", cp_options);
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q};
-  const auto [d, frames] = validate_layer(comm, "bigdn_cp", in, F, S, options, CpOptions(), clip_starts);
-  return run_layer(comm, in, d, options, CpOptions(), true, frames.offset, clip_starts).at(0);
+  const auto [d, frames] = validate_layer(comm, "bigdn_cp", in, F, S, options, cp_options, clip_starts);
+  return run_layer(comm, in, d, options, cp_options, true, frames.offset, clip_starts).at(0);
 }
 
 RawResult cp_gdn_raw(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay,

@@ -7,6 +7,7 @@
 // fresh tensors (activation gradients), summed into the leaves by the engine.
 #include <memory>
 
+#include "cp/exchange.h"
 #include "cp/kv_z_scan.h"
 #include "cp/scan_engine.h"
 #include "cp/validate_cp.h"
@@ -80,6 +81,7 @@ class CpScanNode : public autograd::Node {
     const Tensor &P = saved(kP), &A = saved(kA), &Pz = saved(kPz), &bz = saved(kBz), &decay = saved(kDecay);
     const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
     ScanContext ctx{&comm_, BH, F, D, decay, saved(kNumInputs), cuts_, decay.size(1)};
+    detail::set_exchange(ctx, opt_);
     std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi_, opt_, offset_);
     for (size_t i = 0; i < n_jobs_; ++i) {
       jobs[i].Y = saved(kNumInputs + 1 + 2 * i);
@@ -120,6 +122,7 @@ std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor
   detail::check_cp_options_global(entry, o, frames);
   const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
   ScanContext ctx{&comm, BH, F, D, decay, Tensor(), clip_starts, decay.size(1)};
+  detail::set_exchange(ctx, o);
   std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi, o, frames.offset);
   detail::scan_forward(ctx, jobs);
 
@@ -151,8 +154,10 @@ ScanResult cp_scan(Communicator& comm, const Tensor& P, const Tensor& A, const T
 }
 
 std::vector<Tensor> cp_bidi_scan(Communicator& comm, const Tensor& P, const Tensor& A, const Tensor& Pz,
-                                 const Tensor& bz, const Tensor& decay, const Tensor& clip_starts) {
-  return run_scan(comm, "cp_bidi_scan", P, A, Pz, bz, decay, true, CpOptions(), clip_starts);
+                                 const Tensor& bz, const Tensor& decay, const Tensor& clip_starts,
+                                 const CpOptions& cp_options) {
+  detail::check_exchange_only("cp_bidi_scan", cp_options);
+  return run_scan(comm, "cp_bidi_scan", P, A, Pz, bz, decay, true, cp_options, clip_starts);
 }
 
 }  // namespace cp

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "cp/exchange.h"
 #include "gdncp/error.h"
 
 namespace gdncp {
@@ -93,6 +94,23 @@ void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
   kern::folds(products, BH, D);
 }
 
+// The offsets and roles of every job, for the exchanges of exchange.h.
+std::vector<ExchangeJob> exchange_jobs(const std::vector<ScanJob>& jobs, const Layout& L) {
+  std::vector<ExchangeJob> out;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ExchangeJob x;
+    x.E = jobs[i].E;
+    x.reverse = jobs[i].anti || jobs[i].rank_reverse;
+    x.terminal = jobs[i].terminal;
+    x.h_off = L.h[i];
+    x.M_off = L.M[i];
+    x.dX0_off = L.dX0[i];
+    x.dT_off = jobs[i].terminal ? L.dT[i] : -1;
+    out.push_back(x);
+  }
+  return out;
+}
+
 }  // namespace
 
 int64_t active_frames(int64_t K, int64_t offset, int64_t F) {
@@ -107,6 +125,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   const Device dev = jobs.front().P.device();
   const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
   const Layout L = layout_of(ctx, jobs, P);
+  const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
 
   // 1. The local scans from a zero state (all jobs in one batch of sweeps):
   //    states Y_loc into Y, and with P > 1 the composite state h (last state)
@@ -155,6 +174,21 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   kern::scan_sweeps(sweeps, ctx.decay);
   if (P == 1) {
     for (auto& j : jobs) j.X0 = Tensor::zeros(state_shape(BH, D, j.E), dt, dev);
+    return;
+  }
+
+  // 2-3 by the log-depth or hierarchical exchange (exchange.h): X0 and T directly.
+  if (plan.algo != Exchange::all_gather) {
+    std::vector<Tensor> X0s(jobs.size()), Ts(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      X0s[i] = jobs[i].X0 = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
+      if (jobs[i].terminal) Ts[i] = jobs[i].T = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
+    }
+    exchange_forward(comm, plan, exchange_jobs(jobs, L), pack, L.fwd_total, BH, D, ctx.gathered, X0s, Ts);
+    std::vector<Correction> cs;
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (cum[i].defined()) cs.push_back(Correction{jobs[i].Y, cum[i], jobs[i].X0, jobs[i].E});
+    kern::scan_correct(cs, BH, F, D);
     return;
   }
 
@@ -261,7 +295,20 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   }
   kern::scan_sweeps(sweeps, ctx.decay);
 
-  if (P > 1) {
+  const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
+  if (P > 1 && plan.algo != Exchange::all_gather) {  // 2-3 by the exchange of exchange.h
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
+    std::vector<Tensor> seed(jobs.size());
+    exchange_backward(comm, plan, exchange_jobs(jobs, L), ctx.gathered, L.fwd_total, pack, BH, D, seed);
+    std::vector<Correction> cs;
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (seed[i].defined()) {
+        GDNCP_CHECK(rcum[i].defined(), "cp scan backward: missing cumulative products");
+        cs.push_back(Correction{jobs[i].dU, rcum[i], seed[i].reshape(state_shape(BH, D, jobs[i].E)), jobs[i].E});
+      }
+    kern::scan_correct(cs, BH, F, D);
+  } else if (P > 1) {
     GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
     // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients.
     for (size_t i = 0; i < jobs.size(); ++i)

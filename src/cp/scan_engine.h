@@ -8,7 +8,8 @@
 //      frames, M = the product of the local transitions (a sweep from I, run
 //      only where a correction needs it or another rank reads M: Note [which
 //      composites travel] in scan_engine.cpp);
-//   2. ONE all-gather of every job's (h, M) packed together;
+//   2. ONE all-gather of every job's (h, M) packed together (or the log-depth or
+//      hierarchical exchange of Note [exchange] in exchange.h, which gives steps 3's X0 and T);
 //   3. the incoming state X0 = fold over the logically earlier ranks of
 //      X ← M_j X + h_j (and the terminal state, with truncation, the fold over
 //      all ranks: identical on every rank, no broadcast needed);
@@ -75,7 +76,17 @@ struct ScanContext {
   Tensor gathered;  // (P · per-rank) composites; kept from the forward (set: no all-gather)
   Tensor cuts;      // clip mask (B, F) f32 or undefined (Note [clip cuts])
   int64_t H = 1;    // heads: row bh / H of cuts
+  // How the composites travel (CpOptions); with log or hierarchical, `gathered` keeps what
+  // src/cp/exchange.h says instead of every rank's composites.
+  Exchange exchange = Exchange::automatic;
+  int node_size = 0;
 };
+
+// The exchange options of a CP entry into its scan context.
+inline void set_exchange(ScanContext& ctx, const CpOptions& o) {
+  ctx.exchange = o.exchange;
+  ctx.node_size = o.node_size;
+}
 
 // Frames of this rank (F of them from global frame `offset`) that stay active
 // under truncate_to_active = K (0 = off).
