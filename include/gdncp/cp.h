@@ -246,6 +246,10 @@ struct CpOptions {
   // state), so the terminal state is the state after frame K−1 of the clip
   // that holds frame K−1, from that clip's start.
   int64_t truncate_to_active = 0;
+  // Deterministic mode (docs/design.md §12): the scan and every cross-rank sum run in
+  // global frame order, so results are bitwise the same for every P and frame
+  // ownership, equal to one rank. cp_gdn_raw honours it here or in BigdnOptions.
+  bool deterministic = false;
 };
 
 // --- the distributed frame scan (docs/design.md §6) -----------------------------------

@@ -75,6 +75,10 @@ struct ScanContext {
   Tensor gathered;  // (P · per-rank) composites; kept from the forward (set: no all-gather)
   Tensor cuts;      // clip mask (B, F) f32 or undefined (Note [clip cuts])
   int64_t H = 1;    // heads: row bh / H of cuts
+  // The deterministic mode (Note [deterministic scan], deterministic.h): every
+  // rank's F in rank order (empty: the default mode) and truncate_to_active.
+  std::vector<int64_t> frames;
+  int64_t truncate = 0;
 };
 
 // Frames of this rank (F of them from global frame `offset`) that stay active
