@@ -87,6 +87,7 @@ class LayerOptions(ctypes.Structure):
         ("eps", ctypes.c_double),
         ("precision", ctypes.c_int),
         ("checkpoint", ctypes.c_int),
+        ("deterministic", ctypes.c_int),
     ]
 
 
@@ -95,6 +96,7 @@ class CpOptions(ctypes.Structure):
         ("struct_size", ctypes.c_size_t),
         ("reverse_rank_order", ctypes.c_int),
         ("truncate_to_active", ctypes.c_int64),
+        ("deterministic", ctypes.c_int),
     ]
 
 
@@ -157,7 +159,7 @@ def cuda_available():
     return bool(lib.gdncp_cuda_available())
 
 
-def layer_options(k_scale=1.0, norm_eps=1e-5, eps=1e-6, precision="auto", checkpoint="off"):
+def layer_options(k_scale=1.0, norm_eps=1e-5, eps=1e-6, precision="auto", checkpoint="off", deterministic=False):
     o = LayerOptions()
     call("layer_options_init", ctypes.byref(o))
     o.k_scale, o.norm_eps, o.eps = float(k_scale), float(norm_eps), float(eps)
@@ -167,14 +169,16 @@ def layer_options(k_scale=1.0, norm_eps=1e-5, eps=1e-6, precision="auto", checkp
         raise ValueError("gdncp: checkpoint must be one of %s, got %r" % (sorted(CHECKPOINTS), checkpoint))
     o.precision = PRECISIONS[precision]
     o.checkpoint = CHECKPOINTS[checkpoint]
+    o.deterministic = int(bool(deterministic))
     return o
 
 
-def cp_options(reverse_rank_order=False, truncate_to_active=0):
+def cp_options(reverse_rank_order=False, truncate_to_active=0, deterministic=False):
     o = CpOptions()
     call("cp_options_init", ctypes.byref(o))
     o.reverse_rank_order = int(bool(reverse_rank_order))
     o.truncate_to_active = int(truncate_to_active)
+    o.deterministic = int(bool(deterministic))
     return o
 
 

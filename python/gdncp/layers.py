@@ -121,19 +121,21 @@ class BiGDNCPFunction(torch.autograd.Function):
 
 
 def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5, eps=1e-6,
-          precision="auto", checkpoint="off", clip_starts=None):
+          precision="auto", checkpoint="off", clip_starts=None, deterministic=False):
     """The single-rank layer (gdncp/bigdn.h); differentiable through torch.autograd.
-    clip_starts: the (B, F) clip-start mask (docs/design.md §4a), None = one clip per row."""
-    opts = _capi.layer_options(k_scale, norm_eps, eps, precision, checkpoint)
+    clip_starts: the (B, F) clip-start mask (docs/design.md §4a), None = one clip per row.
+    deterministic: the mode whose results bigdn_cp matches bitwise on any CP group (§12)."""
+    opts = _capi.layer_options(k_scale, norm_eps, eps, precision, checkpoint, deterministic)
     return BiGDNFunction.apply(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S, opts)
 
 
 def bigdn_cp(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5,
-             eps=1e-6, precision="auto", checkpoint="off", clip_starts=None):
-    """The bidirectional CP layer (gdncp/cp.h bigdn_cp) on this rank's F frames."""
+             eps=1e-6, precision="auto", checkpoint="off", clip_starts=None, deterministic=False):
+    """The bidirectional CP layer (gdncp/cp.h bigdn_cp) on this rank's F frames.
+    deterministic: bitwise the same for every CP degree and frame split (docs/design.md §12)."""
     if not isinstance(comm, Communicator):
         raise TypeError("gdncp.bigdn_cp: comm must be a gdncp.Communicator, got %s" % type(comm).__name__)
-    opts = _capi.layer_options(k_scale, norm_eps, eps, precision, checkpoint)
+    opts = _capi.layer_options(k_scale, norm_eps, eps, precision, checkpoint, deterministic)
     return BiGDNCPFunction.apply(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, clip_starts, F, S,
                                  opts)
 
@@ -150,12 +152,13 @@ class BiGDN(torch.nn.Module):
     """
 
     def __init__(self, heads, head_dim, comm=None, norm=True, k_scale=None, norm_eps=1e-5, eps=1e-6,
-                 precision="auto", checkpoint="off", device=None, dtype=torch.float32):
+                 precision="auto", checkpoint="off", device=None, dtype=torch.float32, deterministic=False):
         super().__init__()
         C = heads * head_dim
         self.heads, self.head_dim, self.comm = heads, head_dim, comm
         self.k_scale, self.norm_eps, self.eps = k_scale, norm_eps, eps
         self.precision, self.checkpoint = precision, checkpoint
+        self.deterministic = deterministic
         if norm:
             self.q_norm_w = torch.nn.Parameter(torch.ones(C, device=device, dtype=dtype))
             self.k_norm_w = torch.nn.Parameter(torch.ones(C, device=device, dtype=dtype))
@@ -166,7 +169,7 @@ class BiGDN(torch.nn.Module):
     def forward(self, qkv, beta, decay, rope_cos, rope_sin, F, S, clip_starts=None):
         k_scale = self.k_scale if self.k_scale is not None else 1.0 / math.sqrt(self.head_dim * S)
         kw = dict(k_scale=k_scale, norm_eps=self.norm_eps, eps=self.eps, precision=self.precision,
-                  checkpoint=self.checkpoint, clip_starts=clip_starts)
+                  checkpoint=self.checkpoint, clip_starts=clip_starts, deterministic=self.deterministic)
         args = (qkv, beta, decay, self.q_norm_w, self.k_norm_w, rope_cos, rope_sin, F, S)
         if self.comm is None:
             return bigdn(*args, **kw)

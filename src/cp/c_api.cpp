@@ -15,6 +15,7 @@
 #include <mpi.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -186,9 +187,12 @@ class Inputs {
 gdncp::BigdnOptions layer_options(const gdncp_layer_options* o, const char* fn) {
   gdncp::BigdnOptions opt;
   if (!o) return opt;
-  if (o->struct_size < sizeof(gdncp_layer_options))
-    argument_error(fn, ": options->struct_size ", o->struct_size, " < ", sizeof(gdncp_layer_options),
+  // Fields added at the end read as their defaults from a struct of an older size.
+  const size_t before_deterministic = offsetof(gdncp_layer_options, deterministic);
+  if (o->struct_size < before_deterministic)
+    argument_error(fn, ": options->struct_size ", o->struct_size, " < ", before_deterministic,
                    " (fill options with gdncp_layer_options_init)");
+  opt.deterministic = o->struct_size >= sizeof(gdncp_layer_options) && o->deterministic != 0;
   opt.k_scale = o->k_scale;
   opt.norm_eps = o->norm_eps;
   opt.eps = o->eps;
@@ -227,9 +231,11 @@ gdncp::BigdnOptions layer_options(const gdncp_layer_options* o, const char* fn) 
 gdncp::cp::CpOptions cp_options_of(const gdncp_cp_options* o, const char* fn) {
   gdncp::cp::CpOptions opt;
   if (!o) return opt;
-  if (o->struct_size < sizeof(gdncp_cp_options))
-    argument_error(fn, ": cp_options->struct_size ", o->struct_size, " < ", sizeof(gdncp_cp_options),
+  const size_t before_deterministic = offsetof(gdncp_cp_options, deterministic);
+  if (o->struct_size < before_deterministic)
+    argument_error(fn, ": cp_options->struct_size ", o->struct_size, " < ", before_deterministic,
                    " (fill cp_options with gdncp_cp_options_init)");
+  opt.deterministic = o->struct_size >= sizeof(gdncp_cp_options) && o->deterministic != 0;
   opt.reverse_rank_order = o->reverse_rank_order != 0;
   opt.truncate_to_active = o->truncate_to_active;
   return opt;
@@ -339,6 +345,7 @@ gdncp_status gdncp_layer_options_init(gdncp_layer_options* options) {
     options->eps = d.eps;
     options->precision = GDNCP_PRECISION_AUTO;
     options->checkpoint = GDNCP_CHECKPOINT_OFF;
+    options->deterministic = 0;
   });
 }
 
@@ -348,6 +355,7 @@ gdncp_status gdncp_cp_options_init(gdncp_cp_options* options) {
     options->struct_size = sizeof(gdncp_cp_options);
     options->reverse_rank_order = 0;
     options->truncate_to_active = 0;
+    options->deterministic = 0;
   });
 }
 
