@@ -74,7 +74,6 @@ Tensor clip_mask(int64_t B, const std::vector<int64_t>& split) {
   return Tensor::from_vector(c, {B, Ft}, DType::f32);
 }
 
-
 // --- tensors split by rows and frames ----------------------------------------------
 
 // How a tensor of an entry is laid out: `group` rows of its row axis per batch
@@ -90,7 +89,6 @@ struct Ax {
 Tensor frames(const Tensor& t, const Ax& a, int64_t lo, int64_t hi) {
   return a.frame < 0 ? t : slice(t, a.frame, lo * a.per, hi * a.per);
 }
-
 
 // --- entries -----------------------------------------------------------------------
 

@@ -81,8 +81,8 @@ std::vector<double> Dist::cp_gather(const std::vector<double>& mine) const {
   }
   GDNCP_CHECK(total <= INT32_MAX, "cp_gather: the gathered values exceed MPI's count");
   std::vector<double> all(static_cast<size_t>(total));
-  GDNCP_MPI_CHECK(MPI_Allgatherv(mine.data(), n, MPI_DOUBLE, all.data(), counts.data(), offsets.data(), MPI_DOUBLE,
-                                 cp_mpi_));
+  GDNCP_MPI_CHECK(
+      MPI_Allgatherv(mine.data(), n, MPI_DOUBLE, all.data(), counts.data(), offsets.data(), MPI_DOUBLE, cp_mpi_));
   return all;
 }
 

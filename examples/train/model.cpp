@@ -75,7 +75,8 @@ Tensor forward(const Model& model, const Tensor& x_in, const ForwardContext& ctx
   }
   // x (B, N, K) · w (K, M): per frame with --deterministic (frame_grads.h).
   const auto project = [&](const Tensor& in, const Tensor& w) {
-    return ctx.frame_grads ? ctx.frame_grads->matmul(in, w, F, S) : gdncp::nn::matmul(in, gdncp::nn::cast(w, ctx.dtype));
+    return ctx.frame_grads ? ctx.frame_grads->matmul(in, w, F, S)
+                           : gdncp::nn::matmul(in, gdncp::nn::cast(w, ctx.dtype));
   };
   Tensor x = x_in;
   for (const LayerParams& p : model.layers) {
@@ -83,10 +84,8 @@ Tensor forward(const Model& model, const Tensor& x_in, const ForwardContext& ctx
     // the cast is differentiable, so gradients land in f32).
     const Tensor qkv = project(x, p.w_qkv).reshape({B, N, 3, H, D});
     // (B, N, H) -> (B, H, N) = (B, H, F, S): per head and token.
-    const Tensor beta_logit =
-        gdncp::nn::transpose_last2(project(x, p.w_beta)).reshape({B, H, F, S});
-    const Tensor gate_logit =
-        gdncp::nn::transpose_last2(project(x, p.w_gate)).reshape({B, H, F, S});
+    const Tensor beta_logit = gdncp::nn::transpose_last2(project(x, p.w_beta)).reshape({B, H, F, S});
+    const Tensor gate_logit = gdncp::nn::transpose_last2(project(x, p.w_gate)).reshape({B, H, F, S});
     const Tensor beta = gdncp::nn::sigmoid(beta_logit);
     const Tensor decay = gdncp::nn::sigmoid(gdncp::nn::frame_mean(gate_logit));  // (B, H, F)
     const Tensor out = ctx.dist->layer(qkv, beta, decay, p.q_norm, p.k_norm, ctx.rope_cos, ctx.rope_sin, F, S,

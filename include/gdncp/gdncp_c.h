@@ -85,7 +85,8 @@ typedef struct gdncp_layer_options {
   double eps;      /* default 1e-6 */
   int precision;   /* gdncp_precision */
   int checkpoint;  /* gdncp_checkpoint */
-  int deterministic; /* 0 | 1: bitwise the same for every CP degree (docs/design.md §12); default 0 */
+  /* 0 | 1 (default 0): bitwise the same for every CP degree and frame split (docs/design.md §12) */
+  int deterministic;
 } gdncp_layer_options;
 gdncp_status gdncp_layer_options_init(gdncp_layer_options* options);
 
@@ -94,7 +95,7 @@ typedef struct gdncp_cp_options {
   size_t struct_size;
   int reverse_rank_order;     /* 0 | 1 */
   int64_t truncate_to_active; /* 0 = off */
-  int deterministic;          /* 0 | 1 (docs/design.md §12); default 0 */
+  int deterministic;          /* 0 | 1 (default 0): docs/design.md §12 */
 } gdncp_cp_options;
 gdncp_status gdncp_cp_options_init(gdncp_cp_options* options);
 

@@ -92,8 +92,8 @@ class CamNode : public autograd::Node {
   Communicator& comm_;
   CamDims d_;
   CpOptions opt_;
-  int64_t offset_;                // this rank's first global frame
-  std::vector<int64_t> frames_;   // the deterministic mode: every rank's F (ScanContext::frames)
+  int64_t offset_;               // this rank's first global frame
+  std::vector<int64_t> frames_;  // the deterministic mode: every rank's F (ScanContext::frames)
 };
 
 std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& in, const CamDims& d, const CpOptions& o,
@@ -180,7 +180,8 @@ CamResult cp_cam_gdn_num(Communicator& comm, const Tensor& q, const Tensor& k, c
   detail::check_cp_options_global(entry, cp_options, frames);
   const int64_t offset = frames.offset;
   // The deterministic mode's frame counts, exchanged here: a checkpoint recompute issues no collective.
-  const std::vector<int64_t> counts = cp_options.deterministic ? detail::rank_frames(comm, d.F) : std::vector<int64_t>();
+  const std::vector<int64_t> counts =
+      cp_options.deterministic ? detail::rank_frames(comm, d.F) : std::vector<int64_t>();
   const std::vector<Tensor> in = {q, k, v, beta, decay};
   std::vector<Tensor> out;
   if (autograd::resolve_checkpoint(checkpoint, in)) {

@@ -47,7 +47,7 @@ enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kNumInpu
 class CpLayerNode : public autograd::Node {
  public:
   CpLayerNode(std::shared_ptr<Communicator> comm, const Dims& d, const BigdnOptions& opt, const CpOptions& cpo,
-              MathMode mode, bool bidi, int64_t offset, const Tensor& cuts)
+              MathMode mode, bool bidi, int64_t offset, const Tensor& cuts, std::vector<int64_t> frames)
       : owner_(std::move(comm)),
         comm_(*owner_),
         d_(d),
@@ -56,7 +56,8 @@ class CpLayerNode : public autograd::Node {
         mode_(mode),
         bidi_(bidi),
         offset_(offset),
-        cuts_(cuts) {}
+        cuts_(cuts),
+        frames_(std::move(frames)) {}
   const char* name() const override { return bidi_ ? "bigdn_cp" : "cp_gdn_raw"; }
 
   // Saved after the inputs: rstd, P, Pz, gathered, M, z (what phase C read), then Y, X0 per job.
@@ -155,8 +156,8 @@ class CpLayerNode : public autograd::Node {
   // with their adjoints and handles, go on return.
   detail::KvZGrads scan_backward(const std::vector<Tensor>& grads, const Tensor& dM, const Tensor& dz) const {
     const Dims& d = d_;
-    ScanContext ctx{&comm_, d.BH(), d.F, d.D, saved(kDecay), saved(kGathered), cuts_, d.H, frames_,
-                    cpo_.truncate_to_active};
+    ScanContext ctx{&comm_,           d.BH(), d.F, d.D,     saved(kDecay),
+                    saved(kGathered), cuts_,  d.H, frames_, cpo_.truncate_to_active};
     std::vector<ScanJob> jobs =
         detail::kv_z_jobs(saved(kP), Tensor(), saved(kPz), Tensor(), d.D, d.F, bidi_, cpo_, offset_);
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -177,8 +178,6 @@ class CpLayerNode : public autograd::Node {
   bool bidi_;
   int64_t offset_;  // this rank's first global frame
   Tensor cuts_;     // the clip mask (B, F) or undefined (not differentiable)
-
- public:
   std::vector<int64_t> frames_;  // the deterministic mode: every rank's F (ScanContext::frames)
 };
 
@@ -241,10 +240,9 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   }
 
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CpLayerNode>(detail::shared_comm(comm, bidi ? "bigdn_cp" : "cp_gdn_raw"), d, opt,
-                                              cpo, mode, bidi, offset, cuts);
+    auto node = std::make_shared<CpLayerNode>(detail::shared_comm(comm, bidi ? "bigdn_cp" : "cp_gdn_raw"), d, opt, cpo,
+                                              mode, bidi, offset, cuts, frames);
     node->save_state(in, rstd, P, Pz, ctx, M, z, jobs);
-    node->frames_ = frames;
     autograd::record(node, in, outputs);
   }
   return outputs;
@@ -294,7 +292,7 @@ std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in,
   auto keep = std::make_shared<Tensor>();
   const std::shared_ptr<Communicator> c = detail::graph_comm(comm, in, bidi ? "bigdn_cp" : "cp_gdn_raw");
   const autograd::RecomputeFunction fn = [c, d, opt, cpo, bidi, offset, cuts, frames, keep](
-                                              const std::vector<Tensor>& x, bool recompute) {
+                                             const std::vector<Tensor>& x, bool recompute) {
     return layer_forward(*c, x, d, opt, cpo, bidi, offset, cuts, frames, keep.get(), recompute);
   };
   return autograd::checkpoint_layer(fn, in, Checkpoint::on);

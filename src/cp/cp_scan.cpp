@@ -63,8 +63,15 @@ void check_scan_inputs(const char* entry, const Tensor& P, const Tensor& A, cons
 
 class CpScanNode : public autograd::Node {
  public:
-  CpScanNode(std::shared_ptr<Communicator> comm, bool bidi, const CpOptions& o, int64_t offset, const Tensor& cuts)
-      : owner_(std::move(comm)), comm_(*owner_), bidi_(bidi), opt_(o), offset_(offset), cuts_(cuts) {}
+  CpScanNode(std::shared_ptr<Communicator> comm, bool bidi, const CpOptions& o, int64_t offset, const Tensor& cuts,
+             std::vector<int64_t> frames)
+      : owner_(std::move(comm)),
+        comm_(*owner_),
+        bidi_(bidi),
+        opt_(o),
+        offset_(offset),
+        cuts_(cuts),
+        frames_(std::move(frames)) {}
   const char* name() const override { return bidi_ ? "cp_bidi_scan" : "cp_scan"; }
 
   void save_state(const std::vector<Tensor>& in, const std::vector<ScanJob>& jobs, const ScanContext& ctx) {
@@ -106,8 +113,6 @@ class CpScanNode : public autograd::Node {
   int64_t offset_;  // this rank's first global frame
   Tensor cuts_;     // the clip mask (not differentiable)
   size_t n_jobs_ = 0;
-
- public:
   std::vector<int64_t> frames_;  // the deterministic mode: every rank's F (ScanContext::frames)
 };
 
@@ -137,8 +142,8 @@ std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor
   }
   const std::vector<Tensor> in = {P, A, Pz, bz, decay};
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CpScanNode>(detail::shared_comm(comm, entry), bidi, o, frames.offset, clip_starts);
-    node->frames_ = ctx.frames;
+    auto node =
+        std::make_shared<CpScanNode>(detail::shared_comm(comm, entry), bidi, o, frames.offset, clip_starts, ctx.frames);
     node->save_state(in, jobs, ctx);
     autograd::record(node, in, outputs);
   }

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <numeric>
 
 #include "cp/cp_kernels.h"
@@ -136,7 +137,8 @@ struct Global {
   std::shared_ptr<Communicator> self;
   Pieces L;
   int64_t Ft = 0;
-  Tensor decay[2], cuts[2];  // per order (forward, reversed), assembled on first use
+  Tensor decay[2], cuts[2];                           // per order (forward, reversed), assembled on first use
+  std::map<std::pair<int64_t, bool>, Tensor> pieces;  // (offset, reversed) -> global tensor: shared jobs share it
 
   Global(const ScanContext& c, const std::vector<ScanJob>& jobs, Device dev)
       : self(make_self_communicator(dev)), L(pieces_of(c, jobs)) {
@@ -153,14 +155,16 @@ struct Global {
     return ScanContext{self.get(), c.BH, Ft, c.D, decay[o], Tensor(), cuts[o], c.H, {}, 0};
   }
   // The job over the global sequence (forward inputs from the exchange).
-  ScanJob job(const ScanContext& c, const ScanJob& j, size_t i, bool with_U) const {
+  ScanJob job(const ScanContext& c, const ScanJob& j, size_t i, bool with_U) {
     ScanJob g;
     const bool rev = reversed_order(j);
-    g.P = assemble(c.gathered, L.slice, L.P[i], {c.BH, Ft, c.D, c.D}, c.BH, c.D * c.D, c.frames, L.Fmax, rev);
-    if (with_U) {
-      const Shape us = j.E == 1 ? Shape{c.BH, Ft, c.D} : Shape{c.BH, Ft, c.D, j.E};
-      g.U = assemble(c.gathered, L.slice, L.U[i], us, c.BH, c.D * j.E, c.frames, L.Fmax, rev);
-    }
+    const auto piece = [&](int64_t off, const Shape& shape, int64_t X) {
+      Tensor& t = pieces[{off, rev}];
+      if (!t.defined()) t = assemble(c.gathered, L.slice, off, shape, c.BH, X, c.frames, L.Fmax, rev);
+      return t;
+    };
+    g.P = piece(L.P[i], {c.BH, Ft, c.D, c.D}, c.D * c.D);
+    if (with_U) g.U = piece(L.U[i], j.E == 1 ? Shape{c.BH, Ft, c.D} : Shape{c.BH, Ft, c.D, j.E}, c.D * j.E);
     g.E = j.E;
     g.anti = j.anti;
     g.terminal = j.terminal;
@@ -196,7 +200,8 @@ void deterministic_scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   if (!ctx.gathered.defined()) {
     Tensor pack = Tensor::zeros({L.slice}, dt, dev);
     for (size_t i = 0; i < jobs.size(); ++i) {
-      put(pack, L.P[i], jobs[i].P, BH, F, L.Fmax, D * D);
+      if (std::find(L.P.begin(), L.P.begin() + static_cast<std::ptrdiff_t>(i), L.P[i]) != L.P.begin() + i) continue;
+      put(pack, L.P[i], jobs[i].P, BH, F, L.Fmax, D * D);  // once per shared transition
       put(pack, L.U[i], jobs[i].U, BH, F, L.Fmax, D * jobs[i].E);
     }
     put(pack, L.decay, ctx.decay.to(dt), BH, F, L.Fmax, 1);
