@@ -296,6 +296,77 @@ TEST_F(TrainTest, ResumeFromStep10EqualsTwentyUninterruptedStepsBitwise) {
   EXPECT_EQ(b.param_hash, full.param_hash) << "final parameters differ from the uninterrupted run";
 }
 
+// --deterministic: 40 steps on CP=2 (ranks {0,1}), saved at step 20, resumed on
+// CP=1 (rank 0) and on CP=4 (all ranks): the resumed runs continue with bitwise
+// the losses and final parameters of the uninterrupted CP=2 run (Note [layout]
+// in examples/train/trainer.cpp). Tiny shapes: the comparison is exact.
+TEST_F(TrainTest, DeterministicResumeOnAnotherCpDegreeIsBitwise) {
+  NEEDS_FOUR_RANKS();
+  const std::string dir = scratch_dir("determ");
+  train::Config c = small();
+  c.heads = 2;
+  c.head_dim = 4;
+  c.tokens = 4;
+  c.batch = 2;
+  c.pool = 3;
+  c.steps = 40;
+  c.check_every = 10;
+  c.deterministic = true;
+  std::vector<double> full_losses;
+  unsigned long long full_hash = 0;
+  {
+    SubGroup g(world_rank() < 2 ? 0 : -1);
+    if (g.member()) {
+      train::Config a = c;
+      a.cp = 2;
+      a.save_dir = dir;
+      a.save_every = 20;
+      const train::Result r = run(a, g.comm());
+      full_losses = r.losses;
+      full_hash = r.param_hash;
+    }
+  }
+  full_losses = from_rank(0, full_losses);
+  MPI_Bcast(&full_hash, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+  ASSERT_EQ(full_losses.size(), 40u);
+
+  train::Config b = c;
+  b.resume = dir + "/step_00000020.ckpt";
+  std::vector<double> cp1_losses;
+  unsigned long long cp1_hash = 0;
+  int cp1_from = 0;
+  {
+    SubGroup one(world_rank() == 0 ? 0 : -1);
+    if (one.member()) {
+      b.cp = 1;
+      const train::Result r = run(b, one.comm());
+      cp1_losses = r.losses;
+      cp1_hash = r.param_hash;
+      cp1_from = r.resumed_cp;
+    }
+  }
+  cp1_losses = from_rank(0, cp1_losses);
+  MPI_Bcast(&cp1_hash, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+  MPI_Bcast(&cp1_from, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  b.cp = 4;
+  const train::Result cp4 = run(b, MPI_COMM_WORLD);
+  MPI_Barrier(MPI_COMM_WORLD);  // the last collective: asserts may return early after it
+  if (world_rank() == 0) std::filesystem::remove_all(std::filesystem::path(dir).parent_path());
+
+  EXPECT_EQ(cp1_from, 2) << "the checkpoint records the layout it was written with";
+  EXPECT_EQ(cp4.resumed_cp, 2);
+  EXPECT_EQ(cp4.first_step, 21);
+  ASSERT_EQ(cp1_losses.size(), 20u);
+  ASSERT_EQ(cp4.losses.size(), 20u);
+  for (size_t i = 0; i < 20; ++i) {
+    EXPECT_EQ(cp1_losses[i], full_losses[20 + i]) << "step " << i + 21 << " resumed on CP=1";
+    EXPECT_EQ(cp4.losses[i], full_losses[20 + i]) << "step " << i + 21 << " resumed on CP=4";
+  }
+  EXPECT_EQ(cp1_hash, full_hash) << "final parameters on CP=1 differ from the uninterrupted CP=2 run";
+  EXPECT_EQ(cp4.param_hash, full_hash) << "final parameters on CP=4 differ from the uninterrupted CP=2 run";
+  EXPECT_LT(full_losses[39], full_losses[0]) << "the run did not train";
+}
+
 TEST_F(TrainTest, ResumeLeavesLogAndPlotOfTheWholeRun) {
   NEEDS_FOUR_RANKS();
   const int color = world_rank() / 2;

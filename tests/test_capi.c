@@ -144,6 +144,10 @@ static void case_status(void) {
   EXPECT(st == GDNCP_OK, "status %d", st);
   EXPECT(gdncp_last_error()[0] == '\0', "a success leaves no message, got '%s'", gdncp_last_error());
   EXPECT(o.struct_size == sizeof o && o.k_scale == 1.0 && o.norm_eps == 1e-5 && o.eps == 1e-6, "defaults");
+  EXPECT(o.deterministic == 0, "deterministic defaults to off, got %d", o.deterministic);
+  gdncp_cp_options co;
+  st = gdncp_cp_options_init(&co);
+  EXPECT(st == GDNCP_OK && co.struct_size == sizeof co && co.deterministic == 0, "cp defaults");
   /* A NULL handle names the argument. */
   st = gdncp_comm_set_timeout(NULL, 1.0);
   EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "comm") != NULL, "%d '%s'", st, gdncp_last_error());

@@ -270,7 +270,7 @@ std::string frames_identity(const Config& c) {
   return s;
 }
 
-std::vector<std::pair<std::string, std::string>> run_identity(const Config& c, const Dist& d) {
+std::vector<std::pair<std::string, std::string>> run_identity(const Config& c) {
   return {{"layers", std::to_string(c.layers)},
           {"heads", std::to_string(c.heads)},
           {"head-dim", std::to_string(c.head_dim)},
@@ -279,16 +279,19 @@ std::vector<std::pair<std::string, std::string>> run_identity(const Config& c, c
           {"batch", std::to_string(c.batch)},
           {"pool", std::to_string(c.pool)},
           {"seed", std::to_string(c.seed)},
-          {"dtype", c.dtype},
-          {"cp", std::to_string(d.cp_size())},
-          {"dp", std::to_string(d.dp_size())}};
+          {"dtype", c.dtype}};
+}
+
+std::vector<std::pair<std::string, std::string>> run_layout(const Dist& d) {
+  return {{"cp", std::to_string(d.cp_size())}, {"dp", std::to_string(d.dp_size())}};
 }
 
 void save_checkpoint(const Config& c, const Dist& dist, const TrainState& st, int64_t step, const std::string& path) {
   std::vector<char> status;  // rank 0's error message, empty when the save worked
   if (dist.rank() == 0) {
     Checkpoint ck;
-    ck.identity = run_identity(c, dist);
+    ck.identity = run_identity(c);
+    for (const auto& kv : run_layout(dist)) ck.identity.push_back(kv);  // recorded, not checked on resume
     ck.step = step;
     ck.rng_state = *st.rng;
     ck.optimizer_steps = st.opt->steps();
@@ -353,7 +356,11 @@ Resumed load_checkpoint(const Config& c, const Dist& dist, const TrainState& st)
 
   // From here every rank parses the same bytes: errors are the same everywhere.
   const Checkpoint ck = deserialize(bytes, "checkpoint " + path);
-  const auto want = run_identity(c, dist);
+  const auto want = run_identity(c);
+  for (const auto& kv : run_layout(dist)) {  // the layout it was written with ("?" before it was recorded)
+    auto it = std::find_if(ck.identity.begin(), ck.identity.end(), [&](const auto& p) { return p.first == kv.first; });
+    res.layout.emplace_back(kv.first, it == ck.identity.end() ? "?" : it->second);
+  }
   for (const auto& kv : want) {
     auto it = std::find_if(ck.identity.begin(), ck.identity.end(), [&](const auto& p) { return p.first == kv.first; });
     const std::string have = it == ck.identity.end() ? "(missing)" : it->second;

@@ -28,7 +28,7 @@ class Dist;
 struct Model;
 
 struct Checkpoint {
-  std::vector<std::pair<std::string, std::string>> identity;  // must match on resume
+  std::vector<std::pair<std::string, std::string>> identity;  // run_identity (must match) + run_layout
   int64_t step = 0;                                           // steps completed
   uint64_t rng_state = 0;
   int64_t optimizer_steps = 0;
@@ -53,8 +53,11 @@ std::string checkpoint_path(const std::string& dir, int64_t step);
 // Deletes the <dir>/step_*.ckpt.tmp files an interrupted save left; returns their paths.
 std::vector<std::string> remove_stale_temps(const std::string& dir);
 
-// The run facts a checkpoint must match to be resumed (model shape, data, rank layout).
-std::vector<std::pair<std::string, std::string>> run_identity(const Config& c, const Dist& d);
+// The run facts a checkpoint must match to be resumed (model shape, data).
+std::vector<std::pair<std::string, std::string>> run_identity(const Config& c);
+// The rank layout ("cp", "dp"): recorded in the checkpoint, free to change on
+// resume (Note [layout] in trainer.cpp).
+std::vector<std::pair<std::string, std::string>> run_layout(const Dist& d);
 
 // What a checkpoint holds of a run, by pointer into the trainer's objects.
 struct TrainState {
@@ -68,9 +71,10 @@ struct TrainState {
 void save_checkpoint(const Config& c, const Dist& dist, const TrainState& st, int64_t step, const std::string& path);
 
 struct Resumed {
-  int64_t step = 0;                  // steps the checkpoint completed
-  std::string path;                  // the checkpoint loaded
-  std::vector<std::string> skipped;  // newer checkpoints that could not be read, with the reason
+  int64_t step = 0;                                         // steps the checkpoint completed
+  std::string path;                                         // the checkpoint loaded
+  std::vector<std::string> skipped;                         // newer checkpoints that could not be read, with the reason
+  std::vector<std::pair<std::string, std::string>> layout;  // the layout it was written with (run_layout's keys)
 };
 // Loads --resume into the state (the same on every rank). A directory's newest
 // checkpoint that is truncated or corrupt is skipped for the next newest (each

@@ -67,6 +67,25 @@ double Dist::sum(double v) const {
   return t.to_vector()[0];
 }
 
+std::vector<double> Dist::cp_gather(const std::vector<double>& mine) const {
+  if (cp_size_ == 1) return mine;
+  GDNCP_CHECK(mine.size() <= static_cast<size_t>(INT32_MAX), "cp_gather: ", mine.size(), " values exceed MPI's count");
+  const int n = static_cast<int>(mine.size());
+  std::vector<int> counts(static_cast<size_t>(cp_size_)), offsets(static_cast<size_t>(cp_size_), 0);
+  GDNCP_MPI_CHECK(MPI_Allgather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, cp_mpi_));
+  int64_t total = 0;
+  for (int r = 0; r < cp_size_; ++r) {
+    GDNCP_CHECK(total <= INT32_MAX, "cp_gather: the gathered values exceed MPI's count");
+    offsets[static_cast<size_t>(r)] = static_cast<int>(total);
+    total += counts[static_cast<size_t>(r)];
+  }
+  GDNCP_CHECK(total <= INT32_MAX, "cp_gather: the gathered values exceed MPI's count");
+  std::vector<double> all(static_cast<size_t>(total));
+  GDNCP_MPI_CHECK(
+      MPI_Allgatherv(mine.data(), n, MPI_DOUBLE, all.data(), counts.data(), offsets.data(), MPI_DOUBLE, cp_mpi_));
+  return all;
+}
+
 void Dist::check_identical(uint64_t hash, const char* what) const {
   std::vector<uint64_t> all(static_cast<size_t>(size_));
   host_->all_gather_host(all.data(), &hash, sizeof hash);

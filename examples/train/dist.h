@@ -49,6 +49,9 @@ class Dist {
 
   // Host-side helpers over the world (MPI, with the deadline).
   double sum(double v) const;
+  // The values of every rank of this CP group concatenated in CP rank order
+  // (each rank may give a different count; CP rank order is global frame order).
+  std::vector<double> cp_gather(const std::vector<double>& mine) const;
   // Throws gdncp::Error on every rank unless all ranks hold the same hash.
   void check_identical(uint64_t hash, const char* what) const;
   // Broadcasts rank 0's bytes to every rank (any size).

@@ -18,6 +18,13 @@ std::vector<Tensor> Model::params() const {
   return out;
 }
 
+std::vector<Tensor> Model::projections() const {
+  std::vector<Tensor> out;
+  for (const LayerParams& l : layers)
+    for (const Tensor* t : {&l.w_qkv, &l.w_beta, &l.w_gate, &l.w_out}) out.push_back(*t);
+  return out;
+}
+
 std::vector<std::string> Model::param_names() const {
   std::vector<std::string> out;
   for (size_t i = 0; i < layers.size(); ++i)
@@ -66,21 +73,24 @@ Tensor forward(const Model& model, const Tensor& x_in, const ForwardContext& ctx
     }
     return x_in;
   }
+  // x (B, N, K) · w (K, M): per frame with --deterministic (frame_grads.h).
+  const auto project = [&](const Tensor& in, const Tensor& w) {
+    return ctx.frame_grads ? ctx.frame_grads->matmul(in, w, F, S)
+                           : gdncp::nn::matmul(in, gdncp::nn::cast(w, ctx.dtype));
+  };
   Tensor x = x_in;
   for (const LayerParams& p : model.layers) {
     // Projections in the activation dtype (bf16 runs cast the f32 master weights;
     // the cast is differentiable, so gradients land in f32).
-    const Tensor qkv = gdncp::nn::matmul(x, gdncp::nn::cast(p.w_qkv, ctx.dtype)).reshape({B, N, 3, H, D});
+    const Tensor qkv = project(x, p.w_qkv).reshape({B, N, 3, H, D});
     // (B, N, H) -> (B, H, N) = (B, H, F, S): per head and token.
-    const Tensor beta_logit =
-        gdncp::nn::transpose_last2(gdncp::nn::matmul(x, gdncp::nn::cast(p.w_beta, ctx.dtype))).reshape({B, H, F, S});
-    const Tensor gate_logit =
-        gdncp::nn::transpose_last2(gdncp::nn::matmul(x, gdncp::nn::cast(p.w_gate, ctx.dtype))).reshape({B, H, F, S});
+    const Tensor beta_logit = gdncp::nn::transpose_last2(project(x, p.w_beta)).reshape({B, H, F, S});
+    const Tensor gate_logit = gdncp::nn::transpose_last2(project(x, p.w_gate)).reshape({B, H, F, S});
     const Tensor beta = gdncp::nn::sigmoid(beta_logit);
     const Tensor decay = gdncp::nn::sigmoid(gdncp::nn::frame_mean(gate_logit));  // (B, H, F)
     const Tensor out = ctx.dist->layer(qkv, beta, decay, p.q_norm, p.k_norm, ctx.rope_cos, ctx.rope_sin, F, S,
                                        ctx.options, ctx.clip_starts);  // (B, N, H, D)
-    x = gdncp::nn::add(x, gdncp::nn::matmul(out.reshape({B, N, C}), gdncp::nn::cast(p.w_out, ctx.dtype)));
+    x = gdncp::nn::add(x, project(out.reshape({B, N, C}), p.w_out));
   }
   return x;
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dist.h"
+#include "frame_grads.h"
 
 namespace train {
 
@@ -34,6 +35,8 @@ struct Model {
   // Every parameter, in a fixed order, with names ("layer0.w_qkv", ...).
   std::vector<gdncp::Tensor> params() const;
   std::vector<std::string> param_names() const;
+  // The projection weights (w_qkv, w_beta, w_gate, w_out of each layer), in params() order.
+  std::vector<gdncp::Tensor> projections() const;
 };
 
 // Seeded init (same values on every rank and device): projections N(0, 1/C),
@@ -51,6 +54,8 @@ struct ForwardContext {
   gdncp::Tensor rope_cos, rope_sin;        // (F·S, D) rows of this rank's tokens
   gdncp::Tensor clip_starts;               // (B, F) f32, 1 where a frame begins a clip; undefined = one clip
   gdncp::BigdnOptions options;
+  // --deterministic: the projections' weight gradients go here per frame (frame_grads.h).
+  FrameGrads* frame_grads = nullptr;
 };
 
 // x (B, F·S, C) in ctx.dtype -> y (B, F·S, C). Collective over the CP group.

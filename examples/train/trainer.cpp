@@ -11,6 +11,17 @@
 // part of the checkpoint, so a resumed run draws what the uninterrupted run
 // would have drawn.
 //
+// Note [layout]: a checkpoint records the rank layout it was written with
+// (--cp, --dp) but does not depend on it: the parameters, the optimizer state,
+// the RNG and the loss history are the same on every rank. So a run resumes on
+// any other layout. A different CP degree computes the same model on the same
+// videos (each frame's data depends only on the global frame); with
+// --deterministic the layer's results, the gradients and the losses are bitwise
+// those of the uninterrupted run. A different DP degree changes which videos
+// each step sees (the videos of a DP group depend on its index and the DP
+// degree; --batch is per DP group), so the run continues on other data; the
+// trainer says so and proceeds.
+//
 // Note [clips]: with --clips L1,L2,... every video is those clips back to back
 // (the same packing in every video). The layer gets the clip-start mask, so no
 // state crosses a clip start, and each clip's RoPE positions start at 0, as if
@@ -97,6 +108,7 @@ struct Flag {
   std::string name, help;
   std::function<void(Config&, const std::string&)> set;
   std::function<std::string(const Config&)> get;
+  bool is_switch = false;  // "--name" alone means "--name=1"
 };
 
 Flag int_flag(const std::string& name, const std::string& help, int64_t Config::*field, int64_t lo, int64_t hi) {
@@ -111,6 +123,20 @@ Flag real_flag(const std::string& name, const std::string& help, double Config::
             o << c.*field;
             return o.str();
           }};
+}
+
+// A switch: --name (on), or --name=1|0|true|false.
+Flag switch_flag(const std::string& name, const std::string& help, bool Config::*field) {
+  return {name, help,
+          [=](Config& c, const std::string& v) {
+            if (v == "1" || v == "true")
+              c.*field = true;
+            else if (v == "0" || v == "false")
+              c.*field = false;
+            else
+              throw UsageError("--" + name + ": expected no value, 1, 0, true or false, got '" + v + "'");
+          },
+          [=](const Config& c) { return std::string(c.*field ? "on" : "off"); }, true};
 }
 
 std::string join(const std::vector<int64_t>& v) {
@@ -176,6 +202,10 @@ const std::vector<Flag>& flags() {
        [](Config& c, const std::string& v) { c.seed = static_cast<uint64_t>(parse_int("seed", v, 0, INT64_MAX)); },
        [](const Config& c) { return std::to_string(c.seed); }},
       int_flag("cp", "context-parallel group size; data-parallel groups = ranks / cp", &Config::cp, 1, 1 << 20),
+      switch_flag("deterministic",
+                  "the layer's deterministic mode: losses and parameters bitwise the same for every --cp (a run "
+                  "resumed on another --cp continues bitwise)",
+                  &Config::deterministic),
       real_flag("timeout",
                 "deadline in seconds of every collective: a lost or hung rank ends the run with an error on the others",
                 &Config::timeout, 1e-3, 1e6),
@@ -478,9 +508,14 @@ bool parse_args(int argc, char** argv, Config& cfg) {
       value = a.substr(eq + 1);
       a = a.substr(0, eq);
     } else {
-      if (!find_flag(a)) throw UsageError("unknown flag --" + a + " (see --help)");
-      if (i + 1 >= argc) throw UsageError("--" + a + ": missing value");
-      value = argv[++i];
+      const Flag* f = find_flag(a);
+      if (!f) throw UsageError("unknown flag --" + a + " (see --help)");
+      if (f->is_switch) {
+        value = "1";
+      } else {
+        if (i + 1 >= argc) throw UsageError("--" + a + ": missing value");
+        value = argv[++i];
+      }
     }
     const Flag* f = find_flag(a);
     if (!f) throw UsageError("unknown flag --" + a + " (see --help)");
@@ -517,6 +552,9 @@ Result train(const Config& cfg, MPI_Comm world) {
   ctx.options.checkpoint = cfg.checkpointing == "on"    ? gdncp::Checkpoint::on
                            : cfg.checkpointing == "off" ? gdncp::Checkpoint::off
                                                         : gdncp::Checkpoint::automatic;
+  ctx.options.deterministic = cfg.deterministic;
+  FrameGrads frame_grads;  // --deterministic: the projections' weight gradients in frame order
+  if (cfg.deterministic) ctx.frame_grads = &frame_grads;
 
   // The data set and the teacher's answers (Note [data]).
   std::vector<Tensor> inputs, targets;
@@ -544,6 +582,18 @@ Result train(const Config& cfg, MPI_Comm world) {
       for (const std::string& why : r.skipped)
         std::fprintf(stderr, "gdncp_train: warning: --resume: skipped %s; resuming from %s\n", why.c_str(),
                      r.path.c_str());
+    // Note [layout]: another layout resumes; a DP change changes the data order.
+    for (const auto& kv : r.layout) (kv.first == "dp" ? res.resumed_dp : res.resumed_cp) = std::atoi(kv.second.c_str());
+    if (lead && res.resumed_cp > 0 && res.resumed_cp != dist.cp_size())
+      std::fprintf(stderr, "gdncp_train: note: --resume: %s was written with --cp %d; continuing on --cp %d%s\n",
+                   r.path.c_str(), res.resumed_cp, dist.cp_size(),
+                   cfg.deterministic ? " (bitwise as the uninterrupted run)" : "");
+    if (lead && res.resumed_dp > 0 && res.resumed_dp != dist.dp_size())
+      std::fprintf(stderr,
+                   "gdncp_train: note: --resume: %s was written with %d data-parallel groups, this run has %d: the "
+                   "videos each step draws change from here (the data order), the model and optimizer state carry "
+                   "over\n",
+                   r.path.c_str(), res.resumed_dp, dist.dp_size());
   }
   const int64_t start = res.first_step - 1;
 
@@ -567,7 +617,8 @@ Result train(const Config& cfg, MPI_Comm world) {
     e << "],\"device\":\"" << cfg.device << "\",\"dtype\":\"" << cfg.dtype << "\",\"layers\":" << cfg.layers
       << ",\"heads\":" << cfg.heads << ",\"head_dim\":" << cfg.head_dim << ",\"frames\":" << cfg.frames
       << ",\"clips\":" << clips_json(cfg) << ",\"tokens\":" << cfg.tokens << ",\"batch\":" << cfg.batch
-      << ",\"lr\":" << cfg.lr << ",\"checkpointing\":\"" << cfg.checkpointing << "\",\"seed\":" << cfg.seed;
+      << ",\"lr\":" << cfg.lr << ",\"checkpointing\":\"" << cfg.checkpointing << "\",\"seed\":" << cfg.seed
+      << ",\"deterministic\":" << (cfg.deterministic ? "true" : "false");
     if (start > 0)
       e << ",\"checkpoint\":\"" << json_escape(res.resumed_from)
         << "\",\"skipped_checkpoints\":" << res.skipped_checkpoints.size();
@@ -604,7 +655,7 @@ Result train(const Config& cfg, MPI_Comm world) {
     double local = 0;
     if (F > 0) {
       Tensor loss = gdncp::nn::mse_loss(pred, targets[k], count);
-      local = loss.item();
+      local = cfg.deterministic ? 0.0 : loss.item();
       gdncp::backward(loss);
     } else {  // joins the layers' backward collectives; every parameter then gets a (zero) gradient
       std::vector<Tensor> zero;
@@ -612,6 +663,10 @@ Result train(const Config& cfg, MPI_Comm world) {
       if (!empty_outs.empty()) gdncp::backward(empty_outs, zero);
       for (const Tensor& p : params)
         if (!p.grad().defined()) Tensor(p).set_grad(Tensor::zeros(p.shape(), p.dtype(), dev));
+    }
+    if (cfg.deterministic) {  // sums over the CP group's tokens in global frame order (frame_grads.h)
+      local = frame_ordered_loss(pred, targets[k], F, S, count, dist);
+      frame_grads.reduce(student.projections(), dist);
     }
     dist.reduce_grads(params);
     opt.step(1.0 / dist.dp_size());

@@ -56,6 +56,9 @@ struct Config {
   int64_t check_every = 10;                      // parameter-identity check period (and at the end)
   int64_t print_every = 1;                       // progress line period on rank 0; 0 = silent
   double timeout = 300;                          // seconds: the deadline of every collective
+  // The layer's deterministic mode (docs/design.md §12): the same losses and
+  // parameters bitwise for every --cp (Note [layout] in trainer.cpp).
+  bool deterministic = false;
 };
 
 // A bad flag or a bad checkpoint: raised identically on every rank (so the
@@ -78,7 +81,8 @@ struct Result {
   uint64_t param_hash = 0;     // hash of the final parameters (identical on every rank)
   double seconds = 0;          // wall time of the training steps
   int dp = 1, cp = 1;
-  std::string resumed_from;                  // the checkpoint --resume loaded ("" without --resume)
+  std::string resumed_from;                      // the checkpoint --resume loaded ("" without --resume)
+  int resumed_dp = 0, resumed_cp = 0;            // the layout it was written with (0: not recorded)
   std::vector<std::string> skipped_checkpoints;  // newer ones it could not read, each with the reason
 };
 

@@ -60,6 +60,10 @@ struct BigdnOptions {
   double eps = 1e-6;       // finite and > 0 (a zero denominator stays finite)
   Precision precision = Precision::automatic;
   Checkpoint checkpoint = Checkpoint::off;  // on: keep only the inputs, recompute in backward
+  // Bitwise the same output and gradients for every CP degree and frame ownership
+  // (docs/design.md §12): every floating-point reduction runs in global frame order.
+  // Here bigdn runs the CP layer's one-rank path, which the CP layers match bitwise.
+  bool deterministic = false;
 };
 
 // Largest supported head dimension.

@@ -351,6 +351,10 @@ struct CpOptions {
   // The composites' exchange and the ranks per node it assumes (0: detect), see Exchange.
   Exchange exchange = Exchange::automatic;
   int node_size = 0;
+  // Deterministic mode (docs/design.md §12): the scan and every cross-rank sum run in
+  // global frame order, so results are bitwise the same for every P and frame
+  // ownership, equal to one rank. cp_gdn_raw honours it here or in BigdnOptions.
+  bool deterministic = false;
 };
 
 // --- the distributed frame scan (docs/design.md §6) -----------------------------------

@@ -88,6 +88,8 @@ typedef struct gdncp_layer_options {
   double eps;      /* default 1e-6 */
   int precision;   /* gdncp_precision */
   int checkpoint;  /* gdncp_checkpoint */
+  /* 0 | 1 (default 0): bitwise the same for every CP degree and frame split (docs/design.md §12) */
+  int deterministic;
 } gdncp_layer_options;
 gdncp_status gdncp_layer_options_init(gdncp_layer_options* options);
 
@@ -98,6 +100,7 @@ typedef struct gdncp_cp_options {
   int64_t truncate_to_active; /* 0 = off */
   int exchange;               /* gdncp_exchange (gdncp/cp.h Exchange); init: GDNCP_EXCHANGE_AUTO */
   int node_size;              /* ranks per node for the exchange, 0 = detect */
+  int deterministic;          /* 0 | 1 (default 0): docs/design.md §12 */
 } gdncp_cp_options;
 typedef enum gdncp_exchange {
   GDNCP_EXCHANGE_AUTO = 0,

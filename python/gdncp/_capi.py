@@ -95,6 +95,7 @@ class LayerOptions(ctypes.Structure):
         ("eps", ctypes.c_double),
         ("precision", ctypes.c_int),
         ("checkpoint", ctypes.c_int),
+        ("deterministic", ctypes.c_int),
     ]
 
 
@@ -105,6 +106,7 @@ class CpOptions(ctypes.Structure):
         ("truncate_to_active", ctypes.c_int64),
         ("exchange", ctypes.c_int),
         ("node_size", ctypes.c_int),
+        ("deterministic", ctypes.c_int),
     ]
 
 
@@ -197,7 +199,7 @@ def cuda_available():
     return bool(lib.gdncp_cuda_available())
 
 
-def layer_options(k_scale=1.0, norm_eps=1e-5, eps=1e-6, precision="auto", checkpoint="off"):
+def layer_options(k_scale=1.0, norm_eps=1e-5, eps=1e-6, precision="auto", checkpoint="off", deterministic=False):
     o = LayerOptions()
     call("layer_options_init", ctypes.byref(o))
     o.k_scale, o.norm_eps, o.eps = float(k_scale), float(norm_eps), float(eps)
@@ -207,10 +209,11 @@ def layer_options(k_scale=1.0, norm_eps=1e-5, eps=1e-6, precision="auto", checkp
         raise ValueError("gdncp: checkpoint must be one of %s, got %r" % (sorted(CHECKPOINTS), checkpoint))
     o.precision = PRECISIONS[precision]
     o.checkpoint = CHECKPOINTS[checkpoint]
+    o.deterministic = int(bool(deterministic))
     return o
 
 
-def cp_options(reverse_rank_order=False, truncate_to_active=0, exchange="auto", node_size=0):
+def cp_options(reverse_rank_order=False, truncate_to_active=0, exchange="auto", node_size=0, deterministic=False):
     o = CpOptions()
     call("cp_options_init", ctypes.byref(o))
     o.reverse_rank_order = int(bool(reverse_rank_order))
@@ -219,6 +222,7 @@ def cp_options(reverse_rank_order=False, truncate_to_active=0, exchange="auto", 
         raise ValueError("gdncp: exchange must be one of %s, got %r" % (sorted(EXCHANGES), exchange))
     o.exchange = EXCHANGES[exchange]
     o.node_size = int(node_size)
+    o.deterministic = int(bool(deterministic))
     return o
 
 

@@ -63,7 +63,7 @@ class _Graph(_capi.OwnedHandle):
 
 
 # name: (inputs, differentiable inputs (the leading ones), output slots, scalar arguments)
-_LAYER_SCALARS = ("F", "S", "k_scale", "norm_eps", "eps", "precision", "checkpoint")
+_LAYER_SCALARS = ("F", "S", "k_scale", "norm_eps", "eps", "precision", "checkpoint", "deterministic")
 _CP_SCALARS = ("reverse_rank_order", "truncate_to_active", "exchange")
 ENTRIES = {
     "bigdn": (10, 5, 1, _LAYER_SCALARS),
@@ -101,7 +101,8 @@ class _Call:
         elif entry == "cp_cam_gdn_num":
             self.middle = (int(s["F"]), int(s["S"]), *cp, _capi.CHECKPOINTS[s["checkpoint"]])
         else:
-            opts = _capi.layer_options(s["k_scale"], s["norm_eps"], s["eps"], s["precision"], s["checkpoint"])
+            opts = _capi.layer_options(s["k_scale"], s["norm_eps"], s["eps"], s["precision"], s["checkpoint"],
+                                       s["deterministic"])
             self.middle = (int(s["F"]), int(s["S"]), ctypes.byref(opts), *cp)
         self.record = False
 
@@ -237,37 +238,41 @@ def _truncate(truncate_to_active):
 
 
 def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5, eps=1e-6,
-          precision="auto", checkpoint="off", clip_starts=None, rope_cos_q=None, rope_sin_q=None):
+          precision="auto", checkpoint="off", clip_starts=None, rope_cos_q=None, rope_sin_q=None,
+          deterministic=False):
     """The single-rank layer (gdncp/bigdn.h): out (B, F·S, H, D).
     clip_starts: the (B, F) clip-start mask (docs/design.md §4a), bool or
-    float32 0/1; None = one clip per row."""
+    float32 0/1; None = one clip per row. deterministic: the mode whose
+    results bigdn_cp matches bitwise on any CP group (docs/design.md §12)."""
     fn = "gdncp.bigdn"
     inputs = _layer_inputs(fn, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q,
                            clip_starts)
-    (out,) = _apply("bigdn", None, (F, S, k_scale, norm_eps, eps, precision, checkpoint), inputs)
+    (out,) = _apply("bigdn", None, (F, S, k_scale, norm_eps, eps, precision, checkpoint, deterministic), inputs)
     return out
 
 
 def bigdn_cp(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5,
              eps=1e-6, precision="auto", checkpoint="off", clip_starts=None, rope_cos_q=None, rope_sin_q=None,
-             exchange="auto"):
+             exchange="auto", deterministic=False):
     """The bidirectional CP layer (gdncp/cp.h bigdn_cp) on this rank's F frames.
     Forward and backward are collective over comm; the norm weights' gradients
     are this rank's part (sum them over the group). exchange: how the ranks
     exchange the scan's composites, "auto" | "allgather" | "log" |
     "hierarchical" (gdncp/cp.h Exchange; the node size from
-    GDNCP_CP_NODE_SIZE or the MPI shared-memory split)."""
+    GDNCP_CP_NODE_SIZE or the MPI shared-memory split). deterministic:
+    bitwise the same for every CP degree and frame split (docs/design.md §12)."""
     fn = "gdncp.bigdn_cp"
     comm = _comm_of(comm, fn)
     inputs = _layer_inputs(fn, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q,
                            clip_starts)
-    (out,) = _apply("bigdn_cp", comm, (F, S, k_scale, norm_eps, eps, precision, checkpoint, exchange), inputs)
+    (out,) = _apply("bigdn_cp", comm, (F, S, k_scale, norm_eps, eps, precision, checkpoint, deterministic, exchange),
+                    inputs)
     return out
 
 
 def cp_gdn_raw(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5,
                precision="auto", checkpoint="off", reverse_rank_order=False, truncate_to_active=None,
-               clip_starts=None, rope_cos_q=None, rope_sin_q=None, exchange="auto"):
+               clip_starts=None, rope_cos_q=None, rope_sin_q=None, exchange="auto", deterministic=False):
     """One direction, raw (gdncp/cp.h cp_gdn_raw): RawResult(num (B, N, H, D),
     den (B, H, N), terminal_M (B·H, D, D) [key][value], terminal_z (B·H, D)),
     the terminal states only with truncate_to_active (else None), identical on
@@ -276,7 +281,7 @@ def cp_gdn_raw(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F
     comm = _comm_of(comm, fn)
     inputs = _layer_inputs(fn, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q,
                            clip_starts)
-    outs = _apply("cp_gdn_raw", comm, (F, S, k_scale, norm_eps, 1e-6, precision, checkpoint,
+    outs = _apply("cp_gdn_raw", comm, (F, S, k_scale, norm_eps, 1e-6, precision, checkpoint, deterministic,
                                        bool(reverse_rank_order), _truncate(truncate_to_active), exchange), inputs)
     return RawResult(*outs, *([None] * (4 - len(outs))))
 
@@ -323,7 +328,7 @@ class BiGDN(torch.nn.Module):
     """
 
     def __init__(self, heads, head_dim, comm=None, norm=True, k_scale=None, norm_eps=1e-5, eps=1e-6,
-                 precision="auto", checkpoint="off", device=None, dtype=torch.float32):
+                 precision="auto", checkpoint="off", device=None, dtype=torch.float32, deterministic=False):
         super().__init__()
         C = heads * head_dim
         self.heads, self.head_dim, self.comm = heads, head_dim, comm
@@ -331,6 +336,7 @@ class BiGDN(torch.nn.Module):
         self.precision, self.checkpoint = precision, checkpoint
         if _ops.REGISTERED:
             _ops.register_comm(comm)
+        self.deterministic = deterministic
         if norm:
             self.q_norm_w = torch.nn.Parameter(torch.ones(C, device=device, dtype=dtype))
             self.k_norm_w = torch.nn.Parameter(torch.ones(C, device=device, dtype=dtype))
@@ -345,7 +351,8 @@ class BiGDN(torch.nn.Module):
                              % (self.heads, self.head_dim, self.heads, self.head_dim, tuple(qkv.shape)))
         k_scale = self.k_scale if self.k_scale is not None else 1.0 / math.sqrt(self.head_dim * S)
         kw = dict(k_scale=k_scale, norm_eps=self.norm_eps, eps=self.eps, precision=self.precision,
-                  checkpoint=self.checkpoint, clip_starts=clip_starts, rope_cos_q=rope_cos_q, rope_sin_q=rope_sin_q)
+                  checkpoint=self.checkpoint, clip_starts=clip_starts, rope_cos_q=rope_cos_q, rope_sin_q=rope_sin_q,
+                  deterministic=self.deterministic)
         args = (qkv, beta, decay, self.q_norm_w, self.k_norm_w, rope_cos, rope_sin, F, S)
         if self.comm is None:
             return bigdn(*args, **kw)

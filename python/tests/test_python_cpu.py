@@ -279,3 +279,20 @@ def test_cp_scan_through_the_c_abi():
     assert eager.rel_l2(z, z_ref.detach()) <= TOL
     for k, gr in zip(names, grads):
         assert eager.rel_l2(gr, r[k].grad) <= TOL, k
+
+
+def test_deterministic_bigdn_cp_equals_bigdn_bitwise():
+    """deterministic=True (docs/design.md §12): the CP layer on a one-rank world is
+    bitwise the single-rank layer in that mode, which stays within the f64 bar."""
+    comm = gdncp.Communicator.mpi_world()
+    if comm.size != 1:
+        pytest.skip("runs on one rank (tests/mpi_test_cp_deterministic.cpp covers P ranks)")
+    x = eager.inputs(B, H, D, F, S, seed=17)
+    w = torch.randn(B, F * S, H, D, dtype=torch.float64)
+    args = lambda x: (x["qkv"], x["beta"], x["decay"], x["q_norm_w"], x["k_norm_w"], x["rope_cos"], x["rope_sin"], F, S)
+    one = run(lambda x: gdncp.bigdn(*args(x), k_scale=x["k_scale"], deterministic=True), leaves(x), w)
+    cp = run(lambda x: gdncp.bigdn_cp(comm, *args(x), k_scale=x["k_scale"], deterministic=True), leaves(x), w)
+    assert torch.equal(one[0], cp[0])
+    for k in one[1]:
+        assert torch.equal(one[1][k], cp[1][k]), "d/d %s differs" % k
+    check(one, run(eager_fn, leaves(x), w))

@@ -229,9 +229,12 @@ class Inputs {
 gdncp::BigdnOptions layer_options(const gdncp_layer_options* o, const char* fn) {
   gdncp::BigdnOptions opt;
   if (!o) return opt;
-  if (o->struct_size < sizeof(gdncp_layer_options))
-    argument_error(fn, ": options->struct_size ", o->struct_size, " < ", sizeof(gdncp_layer_options),
+  // Fields added at the end read as their defaults from a struct of an older size.
+  const size_t before_deterministic = offsetof(gdncp_layer_options, deterministic);
+  if (o->struct_size < before_deterministic)
+    argument_error(fn, ": options->struct_size ", o->struct_size, " < ", before_deterministic,
                    " (fill options with gdncp_layer_options_init)");
+  opt.deterministic = o->struct_size >= sizeof(gdncp_layer_options) && o->deterministic != 0;
   opt.k_scale = o->k_scale;
   opt.norm_eps = o->norm_eps;
   opt.eps = o->eps;
@@ -275,6 +278,7 @@ gdncp::cp::CpOptions cp_options_of(const gdncp_cp_options* o, const char* fn) {
   if (o->struct_size < first_size)
     argument_error(fn, ": cp_options->struct_size ", o->struct_size, " < ", first_size,
                    " (fill cp_options with gdncp_cp_options_init)");
+  opt.deterministic = o->struct_size >= sizeof(gdncp_cp_options) && o->deterministic != 0;
   opt.reverse_rank_order = o->reverse_rank_order != 0;
   opt.truncate_to_active = o->truncate_to_active;
   if (o->struct_size < offsetof(gdncp_cp_options, node_size) + sizeof(int)) return opt;
@@ -456,6 +460,7 @@ gdncp_status gdncp_layer_options_init(gdncp_layer_options* options) {
     options->eps = d.eps;
     options->precision = GDNCP_PRECISION_AUTO;
     options->checkpoint = GDNCP_CHECKPOINT_OFF;
+    options->deterministic = 0;
   });
 }
 
@@ -467,6 +472,7 @@ gdncp_status gdncp_cp_options_init(gdncp_cp_options* options) {
     options->truncate_to_active = 0;
     options->exchange = GDNCP_EXCHANGE_AUTO;
     options->node_size = 0;
+    options->deterministic = 0;
   });
 }
 

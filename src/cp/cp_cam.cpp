@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "cp/cp_kernels.h"
+#include "cp/deterministic.h"
 #include "cp/scan_engine.h"
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
@@ -38,8 +39,9 @@ ScanJob cam_job(const Tensor& Pc, const Tensor& Ac, const CamDims& d, const CpOp
 
 class CamNode : public autograd::Node {
  public:
-  CamNode(std::shared_ptr<Communicator> comm, const CamDims& d, const CpOptions& o, int64_t offset)
-      : owner_(std::move(comm)), comm_(*owner_), d_(d), opt_(o), offset_(offset) {}
+  CamNode(std::shared_ptr<Communicator> comm, const CamDims& d, const CpOptions& o, int64_t offset,
+          std::vector<int64_t> frames)
+      : owner_(std::move(comm)), comm_(*owner_), d_(d), opt_(o), offset_(offset), frames_(std::move(frames)) {}
   const char* name() const override { return "cp_cam_gdn_num"; }
 
   // Saved after the inputs: Pc, gathered, Y, X0.
@@ -61,7 +63,7 @@ class CamNode : public autograd::Node {
     Tensor dM = Tensor::empty({BH, F, D, D}, ct, dev);
     kern::cam_out_bwd(dq, dM, grads[0], q, Y, d);
 
-    ScanContext ctx{&comm_, BH, F, D, decay, gathered, Tensor(), d.H};
+    ScanContext ctx{&comm_, BH, F, D, decay, gathered, Tensor(), d.H, frames_, opt_.truncate_to_active};
     detail::set_exchange(ctx, opt_);
     std::vector<ScanJob> jobs = {cam_job(Pc, Tensor(), d, opt_, offset_)};
     jobs[0].Y = Y;
@@ -91,18 +93,19 @@ class CamNode : public autograd::Node {
   Communicator& comm_;
   CamDims d_;
   CpOptions opt_;
-  int64_t offset_;  // this rank's first global frame
+  int64_t offset_;               // this rank's first global frame
+  std::vector<int64_t> frames_;  // the deterministic mode: every rank's F (ScanContext::frames)
 };
 
 std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& in, const CamDims& d, const CpOptions& o,
-                                int64_t offset, Tensor* keep) {
+                                int64_t offset, const std::vector<int64_t>& frames, Tensor* keep) {
   const Tensor &q = in[kQ], &k = in[kK], &v = in[kV], &beta = in[kBeta], &decay = in[kDecay];
   const Device dev = q.device();
   const DType ct = compute_dtype(q.dtype());
   const int64_t BH = d.BH(), F = d.F, D = d.D;
   Tensor Pc = Tensor::empty({BH, F, D, D}, ct, dev), Ac = Tensor::empty({BH, F, D, D}, ct, dev);
   kern::cam_phase_a_fwd(Pc, Ac, k, v, beta, d);
-  ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor(), Tensor(), d.H};
+  ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor(), Tensor(), d.H, frames, o.truncate_to_active};
   detail::set_exchange(ctx, o);
   std::vector<ScanJob> jobs = {cam_job(Pc, Ac, d, o, offset)};
   detail::scan_forward(ctx, jobs);
@@ -112,7 +115,7 @@ std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& i
   std::vector<Tensor> outputs = {out};
   if (o.truncate_to_active > 0) outputs.push_back(jobs[0].T);
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CamNode>(detail::shared_comm(comm, "cp_cam_gdn_num"), d, o, offset);
+    auto node = std::make_shared<CamNode>(detail::shared_comm(comm, "cp_cam_gdn_num"), d, o, offset, frames);
     node->save_state(in, Pc, ctx, jobs[0]);
     autograd::record(node, in, outputs);
   }
@@ -174,20 +177,24 @@ CamResult cp_cam_gdn_num(Communicator& comm, const Tensor& q, const Tensor& k, c
     detail::check_cp_options(entry, cp_options);
     r.reverse = cp_options.reverse_rank_order;
     r.truncate = cp_options.truncate_to_active;
+    r.deterministic = cp_options.deterministic;
   });
   detail::check_cp_options_global(entry, cp_options, frames);
   const int64_t offset = frames.offset;
+  // The deterministic mode's frame counts, exchanged here: a checkpoint recompute issues no collective.
+  const std::vector<int64_t> counts =
+      cp_options.deterministic ? detail::rank_frames(comm, d.F) : std::vector<int64_t>();
   const std::vector<Tensor> in = {q, k, v, beta, decay};
   std::vector<Tensor> out;
   if (autograd::resolve_checkpoint(checkpoint, in)) {
     auto keep = std::make_shared<Tensor>();
     const std::shared_ptr<Communicator> c = detail::graph_comm(comm, in, "cp_cam_gdn_num");
-    const autograd::Function fn = [c, d, cp_options, offset, keep](const std::vector<Tensor>& x) {
-      return cam_forward(*c, x, d, cp_options, offset, keep.get());
+    const autograd::Function fn = [c, d, cp_options, offset, counts, keep](const std::vector<Tensor>& x) {
+      return cam_forward(*c, x, d, cp_options, offset, counts, keep.get());
     };
     out = autograd::checkpoint(fn, in, Checkpoint::on);
   } else {
-    out = cam_forward(comm, in, d, cp_options, offset, nullptr);
+    out = cam_forward(comm, in, d, cp_options, offset, counts, nullptr);
   }
   CamResult r;
   r.out = out[0];

@@ -28,6 +28,7 @@
 
 #include "autograd/tensor_internals.h"
 #include "cp/exchange.h"
+#include "cp/deterministic.h"
 #include "cp/kv_z_scan.h"
 #include "cp/scan_engine.h"
 #include "cp/validate_cp.h"
@@ -50,7 +51,7 @@ enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kRopeCos
 class CpLayerNode : public autograd::Node {
  public:
   CpLayerNode(std::shared_ptr<Communicator> comm, const Dims& d, const BigdnOptions& opt, const CpOptions& cpo,
-              MathMode mode, bool bidi, int64_t offset, const Tensor& cuts)
+              MathMode mode, bool bidi, int64_t offset, const Tensor& cuts, std::vector<int64_t> frames)
       : owner_(std::move(comm)),
         comm_(*owner_),
         d_(d),
@@ -59,7 +60,8 @@ class CpLayerNode : public autograd::Node {
         mode_(mode),
         bidi_(bidi),
         offset_(offset),
-        cuts_(cuts) {}
+        cuts_(cuts),
+        frames_(std::move(frames)) {}
   const char* name() const override { return bidi_ ? "bigdn_cp" : "cp_gdn_raw"; }
 
   // Saved after the inputs: rstd, P, Pz, gathered, M, z (what phase C read), then Y, X0 per job.
@@ -103,7 +105,8 @@ class CpLayerNode : public autograd::Node {
       else
         kernels::phase_c_bwd(dq_hat, dM, dz, grads[0], grads[1], qkv, rstd, qw, csq, snq, M, z, d, opt_.eps, false,
                              mode_);
-      g = prep_backward_q(dq_hat, qkv, rstd, qw, kw, beta, d, needs_input_grad(kQNormW), needs_input_grad(kKNormW));
+      g = prep_backward_q(dq_hat, qkv, rstd, qw, kw, beta, d, needs_input_grad(kQNormW), needs_input_grad(kKNormW),
+                          /*per_frame=*/!frames_.empty());
     }
     dq_hat = Tensor();
 
@@ -115,6 +118,10 @@ class CpLayerNode : public autograd::Node {
 
     // Prep (phase A + k's RMSNorm) backward.
     if (F > 0) prep_backward_k(g, s.dP, s.dA, s.dPz, s.dbz, qkv, rstd, kw, cs, sn, beta, d, opt_.k_scale, mode_);
+    if (!frames_.empty()) {  // the deterministic mode: the norm weights' sums in global frame order, on rank 0
+      g.dq_norm_w = ordered_norm_w_grad(g.dq_norm_w_frames, qw, needs_input_grad(kQNormW), ct);
+      g.dk_norm_w = ordered_norm_w_grad(g.dk_norm_w_frames, kw, needs_input_grad(kKNormW), ct);
+    }
 
     std::vector<Tensor> out(kNumInputs);
     if (needs_input_grad(kQkv)) out[kQkv] = g.dqkv;
@@ -140,11 +147,22 @@ class CpLayerNode : public autograd::Node {
     return g;
   }
 
+  // The gradient of norm weight w from its per-frame terms (deterministic.h);
+  // a rank with no frame has none. Collective where w gets a gradient.
+  Tensor ordered_norm_w_grad(const Tensor& partials, const Tensor& w, bool wanted, DType ct) const {
+    if (!w.defined() || !wanted) return Tensor();
+    const Tensor p = partials.defined() ? partials : Tensor::empty({0, w.numel()}, ct, w.device());
+    Tensor out = Tensor::empty(w.shape(), w.dtype(), w.device());
+    detail::frame_ordered_sum(comm_, out, p, frames_, cpo_.reverse_rank_order);
+    return out;
+  }
+
   // The CP scans' backward (one all-gather) over the saved state; its jobs,
   // with their adjoints and handles, go on return.
   detail::KvZGrads scan_backward(const std::vector<Tensor>& grads, const Tensor& dM, const Tensor& dz) const {
     const Dims& d = d_;
-    ScanContext ctx{&comm_, d.BH(), d.F, d.D, saved(kDecay), saved(kGathered), cuts_, d.H};
+    ScanContext ctx{&comm_,           d.BH(), d.F, d.D,     saved(kDecay),
+                    saved(kGathered), cuts_,  d.H, frames_, cpo_.truncate_to_active};
     detail::set_exchange(ctx, cpo_);
     std::vector<ScanJob> jobs =
         detail::kv_z_jobs(saved(kP), Tensor(), saved(kPz), Tensor(), d.D, d.F, bidi_, cpo_, offset_);
@@ -166,6 +184,7 @@ class CpLayerNode : public autograd::Node {
   bool bidi_;
   int64_t offset_;  // this rank's first global frame
   Tensor cuts_;     // the clip mask (B, F) or undefined (not differentiable)
+  std::vector<int64_t> frames_;  // the deterministic mode: every rank's F (ScanContext::frames)
 };
 
 // The fused forward on validated inputs; records one CpLayerNode when needed.
@@ -176,7 +195,8 @@ class CpLayerNode : public autograd::Node {
 // terminal states are by-products of the scan and stay written.
 std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>& in, const Dims& d,
                                   const BigdnOptions& opt, const CpOptions& cpo, bool bidi, int64_t offset,
-                                  const Tensor& cuts, Tensor* keep, bool recompute) {
+                                  const Tensor& cuts, const std::vector<int64_t>& frames, Tensor* keep,
+                                  bool recompute) {
   const Tensor &qkv = in[kQkv], &beta = in[kBeta], &decay = in[kDecay], &qw = in[kQNormW], &kw = in[kKNormW],
                &cs = in[kRopeCos], &sn = in[kRopeSin], &csq = q_table(in[kRopeCosQ], cs),
                &snq = q_table(in[kRopeSinQ], sn);
@@ -199,7 +219,7 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   const Tensor &rstd = prep.rstd, &P = prep.P, &A = prep.A, &Pz = prep.Pz, &bz = prep.bz;
 
   // The CP scans: every direction's composites in one all-gather.
-  ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor(), cuts, H};
+  ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor(), cuts, H, frames, cpo.truncate_to_active};
   detail::set_exchange(ctx, cpo);
   std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi, cpo, offset);
   detail::scan_forward(ctx, jobs);
@@ -228,8 +248,8 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   }
 
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CpLayerNode>(detail::shared_comm(comm, bidi ? "bigdn_cp" : "cp_gdn_raw"), d, opt,
-                                              cpo, mode, bidi, offset, cuts);
+    auto node = std::make_shared<CpLayerNode>(detail::shared_comm(comm, bidi ? "bigdn_cp" : "cp_gdn_raw"), d, opt, cpo,
+                                              mode, bidi, offset, cuts, frames);
     node->save_state(in, rstd, P, Pz, ctx, M, z, jobs);
     autograd::record(node, in, outputs);
   }
@@ -264,22 +284,25 @@ std::pair<Dims, detail::FrameLayout> validate_layer(Communicator& comm, const ch
     r.k_scale = opt.k_scale;
     r.norm_eps = opt.norm_eps;
     r.eps = opt.eps;
+    r.deterministic = cpo.deterministic;
   });
   detail::check_cp_options_global(entry, cpo, frames);
   return {d, frames};
 }
 
 // Runs the layer forward directly or under a checkpoint whose recompute
-// reuses the gathered composites of the first run.
+// reuses the gathered composites of the first run. The deterministic mode's
+// frame counts are exchanged here, once: a recompute issues no collective.
 std::vector<Tensor> run_layer(Communicator& comm, const std::vector<Tensor>& in, const Dims& d, const BigdnOptions& opt,
                               const CpOptions& cpo, bool bidi, int64_t offset, const Tensor& cuts) {
+  const std::vector<int64_t> frames = cpo.deterministic ? detail::rank_frames(comm, d.F) : std::vector<int64_t>();
   if (!autograd::resolve_checkpoint(opt.checkpoint, in))
-    return layer_forward(comm, in, d, opt, cpo, bidi, offset, cuts, nullptr, /*recompute=*/false);
+    return layer_forward(comm, in, d, opt, cpo, bidi, offset, cuts, frames, nullptr, /*recompute=*/false);
   auto keep = std::make_shared<Tensor>();
   const std::shared_ptr<Communicator> c = detail::graph_comm(comm, in, bidi ? "bigdn_cp" : "cp_gdn_raw");
-  const autograd::RecomputeFunction fn = [c, d, opt, cpo, bidi, offset, cuts, keep](const std::vector<Tensor>& x,
-                                                                                    bool recompute) {
-    return layer_forward(*c, x, d, opt, cpo, bidi, offset, cuts, keep.get(), recompute);
+  const autograd::RecomputeFunction fn = [c, d, opt, cpo, bidi, offset, cuts, frames, keep](
+                                             const std::vector<Tensor>& x, bool recompute) {
+    return layer_forward(*c, x, d, opt, cpo, bidi, offset, cuts, frames, keep.get(), recompute);
   };
   return autograd::checkpoint_layer(fn, in, Checkpoint::on);
 }
@@ -292,8 +315,10 @@ Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const
                 const Tensor& rope_sin_q, const CpOptions& cp_options) {
   detail::check_exchange_only("bigdn_cp", cp_options);
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q};
-  const auto [d, frames] = validate_layer(comm, "bigdn_cp", in, F, S, options, cp_options, clip_starts);
-  return run_layer(comm, in, d, options, cp_options, true, frames.offset, clip_starts).at(0);
+  CpOptions cpo = cp_options;
+  cpo.deterministic = cp_options.deterministic || options.deterministic;
+  const auto [d, frames] = validate_layer(comm, "bigdn_cp", in, F, S, options, cpo, clip_starts);
+  return run_layer(comm, in, d, options, cpo, true, frames.offset, clip_starts).at(0);
 }
 
 RawResult cp_gdn_raw(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay,
@@ -301,8 +326,10 @@ RawResult cp_gdn_raw(Communicator& comm, const Tensor& qkv, const Tensor& beta, 
                      int64_t F, int64_t S, const BigdnOptions& options, const CpOptions& cp_options,
                      const Tensor& clip_starts, const Tensor& rope_cos_q, const Tensor& rope_sin_q) {
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q};
-  const auto [d, frames] = validate_layer(comm, "cp_gdn_raw", in, F, S, options, cp_options, clip_starts);
-  const std::vector<Tensor> out = run_layer(comm, in, d, options, cp_options, false, frames.offset, clip_starts);
+  CpOptions cpo = cp_options;
+  cpo.deterministic = cp_options.deterministic || options.deterministic;
+  const auto [d, frames] = validate_layer(comm, "cp_gdn_raw", in, F, S, options, cpo, clip_starts);
+  const std::vector<Tensor> out = run_layer(comm, in, d, options, cpo, false, frames.offset, clip_starts);
   RawResult r;
   r.num = out[0];
   r.den = out[1];

@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "cp/exchange.h"
+#include "cp/deterministic.h"
 #include "cp/kv_z_scan.h"
 #include "cp/scan_engine.h"
 #include "cp/validate_cp.h"
@@ -63,8 +64,15 @@ void check_scan_inputs(const char* entry, const Tensor& P, const Tensor& A, cons
 
 class CpScanNode : public autograd::Node {
  public:
-  CpScanNode(std::shared_ptr<Communicator> comm, bool bidi, const CpOptions& o, int64_t offset, const Tensor& cuts)
-      : owner_(std::move(comm)), comm_(*owner_), bidi_(bidi), opt_(o), offset_(offset), cuts_(cuts) {}
+  CpScanNode(std::shared_ptr<Communicator> comm, bool bidi, const CpOptions& o, int64_t offset, const Tensor& cuts,
+             std::vector<int64_t> frames)
+      : owner_(std::move(comm)),
+        comm_(*owner_),
+        bidi_(bidi),
+        opt_(o),
+        offset_(offset),
+        cuts_(cuts),
+        frames_(std::move(frames)) {}
   const char* name() const override { return bidi_ ? "cp_bidi_scan" : "cp_scan"; }
 
   void save_state(const std::vector<Tensor>& in, const std::vector<ScanJob>& jobs, const ScanContext& ctx) {
@@ -80,7 +88,7 @@ class CpScanNode : public autograd::Node {
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
     const Tensor &P = saved(kP), &A = saved(kA), &Pz = saved(kPz), &bz = saved(kBz), &decay = saved(kDecay);
     const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
-    ScanContext ctx{&comm_, BH, F, D, decay, saved(kNumInputs), cuts_, decay.size(1)};
+    ScanContext ctx{&comm_, BH, F, D, decay, saved(kNumInputs), cuts_, decay.size(1), frames_, opt_.truncate_to_active};
     detail::set_exchange(ctx, opt_);
     std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi_, opt_, offset_);
     for (size_t i = 0; i < n_jobs_; ++i) {
@@ -107,6 +115,7 @@ class CpScanNode : public autograd::Node {
   int64_t offset_;  // this rank's first global frame
   Tensor cuts_;     // the clip mask (not differentiable)
   size_t n_jobs_ = 0;
+  std::vector<int64_t> frames_;  // the deterministic mode: every rank's F (ScanContext::frames)
 };
 
 std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor& P, const Tensor& A, const Tensor& Pz,
@@ -118,10 +127,12 @@ std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor
     detail::check_cp_options(entry, o);
     r.reverse = o.reverse_rank_order;
     r.truncate = o.truncate_to_active;
+    r.deterministic = o.deterministic;
   });
   detail::check_cp_options_global(entry, o, frames);
   const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
-  ScanContext ctx{&comm, BH, F, D, decay, Tensor(), clip_starts, decay.size(1)};
+  std::vector<int64_t> counts = o.deterministic ? detail::rank_frames(comm, F) : std::vector<int64_t>();
+  ScanContext ctx{&comm, BH, F, D, decay, Tensor(), clip_starts, decay.size(1), counts, o.truncate_to_active};
   detail::set_exchange(ctx, o);
   std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi, o, frames.offset);
   detail::scan_forward(ctx, jobs);
@@ -134,7 +145,8 @@ std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor
   }
   const std::vector<Tensor> in = {P, A, Pz, bz, decay};
   if (autograd::should_record(in)) {
-    auto node = std::make_shared<CpScanNode>(detail::shared_comm(comm, entry), bidi, o, frames.offset, clip_starts);
+    auto node =
+        std::make_shared<CpScanNode>(detail::shared_comm(comm, entry), bidi, o, frames.offset, clip_starts, ctx.frames);
     node->save_state(in, jobs, ctx);
     autograd::record(node, in, outputs);
   }

@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "cp/exchange.h"
+#include "cp/deterministic.h"
 #include "gdncp/error.h"
 
 namespace gdncp {
@@ -121,6 +122,8 @@ int64_t active_frames(int64_t K, int64_t offset, int64_t F) {
 void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   Communicator& comm = *ctx.comm;
   const int P = comm.size(), r = comm.rank();
+  // The deterministic mode: the one-rank scan over the global sequence (Note [deterministic scan]).
+  if (P > 1 && !ctx.frames.empty()) return deterministic_scan_forward(ctx, jobs);
   const DType dt = compute_dtype(jobs);
   const Device dev = jobs.front().P.device();
   const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
@@ -239,6 +242,8 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
 void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   Communicator& comm = *ctx.comm;
   const int P = comm.size(), r = comm.rank();
+  // The deterministic mode: the one-rank scan over the global sequence (Note [deterministic scan]).
+  if (P > 1 && !ctx.frames.empty()) return deterministic_scan_backward(ctx, jobs, dg);
   const DType dt = compute_dtype(jobs);
   const Device dev = jobs.front().P.device();
   const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;

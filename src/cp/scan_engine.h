@@ -76,6 +76,10 @@ struct ScanContext {
   Tensor gathered;  // (P · per-rank) composites; kept from the forward (set: no all-gather)
   Tensor cuts;      // clip mask (B, F) f32 or undefined (Note [clip cuts])
   int64_t H = 1;    // heads: row bh / H of cuts
+  // The deterministic mode (Note [deterministic scan], deterministic.h): every
+  // rank's F in rank order (empty: the default mode) and truncate_to_active.
+  std::vector<int64_t> frames;
+  int64_t truncate = 0;
   // How the composites travel (CpOptions); with log or hierarchical, `gathered` keeps what
   // src/cp/exchange.h says instead of every rank's composites.
   Exchange exchange = Exchange::automatic;

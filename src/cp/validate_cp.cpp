@@ -46,6 +46,7 @@ const Field kFields[] = {
     {"beta layout (per token / per frame)", &CallRecord::beta_per_frame},
     {"reverse_rank_order", &CallRecord::reverse},
     {"truncate_to_active", &CallRecord::truncate},
+    {"deterministic", &CallRecord::deterministic},
 };
 
 std::string value_str(const Field& f, int64_t v) {

@@ -30,6 +30,7 @@ struct CallRecord {
   int64_t device = -1;
   int64_t has_q_norm = -1, has_k_norm = -1, beta_per_frame = -1;
   int64_t reverse = -1, truncate = -1;
+  int64_t deterministic = -1;
   double k_scale = 0, norm_eps = 0, eps = 0;
 };
 

@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "autograd/tensor_internals.h"
+#include "cp/deterministic.h"
 #include "gdncp/error.h"
 #include "gdncp/ops.h"
 #include "kernels/kernels.h"
@@ -172,6 +173,10 @@ Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const T
       validate_bigdn_inputs("bigdn", qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options);
   validate_rope_q("bigdn", rope_cos_q, rope_sin_q, d, rope_cos, qkv.device());
   validate_clip_starts("bigdn", clip_starts, d.B, F, qkv.device());
+  if (options.deterministic) {  // the CP layer's one-rank path, which the CP layers match bitwise (§12)
+    const std::shared_ptr<cp::Communicator> self = cp::detail::make_self_communicator(qkv.device());
+    return cp::bigdn_cp(*self, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options, clip_starts);
+  }
   // Per stream, as docs/design.md §1 says ("absent ⇒ no RMSNorm"): the Python reference normalises both when either weight is given.
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q};
   const autograd::RecomputeFunction fn = [d, options, clip_starts](const std::vector<Tensor>& x, bool recompute) {

@@ -1,6 +1,8 @@
 // src/kernels/layer_prep.cpp — the Prep stage of the layer (layer_prep.h).
 #include "kernels/layer_prep.h"
 
+#include "kernels/norm_w_frames.h"
+
 namespace gdncp {
 
 Prep prep_forward(const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& rope_cos,
@@ -21,15 +23,22 @@ Prep prep_forward(const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_nor
 
 PrepGrads prep_backward_q(const Tensor& dq_hat, const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w,
                           const Tensor& k_norm_w, const Tensor& beta, const Dims& d, bool want_dq_norm_w,
-                          bool want_dk_norm_w) {
+                          bool want_dk_norm_w, bool per_frame) {
   const Device dev = qkv.device();
   PrepGrads g;
   g.dqkv = Tensor::empty(qkv.shape(), qkv.dtype(), dev);
   g.dbeta = Tensor::empty(beta.shape(), beta.dtype(), dev);
-  if (q_norm_w.defined() && want_dq_norm_w) g.dq_norm_w = Tensor::empty(q_norm_w.shape(), q_norm_w.dtype(), dev);
-  if (k_norm_w.defined() && want_dk_norm_w) g.dk_norm_w = Tensor::empty(k_norm_w.shape(), k_norm_w.dtype(), dev);
+  g.per_frame = per_frame;
+  const DType ct = compute_dtype(qkv.dtype());
+  Tensor& dq_w = per_frame ? g.dq_norm_w_frames : g.dq_norm_w;
+  Tensor& dk_w = per_frame ? g.dk_norm_w_frames : g.dk_norm_w;
+  if (q_norm_w.defined() && want_dq_norm_w)
+    dq_w = per_frame ? Tensor::empty({d.F, d.C()}, ct, dev) : Tensor::empty(q_norm_w.shape(), q_norm_w.dtype(), dev);
+  if (k_norm_w.defined() && want_dk_norm_w)
+    dk_w = per_frame ? Tensor::empty({d.F, d.C()}, ct, dev) : Tensor::empty(k_norm_w.shape(), k_norm_w.dtype(), dev);
   Tensor none;
   kernels::rms_norm_bwd(g.dqkv, g.dq_norm_w, none, dq_hat, Tensor(), qkv, rstd, q_norm_w, k_norm_w, d);
+  if (g.dq_norm_w_frames.defined()) kernels::norm_w_frame_partials(g.dq_norm_w_frames, dq_hat, qkv, rstd, 0, d);
   return g;
 }
 
@@ -41,6 +50,7 @@ void prep_backward_k(PrepGrads& g, const Tensor& dP, const Tensor& dA, const Ten
                        k_scale, mode);
   Tensor none;
   kernels::rms_norm_bwd(g.dqkv, none, g.dk_norm_w, Tensor(), dk_hat, qkv, rstd, Tensor(), k_norm_w, d);
+  if (g.dk_norm_w_frames.defined()) kernels::norm_w_frame_partials(g.dk_norm_w_frames, dk_hat, qkv, rstd, 1, d);
 }
 
 }  // namespace gdncp

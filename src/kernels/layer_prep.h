@@ -29,6 +29,10 @@ struct PrepGrads {
   Tensor dqkv;                  // qkv's shape and dtype
   Tensor dbeta;                 // beta's shape and dtype
   Tensor dq_norm_w, dk_norm_w;  // the weight's dtype; undefined unless asked for and the weight is defined
+  // per_frame (the deterministic mode): instead of those sums, their terms per
+  // frame (F, C) compute dtype (norm_w_frames.h), for a sum in global frame order.
+  bool per_frame = false;
+  Tensor dq_norm_w_frames, dk_norm_w_frames;
 };
 
 // Backward of Prep, in two steps so that dq̂ and dk̂ are never alive together (they
@@ -41,7 +45,7 @@ struct PrepGrads {
 // want_dq_norm_w / want_dk_norm_w: whether the caller needs that weight's gradient.
 PrepGrads prep_backward_q(const Tensor& dq_hat, const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w,
                           const Tensor& k_norm_w, const Tensor& beta, const Dims& d, bool want_dq_norm_w,
-                          bool want_dk_norm_w);
+                          bool want_dk_norm_w, bool per_frame = false);
 void prep_backward_k(PrepGrads& g, const Tensor& dP, const Tensor& dA, const Tensor& dPz, const Tensor& dbz,
                      const Tensor& qkv, const Tensor& rstd, const Tensor& k_norm_w, const Tensor& rope_cos,
                      const Tensor& rope_sin, const Tensor& beta, const Dims& d, double k_scale, MathMode mode);
