@@ -264,7 +264,9 @@ TEST(CudaTwins, ScanBidiSweeps) {
 }
 
 // --- the scan core (src/cp/cp_kernels.h) on every variant of a sweep and a transition gradient ---
-Tensor rnd(const Shape& s, uint64_t seed, double sd = 1.0) { return Tensor::randn(s, DType::f32, Device::cpu, seed, sd); }
+Tensor rnd(const Shape& s, uint64_t seed, double sd = 1.0) {
+  return Tensor::randn(s, DType::f32, Device::cpu, seed, sd);
+}
 
 // The clip mask (B = 2, F): row 0 starts a clip at frame 2, row 1 at frames 0 and 3 (a 1-frame clip).
 Tensor sweep_cuts(int64_t F) {

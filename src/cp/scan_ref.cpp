@@ -286,7 +286,9 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
     scan_sweep(w.out_before, w.out_after, fin, w.P, decay, w.add_before, w.add_after, w.init, w.spec, w.cuts);
     copy_region(w.final_state, w.final_offset, fin, 0, fin.numel());
   }
-  const auto summed = [](const Sweep& w) -> const Tensor& { return w.out_after.defined() ? w.out_after : w.out_before; };
+  const auto summed = [](const Sweep& w) -> const Tensor& {
+    return w.out_after.defined() ? w.out_after : w.out_before;
+  };
   for (Sweep& w : sweeps)
     if (w.partner >= 0) add(w.sum, summed(w), summed(sweeps[static_cast<size_t>(w.partner)]));
 }

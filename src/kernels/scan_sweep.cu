@@ -402,8 +402,6 @@ SweepKernel sweep_kernel_of(bool transpose, bool clips) {
   return clips ? sweep_kernel<false, true> : sweep_kernel<false, false>;
 }
 
-bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
-
 void check_dims(const SweepSpec& s) {
   GDNCP_CHECK(s.D >= 1 && s.D <= kMaxHeadDim, "cp cuda scan: D = ", s.D, " must be in [1, ", kMaxHeadDim, "]");
   GDNCP_CHECK(s.E == 1 || s.E == s.D, "cp cuda scan: E = ", s.E, " must be 1 or D");
