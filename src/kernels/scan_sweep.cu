@@ -362,17 +362,17 @@ __global__ void __launch_bounds__(kScanThreads, 3)  // 3 blocks an SM: ≤ 85 re
     float* sum = a0.sum + static_cast<int64_t>(bh) * F * DE;
     const bool pairs = a0.vec2 && batch.s[2 * job + 1].vec2;  // column pairs as float2
     const int w = pairs ? 2 : 1, per_row = (nc + w - 1) / w, per_frame = D * per_row;
-    const int total = (F - member + 1) / 2 * per_frame;
-    for (int e0 = tid; e0 < total; e0 += kPairBatch * kScanThreads) {
+    const int64_t total = static_cast<int64_t>((F - member + 1) / 2) * per_frame;
+    for (int64_t e0 = tid; e0 < total; e0 += kPairBatch * kScanThreads) {
       float2 va[kPairBatch], vv[kPairBatch];
       int64_t o[kPairBatch];
       bool ok[kPairBatch];
 #pragma unroll
       for (int q = 0; q < kPairBatch; ++q) {
-        const int e = e0 + q * kScanThreads, fr = e / per_frame, r = e - fr * per_frame;
-        const int i = r / per_row, c = w * (r - i * per_row);
+        const int64_t e = e0 + q * kScanThreads, fr = e / per_frame;
+        const int r = static_cast<int>(e - fr * per_frame), i = r / per_row, c = w * (r - i * per_row);
         ok[q] = e < total;
-        o[q] = ok[q] ? (member + 2 * static_cast<int64_t>(fr)) * DE + static_cast<int64_t>(i) * E + c0 + c : 0;
+        o[q] = ok[q] ? (member + 2 * fr) * DE + static_cast<int64_t>(i) * E + c0 + c : 0;
         va[q] = vv[q] = make_float2(0.f, 0.f);
         if (ok[q]) {
           if (pairs) {
