@@ -376,8 +376,9 @@ TEST(CudaTwins, ScanCoreSweepVariants) {
 
 // scan_grad_outers against the CPU on every kind of group: KV (E = D, the Z GEMMs) with an
 // unshifted source from R0 and a shifted one of a different active (two Z buffers), with two
-// unshifted sources (one from R0, one from 0) accumulating into dP, a shifted one alone, and the
-// z vector (E = 1) sharing the first group's dg; with and without a clip mask, F = 1 and 4.
+// unshifted sources (one from R0, one from 0) accumulating into dP, a shifted one alone that
+// overwrites its dg, and the z vector (E = 1) sharing the first group's dg; with and without a
+// clip mask, F = 1 and 4.
 TEST(CudaTwins, ScanCoreGradOuterVariants) {
   REQUIRE_GPU();
   uint64_t seed = 3900;
@@ -409,6 +410,7 @@ TEST(CudaTwins, ScanCoreGradOuterVariants) {
         cpu_g[2].sources = {source(D, true, false, F)};
         cpu_g[3].sources = {source(1, false, false, F), source(1, true, false, std::max<int64_t>(F - 1, 0))};
         cpu_g[3].dg = cpu_g[0].dg;  // shared: both add into one dg
+        cpu_g[2].accumulate_dg = false;  // overwrites its dg
         std::vector<cp::OuterGroup> gpu_g = cpu_g;
         for (size_t k = 0; k < gpu_g.size(); ++k) {
           cp::OuterGroup& g = gpu_g[k];
@@ -417,6 +419,7 @@ TEST(CudaTwins, ScanCoreGradOuterVariants) {
           g.dP = gpu(cpu_g[k].dP);
           if (!g.accumulate_dP) poison(g.dP);
           if (k != 3) g.dg = gpu(cpu_g[k].dg);
+          if (!g.accumulate_dg) poison(g.dg);
           for (cp::OuterSource& s : g.sources) s.L = gpu(s.L), s.R = gpu(s.R), s.R0 = gpu(s.R0);
         }
         gpu_g[3].dg = gpu_g[0].dg;

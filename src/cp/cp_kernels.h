@@ -83,7 +83,8 @@ struct OuterSource {
 };
 // The transition gradient of one P from one or two sources (Gr = Σ_sources Gr_src), see scan_grad_outer.
 // Frames cut by the clip mask (B, F) f32 (row bh / H) get no transition gradient. Groups of one
-// scan_grad_outers call may share dg (their terms are added in group order).
+// scan_grad_outers call may share dg (their terms are added in group order; the first may
+// overwrite it, accumulate_dg = false).
 struct OuterGroup {
   Tensor dP, dg, P;
   std::vector<OuterSource> sources;
@@ -91,6 +92,7 @@ struct OuterGroup {
   bool accumulate_dP = false;
   Tensor cuts;
   int64_t H = 1;
+  bool accumulate_dg = true;  // false: dg = this group's terms (0 where none), for the first of groups sharing dg
 };
 
 // One correction, see scan_correct(): X_t += C_t · v for every frame.

@@ -294,7 +294,8 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
 }
 
 void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
-  for (OuterGroup& g : groups)
+  for (OuterGroup& g : groups) {
+    if (!g.accumulate_dg) g.dg.fill_(0.0);
     for (size_t i = 0; i < g.sources.size(); ++i) {
       const OuterSource& src = g.sources[i];
       SweepSpec s;
@@ -307,6 +308,7 @@ void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int6
       scan_grad_outer(g.dP, g.dg, src.L, src.R, src.R0, g.P, decay, s, src.shifted, i > 0 || g.accumulate_dP,
                       g.cuts);
     }
+  }
 }
 
 namespace {

@@ -101,17 +101,17 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
     }
   cp::kern::scan_sweeps(sweeps, decay);
 
-  // The transition gradients: one group per P, both adding into one dg (ddecay itself when it has the
-  // compute dtype).
+  // The transition gradients: one group per P, into one dg (ddecay itself when it has the compute
+  // dtype) that the first overwrites and the second adds to.
   const DType ct = compute_dtype(P.dtype());
   const bool direct = ddecay.dtype() == ct;
   Tensor dg = direct ? ddecay : Tensor::empty({d.B, d.H, d.F}, ct, P.device());
-  dg.fill_(0.0);
   std::vector<cp::OuterGroup> groups;
   for (const bool kv : {true, false}) {
     cp::OuterGroup g;
     g.dP = kv ? dP : dPz;
     g.dg = dg;
+    g.accumulate_dg = !kv;
     g.P = kv ? P : Pz;
     g.E = kv ? d.D : 1;
     g.cuts = clip_starts;

@@ -588,7 +588,7 @@ struct OuterArgs {
   int nz = 0;
   OuterSrc src[2];  // z vector: the sources
   int nsrc = 0, E = 0, H = 1;
-  bool accumulate = false, vec = false;  // vec: D·D % 4 == 0 and dP, P, Z 16-byte aligned
+  bool accumulate = false, accumulate_dg = true, vec = false;  // vec: D·D % 4 == 0 and dP, P, Z 16-byte aligned
 };
 struct OuterBatch {
   OuterArgs g[kMaxGroups];
@@ -617,6 +617,7 @@ __global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_const
     if (cut || !any) {                                             // dP_t = 0 (or unchanged), dg unchanged
       if (!a.accumulate)
         for (int64_t e = tid; e < DD; e += kOuterThreads) dPt[e] = 0.f;
+      if (!a.accumulate_dg && tid == 0) a.dg[bt] = 0.f;
       continue;
     }
     if (a.E == 1) {
@@ -680,7 +681,7 @@ __global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_const
     if (tid == 0) {
       float s = 0.f;
       for (int w = 0; w < kOuterThreads / 32; ++w) s += red[w];
-      a.dg[bt] += s;
+      a.dg[bt] = (a.accumulate_dg ? a.dg[bt] : 0.f) + s;
     }
     __syncthreads();  // red, lv and rv are reused by the next group
   }
@@ -748,6 +749,7 @@ void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int6
       a.P = f32_in(g.P, "P");
       a.E = static_cast<int>(g.E);
       a.accumulate = g.accumulate_dP;
+      a.accumulate_dg = g.accumulate_dg;
       a.cuts = cuts_of(g.cuts, BH, g.H, F);
       a.H = static_cast<int>(g.H);
       for (const OuterSource& s : g.sources) {
