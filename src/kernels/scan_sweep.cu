@@ -6,10 +6,10 @@
 //
 //   sweep_kernel   one block per (sweep, column block, b·h): Note [column blocks]; a pair of
 //                  sweeps (Sweep::partner) runs as a cluster of 2 that writes their sum.
-//   Z GEMMs        the transition gradients' Gr_t = L_t R'_tᵀ of the KV states (E = D): strided-batched
-//                  cuBLAS f32 GEMMs over all frames (Note [Z GEMMs]);
-//   outer_kernel   then dP (=, +=) −g Gr and dg += ⟨Gr, I − P⟩, one block per frame; for the z
-//                  vector (E = 1) it forms the rank ≤ 2 Gr itself.
+//   Z GEMMs        the transition gradients' Gr_t = L_t R'_tᵀ of the KV states (E = D):
+//                  strided-batched cuBLAS f32 GEMMs over all frames (Note [Z GEMMs]);
+//   outer_kernel   then dP (=, +=) −g Gr and dg (=, +=) ⟨Gr, I − P⟩, one block per frame; for the
+//                  z vector (E = 1) it forms the rank ≤ 2 Gr itself.
 // No atomics: every result is bitwise reproducible.
 //
 // Note [clips are a template]: the sweep kernel takes CLIPS (a mask is given) as a template
@@ -24,7 +24,10 @@
 // before the product (the panel of P and the state's shared copy visible), one after it (every
 // warp done reading the copy before it is rewritten). A step whose result nothing observes
 // (the last one of a sweep without out_after and final state) or that multiplies a known-zero
-// state (the first one from Init::zero without add_before) skips its product.
+// state (the first one from Init::zero without add_before) skips its product. Any D in
+// [1, kMaxHeadDim] runs at its own size: the product's k runs to D rounded up to a slab of 8
+// (zeros beyond D), its rows to whole warps of 16; no padding to the tile table of head_dims.h,
+// whose larger entries would multiply zero rows and columns every step.
 //
 // Note [3xTF32 steps]: the product op(P) Y of a step runs on the tensor cores as three TF32
 // products, hi·hi + (hi·lo + lo·hi) with y = hi + lo split at TF32's 11 bits, which keeps the
