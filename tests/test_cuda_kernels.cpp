@@ -191,8 +191,9 @@ TEST(CudaTwins, PhaseA) {
 
 // The CUDA bidirectional scan, forward and backward, against its CPU twin on
 // realistic transitions (phase A of the inputs), with a clip-start mask or
-// without one (mask undefined). sweeps: the GPU runs the composition of the scan
-// core's sweeps (kernels/scan_bidi_sweeps.h) instead of the layer's kernel.
+// without one (mask undefined). sweeps: the GPU runs the scan core's composition
+// (kernels/scan_bidi_sweeps.h) directly instead of through the layer's entry, which runs
+// the same composition after its shape checks.
 void expect_scan_bidi_twins(const Dims& d, uint64_t& seed, const Tensor& mask, const std::string& tag,
                             bool sweeps = false) {
   const auto fwd = sweeps ? scan_core::scan_bidi_fwd : kernels::scan_bidi_fwd;
@@ -253,8 +254,8 @@ TEST(CudaTwins, ScanBidiClips) {
   for (const Dims& d : shapes) expect_scan_bidi_twins(d, seed, clip_mask(d), " clips " + dims_str(d));
 }
 
-// The single-rank scan as the composition of the scan core's sweeps, on the CUDA sweeps: the
-// same composition as the CPU twin, so this checks the device core on the layer's variants.
+// The single-rank scan as the composition of the scan core's sweeps, called directly, on the
+// CUDA sweeps: the same composition as the CPU twin, on the layer's variants of the sweeps.
 TEST(CudaTwins, ScanBidiSweeps) {
   REQUIRE_GPU();
   uint64_t seed = 370;
