@@ -446,8 +446,8 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
       [&] { kernels::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, Tensor(), d); },
       [&] { kernels::phase_a_bwd(dk, dqkv, dbeta, dP, dA, dPz, dbz, in.qkv, rstd, in.kw, in.cs, in.sn, in.beta, d, o.k_scale, mode); },
       [&] { kernels::rms_norm_bwd(dqkv, dqw, dkw, dq, dk, in.qkv, rstd, in.qw, in.kw, d); },
-      // The same scan as the composition of the CP scan core's sweeps (kernels/scan_bidi_sweeps.h), for comparison;
-      // last, so that the layer's phases above see the layer kernels' intermediates.
+      // The same scan called as the scan core's composition (kernels/scan_bidi_sweeps.h) without the layer's shape
+      // checks: the layer's scan_bidi is this composition; last, like before.
       [&] { scan_core::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, Tensor(), d); },
       [&] { scan_core::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, Tensor(), d); }};
   const char* names[] = {"rms_stats",   "phase_a_fwd",  "scan_bidi_fwd",   "phase_c_fwd",    "phase_c_bwd",

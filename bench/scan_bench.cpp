@@ -1,4 +1,4 @@
-// bench/scan_bench.cpp — times the CUDA kernels of the CP scan (src/cp/scan.cu)
+// bench/scan_bench.cpp — times the CUDA kernels of the CP scan (src/kernels/scan_sweep.cu, src/cp/scan.cu)
 // on the launches one forward and one backward of the bidirectional CP layer
 // give them (the jobs KV fwd, Z fwd, KV anti, Z anti of cp_layers.cpp, batched
 // as scan_engine.cpp batches them), at P = 1 (all frames on one rank) and at

@@ -20,12 +20,14 @@
 // measures nothing. S = 1 is covered with F = 11 and F = 1 with S = 33.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "bigdn_fixtures.h"
+#include "cp/cp_kernels.h"
 #include "gdncp/gdncp.h"
 #include "kernels/kernels.h"
 #include "kernels/scan_bidi_sweeps.h"
@@ -189,8 +191,9 @@ TEST(CudaTwins, PhaseA) {
 
 // The CUDA bidirectional scan, forward and backward, against its CPU twin on
 // realistic transitions (phase A of the inputs), with a clip-start mask or
-// without one (mask undefined). sweeps: the GPU runs the composition of the scan
-// core's sweeps (kernels/scan_bidi_sweeps.h) instead of the layer's kernel.
+// without one (mask undefined). sweeps: the GPU runs the scan core's composition
+// (kernels/scan_bidi_sweeps.h) directly instead of through the layer's entry, which runs
+// the same composition after its shape checks.
 void expect_scan_bidi_twins(const Dims& d, uint64_t& seed, const Tensor& mask, const std::string& tag,
                             bool sweeps = false) {
   const auto fwd = sweeps ? scan_core::scan_bidi_fwd : kernels::scan_bidi_fwd;
@@ -251,14 +254,185 @@ TEST(CudaTwins, ScanBidiClips) {
   for (const Dims& d : shapes) expect_scan_bidi_twins(d, seed, clip_mask(d), " clips " + dims_str(d));
 }
 
-// The single-rank scan as the composition of the scan core's sweeps, on the CUDA sweeps: the
-// same composition as the CPU twin, so this checks the device core on the layer's variants.
+// The single-rank scan as the composition of the scan core's sweeps, called directly, on the
+// CUDA sweeps: the same composition as the CPU twin, on the layer's variants of the sweeps.
 TEST(CudaTwins, ScanBidiSweeps) {
   REQUIRE_GPU();
   uint64_t seed = 370;
   for (const Dims& d : twin_shapes()) expect_scan_bidi_twins(d, seed, Tensor(), " sweeps " + dims_str(d), true);
   for (const Dims& d : {dims(1, 2, 16, 11, 1), dims(2, 2, 112, 6, 33)})
     expect_scan_bidi_twins(d, seed, clip_mask(d), " sweeps clips " + dims_str(d), true);
+}
+
+// --- the scan core (src/cp/cp_kernels.h) on every variant of a sweep and a transition gradient ---
+Tensor rnd(const Shape& s, uint64_t seed, double sd = 1.0) {
+  return Tensor::randn(s, DType::f32, Device::cpu, seed, sd);
+}
+
+// The clip mask (B = 2, F): row 0 starts a clip at frame 2, row 1 at frames 0 and 3 (a 1-frame clip).
+Tensor sweep_cuts(int64_t F) {
+  std::vector<double> c(static_cast<size_t>(2 * F), 0.0);
+  for (int64_t f = 0; f < F; ++f) {
+    c[static_cast<size_t>(f)] = f == 2 ? 1.0 : 0.0;
+    c[static_cast<size_t>(F + f)] = f == 0 || f == 3 ? 1.0 : 0.0;
+  }
+  return Tensor::from_vector(c, {2, F}, DType::f32);
+}
+
+// One sweep's variant: its spec's flags and which tensors it has.
+struct SweepVariant {
+  bool descending, transpose;
+  cp::Cut cut;
+  cp::Init init;
+  bool frozen, vb, ua, ob, oa, fin;
+};
+
+// The flat elements [off, off + n) of t as a (n) f32 CPU tensor.
+Tensor region(const Tensor& t, int64_t off, int64_t n) {
+  const std::vector<double> v = t.to(Device::cpu).to_vector();
+  return Tensor::from_vector(std::vector<double>(v.begin() + off, v.begin() + off + n), {n}, DType::f32);
+}
+
+// Every variant of Note [scan step] and Note [clip cuts] in one scan_sweeps call on the CPU and on
+// CUDA (outputs poisoned), with two pairs (Sweep::partner): one that CUDA runs as a cluster, one
+// whose members differ in transpose (two sweeps and an add). Odd D, D < 8, partial column
+// blocks, E = 1, F = 0 and 1, a final state at an unaligned pack offset (scalar state accesses).
+TEST(CudaTwins, ScanCoreSweepVariants) {
+  REQUIRE_GPU();
+  using cp::Cut;
+  using cp::Init;
+  const std::vector<SweepVariant> variants = {
+      {false, false, Cut::before, Init::given, true, false, true, false, true, true},   // forward scan from X0
+      {true, false, Cut::after, Init::zero, false, false, true, true, false, true},     // anti-causal scan
+      {true, true, Cut::after, Init::given, true, true, false, true, false, true},      // forward adjoint
+      {false, true, Cut::before, Init::zero, false, false, true, true, false, false},   // anti adjoint (last unseen)
+      {false, false, Cut::none, Init::identity, false, false, false, false, true, true},  // products from I
+      {true, true, Cut::before, Init::identity, true, true, true, true, true, true},    // everything at once
+      {false, false, Cut::after, Init::given, false, true, false, false, true, false},  // add_before, out_after
+      {true, false, Cut::none, Init::zero, false, true, false, true, false, false},     // add_before, out_before
+  };
+  uint64_t seed = 3800;
+  const int64_t B = 2, H = 2, BH = B * H;
+  for (const int64_t D : {int64_t(1), int64_t(5), int64_t(16), int64_t(33), int64_t(112), int64_t(128)})
+    for (const int64_t E : {D, int64_t(1)})
+      for (const int64_t F : {int64_t(0), int64_t(1), int64_t(5)}) {
+        const int64_t Fa = std::max<int64_t>(F, 1);  // inputs of F = 0 stay allocatable
+        const Shape st = {BH, F, D, E};
+        auto frames = [&](const Tensor& t) { return F == 0 ? Tensor::empty({BH, 0, D, t.size(3)}, DType::f32) : t; };
+        const Tensor P = frames(rnd({BH, Fa, D, D}, ++seed, 0.5 / static_cast<double>(D)));
+        const Tensor decay = Tensor::uniform({B, H, F}, DType::f32, Device::cpu, ++seed, 0.5, 0.99);
+        const Tensor cuts = sweep_cuts(F);
+        std::vector<cp::Sweep> cpu_sw;
+        for (const SweepVariant& v : variants) {
+          cp::Sweep w;
+          w.spec.BH = BH, w.spec.F = F, w.spec.D = D, w.spec.E = E, w.spec.H = H;
+          w.spec.descending = v.descending;
+          w.spec.transpose = v.transpose;
+          w.spec.cut = v.cut;
+          w.spec.init = v.init == Init::identity && E != D ? Init::zero : v.init;
+          w.spec.active = v.frozen ? std::max<int64_t>(F - 2, 0) : F;
+          w.P = P;
+          if (v.cut != Cut::none) w.cuts = cuts;
+          if (w.spec.init == Init::given) w.init = rnd({BH, D, E}, ++seed);
+          if (v.vb) w.add_before = frames(rnd({BH, Fa, D, E}, ++seed));
+          if (v.ua) w.add_after = frames(rnd({BH, Fa, D, E}, ++seed));
+          if (v.ob) w.out_before = Tensor::empty(st, DType::f32);
+          if (v.oa) w.out_after = Tensor::empty(st, DType::f32);
+          if (v.fin) w.final_state = Tensor::empty({BH, D, E}, DType::f32);
+          cpu_sw.push_back(w);
+        }
+        cpu_sw[5].final_state = Tensor::empty({1 + BH * D * E + 1}, DType::f32);  // a pack, offset 1
+        cpu_sw[5].final_offset = 1;
+        cpu_sw[0].partner = 1;  // forward + anti-causal: one cluster
+        cpu_sw[0].sum = Tensor::empty(st, DType::f32);
+        cpu_sw[6].partner = 2;  // members of different transpose: two sweeps and an add
+        cpu_sw[6].sum = Tensor::empty(st, DType::f32);
+        std::vector<cp::Sweep> gpu_sw = cpu_sw;
+        for (cp::Sweep& w : gpu_sw) {
+          for (Tensor* t : {&w.P, &w.add_before, &w.add_after, &w.init, &w.cuts}) *t = gpu(*t);
+          for (Tensor* t : {&w.out_before, &w.out_after, &w.final_state, &w.sum})
+            if (t->defined()) *t = poisoned(t->shape(), DType::f32);
+        }
+        cp::kern::scan_sweeps(cpu_sw, decay);
+        cp::kern::scan_sweeps(gpu_sw, gpu(decay));
+        for (size_t k = 0; k < cpu_sw.size(); ++k) {
+          const std::string tag = " D=" + std::to_string(D) + " E=" + std::to_string(E) + " F=" + std::to_string(F) +
+                                  " variant " + std::to_string(k);
+          const cp::Sweep &c = cpu_sw[k], &g = gpu_sw[k];
+          if (F > 0) {
+            if (c.out_before.defined()) expect_close(g.out_before, c.out_before, tol::f32, "out_before" + tag);
+            if (c.out_after.defined()) expect_close(g.out_after, c.out_after, tol::f32, "out_after" + tag);
+            if (c.sum.defined()) expect_close(g.sum, c.sum, tol::f32, "pair sum" + tag);
+          }
+          if (!c.final_state.defined()) continue;
+          const int64_t n = BH * D * E, off = c.final_offset;
+          expect_close(region(g.final_state, off, n), region(c.final_state, off, n), tol::f32, "final_state" + tag);
+          if (off > 0) {  // the pack around the final states is untouched
+            const std::vector<double> v = g.final_state.to(Device::cpu).to_vector();
+            EXPECT_TRUE(std::isnan(v.front()) && std::isnan(v.back())) << "final_state pack written outside" << tag;
+          }
+        }
+      }
+}
+
+// scan_grad_outers against the CPU on every kind of group: KV (E = D, the Z GEMMs) with an
+// unshifted source from R0 and a shifted one of a different active (two Z buffers), with two
+// unshifted sources (one from R0, one from 0) accumulating into dP, a shifted one alone that
+// overwrites its dg, and the z vector (E = 1) sharing the first group's dg; with and without a
+// clip mask, F = 1 and 4.
+TEST(CudaTwins, ScanCoreGradOuterVariants) {
+  REQUIRE_GPU();
+  uint64_t seed = 3900;
+  const int64_t B = 2, H = 2, BH = B * H;
+  for (const int64_t D : {int64_t(1), int64_t(5), int64_t(16), int64_t(112)})
+    for (const int64_t F : {int64_t(1), int64_t(4)})
+      for (const bool with_cuts : {false, true}) {
+        const Tensor decay = Tensor::uniform({B, H, F}, DType::f32, Device::cpu, ++seed, 0.5, 0.99);
+        const Tensor cuts = with_cuts ? sweep_cuts(F) : Tensor();
+        const Tensor dg0 = rnd({BH, F}, ++seed), dg1 = rnd({BH, F}, ++seed);
+        auto source = [&](int64_t E, bool shifted, bool r0, int64_t active) {
+          return cp::OuterSource{rnd({BH, F, D, E}, ++seed), rnd({BH, F, D, E}, ++seed),
+                                 r0 ? rnd({BH, D, E}, ++seed) : Tensor(), shifted, active};
+        };
+        std::vector<cp::OuterGroup> cpu_g(4);
+        const bool kv_acc[4] = {false, true, true, false};
+        for (int k = 0; k < 4; ++k) {
+          cp::OuterGroup& g = cpu_g[static_cast<size_t>(k)];
+          g.E = k == 3 ? 1 : D;
+          g.P = rnd({BH, F, D, D}, ++seed, 0.3);
+          g.dP = rnd({BH, F, D, D}, ++seed);
+          g.accumulate_dP = kv_acc[k];
+          g.cuts = cuts;
+          g.H = H;
+          g.dg = k == 3 ? dg0.clone() : k == 0 ? dg0.clone() : dg1.clone();
+        }
+        cpu_g[0].sources = {source(D, false, true, F), source(D, true, false, std::max<int64_t>(F - 1, 0))};
+        cpu_g[1].sources = {source(D, false, false, F), source(D, false, true, F)};
+        cpu_g[2].sources = {source(D, true, false, F)};
+        cpu_g[3].sources = {source(1, false, false, F), source(1, true, false, std::max<int64_t>(F - 1, 0))};
+        cpu_g[3].dg = cpu_g[0].dg;  // shared: both add into one dg
+        cpu_g[2].accumulate_dg = false;  // overwrites its dg
+        std::vector<cp::OuterGroup> gpu_g = cpu_g;
+        for (size_t k = 0; k < gpu_g.size(); ++k) {
+          cp::OuterGroup& g = gpu_g[k];
+          g.P = gpu(g.P);
+          g.cuts = gpu(g.cuts);
+          g.dP = gpu(cpu_g[k].dP);
+          if (!g.accumulate_dP) poison(g.dP);
+          if (k != 3) g.dg = gpu(cpu_g[k].dg);
+          if (!g.accumulate_dg) poison(g.dg);
+          for (cp::OuterSource& s : g.sources) s.L = gpu(s.L), s.R = gpu(s.R), s.R0 = gpu(s.R0);
+        }
+        gpu_g[3].dg = gpu_g[0].dg;
+        cp::kern::scan_grad_outers(cpu_g, decay, BH, F, D);
+        cp::kern::scan_grad_outers(gpu_g, gpu(decay), BH, F, D);
+        for (size_t k = 0; k < cpu_g.size(); ++k) {
+          const std::string tag = " D=" + std::to_string(D) + " F=" + std::to_string(F) +
+                                  (with_cuts ? " cuts" : "") + " group " + std::to_string(k);
+          expect_close(gpu_g[k].dP, cpu_g[k].dP, tol::f32, "dP" + tag);
+          expect_close(gpu_g[k].dg, cpu_g[k].dg, tol::f32, "dg" + tag);
+        }
+      }
 }
 
 TEST(CudaTwins, PhaseC) {

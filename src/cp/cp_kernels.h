@@ -65,6 +65,13 @@ struct Sweep {
   SweepSpec spec;
   int64_t final_offset = 0;  // elements into final_state where the (BH, D, E) final states go (a pack buffer)
   Tensor cuts;               // clip mask (B, F) f32, or undefined (no cut), Note [clip cuts]
+  // A pair (optional): partner ≥ 0 names another sweep of the same scan_sweeps call (same F and E,
+  // itself unpaired), and sum (BH, F, D, E) = this sweep's summed output + the partner's, where a
+  // sweep's summed output is its out_after, or its out_before when it has no out_after (the
+  // forward and anti-causal scans: M = Mf + Mr). CUDA runs a pair of one transpose and one mask
+  // presence as one cluster of 2 per column block.
+  Tensor sum;
+  int partner = -1;
 };
 
 // One source of a transition gradient: an adjoint sweep's L (its out_before) and the states R of the
@@ -75,7 +82,9 @@ struct OuterSource {
   int64_t active = 0;
 };
 // The transition gradient of one P from one or two sources (Gr = Σ_sources Gr_src), see scan_grad_outer.
-// Frames cut by the clip mask (B, F) f32 (row bh / H) get no transition gradient.
+// Frames cut by the clip mask (B, F) f32 (row bh / H) get no transition gradient. Groups of one
+// scan_grad_outers call may share dg (their terms are added in group order; the first may
+// overwrite it, accumulate_dg = false).
 struct OuterGroup {
   Tensor dP, dg, P;
   std::vector<OuterSource> sources;
@@ -83,6 +92,7 @@ struct OuterGroup {
   bool accumulate_dP = false;
   Tensor cuts;
   int64_t H = 1;
+  bool accumulate_dg = true;  // false: dg = this group's terms (0 where none), for the first of groups sharing dg
 };
 
 // One correction, see scan_correct(): X_t += C_t · v for every frame.
@@ -127,10 +137,11 @@ struct CamDims {
                        const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate_dP,                        \
                        const Tensor& cuts = Tensor());                                                                   \
                                                                                                                          \
-  /* Independent sweeps (none reads another's outputs) sharing decay, BH, F and D: one launch on CUDA. */                \
+  /* Independent sweeps (none reads another's outputs) sharing decay, BH, F and D, and the sums of their pairs          \
+     (Sweep::partner): one launch per transpose, mask presence and pairing on CUDA. */                                  \
   void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay);                                                     \
-  /* Independent groups of scan_grad_outer (each group its own dP and dg tensors): one launch on CUDA.                   \
-     Per (bh, t): Gr = Σ over the group's sources; dP (=, +=) −g Gr, dg += ⟨Gr, I − P⟩. */                      \
+  /* Independent groups of scan_grad_outer (each group its own dP; dg shared or not): one launch on CUDA (after the   \
+     KV groups' GEMMs). Per (bh, t): Gr = Σ over the group's sources; dP (=, +=) −g Gr, dg += ⟨Gr, I − P⟩. */     \
   void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D);         \
   /* Corrections X_t += C_t · v for all (bh, t) at once (docs/design.md §6 step 5): X (BH, F, D, E), C (BH, F, D, D) (cumulative \
      transition products), v (BH, D, E). Independent corrections: one launch on CUDA. */                                 \

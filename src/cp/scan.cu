@@ -1,39 +1,36 @@
-// src/cp/scan.cu — CUDA twins of the CP scan kernels (Note [scan step] in
-// cp_kernels.h), f32, same signatures and semantics as scan_ref.cpp.
+// src/cp/scan.cu — CUDA twins of the CP kernels around the scan core, f32, same signatures and
+// semantics as scan_ref.cpp. The sweeps and transition gradients themselves (Note [scan step] in
+// cp_kernels.h) are the scan core's: src/kernels/scan_sweep.cu.
 //
-//   sweep_kernel    the sequential sweeps over frames: one warp per (sweep,
-//                   b·h, slice of kTileCols = 8 state columns), Note [sweep slices]; the
-//                   frames' transitions stream through a cp.async ring that
-//                   the warps of a block share.
-//   fold_kernel     the same over the gathered composites of the ranks.
+//   fold_kernel     the fold over the gathered composites of the ranks: one warp per (fold,
+//                   b·h, slice of kTileCols = 8 state columns), Note [fold slices]; the
+//                   ranks' composites stream through a cp.async ring that the warps of a
+//                   block share.
 //   scan_correct    X_t += C_t·v for every (b·h, t) at once: one cuBLAS
 //                   strided-batched f32 GEMM per KV correction (Note [corrections
 //                   through cuBLAS]), correct_z_kernel per Z correction.
-//   outer_kernel    one block per (b·h, frame): Gr = L Rᵀ (Note [outer tiles]),
-//                   then dP (=, +=) −g·Gr and dg += ⟨Gr, I − P⟩ (fixed-order sum).
-// Gradient rule as the CPU twin: dg accumulates, dP when asked; the rest overwritten.
+// Gradient rule as the CPU twin: every output overwritten except the corrected X.
 // No atomics: every result is bitwise reproducible.
 //
-// Note [sweep slices]. Each step of a sweep (fold) multiplies a D×D
+// Note [fold slices]. Each step of a fold multiplies a D×D
 // matrix op(A) into the state, a D×E matrix whose columns evolve on their own.
 // One warp owns a slice of 8 columns: lane (r, h) = (lane % 16, lane / 16)
 // accumulates rows r + 16a (a < RA, 16·RA ≥ D) × columns 4h … 4h+3 in 4·RA
 // registers; the slice itself lives in shared memory (pitch kYP) and is read
-// as broadcasts. The steps are sequential, so a sweep is latency-bound: 8
+// as broadcasts. The steps are sequential, so a fold is latency-bound: 8
 // columns a warp (not 16) give twice the warps, each with half the products
-// of a step and half the registers (measured: Note [eight columns]).
+// of a step and half the registers (measured on the sweeps this coding once
+// ran: Note [eight columns]).
 // A streams through a ring of kStages shared buffers in chunks of kKC values
-// of k, issued kStages − 1 chunks ahead with cp.async and across frame
-// boundaries (A does not depend on the state, so the next frame's A is in
-// flight while this frame's product runs). A chunk is op(A)[:, k0 … k0+kKC)
+// of k, issued kStages − 1 chunks ahead with cp.async and across step
+// boundaries (A does not depend on the state, so the next step's A is in
+// flight while this step's product runs). A chunk is op(A)[:, k0 … k0+kKC)
 // stored [i][k] (pitch kKCP, 5 float4: read along k as float4 without bank
-// conflicts) for op(A) = A and Aᵀ alike: the transposed sweeps transpose on
+// conflicts) for op(A) = A and Aᵀ alike: the transposed folds transpose on
 // the way into shared memory, so their products load as few operands as the
-// plain ones. The warps of a block are slices of the same (sweep, b·h) and
+// plain ones. The warps of a block are slices of the same (fold, b·h) and
 // share the ring; a step costs one barrier per chunk. Sums over k run in
-// index order, like the CPU twin. The additive terms of a step (U_t, or the
-// next frame's add_before) are loaded into registers before the product, so
-// their latency hides behind it.
+// index order, like the CPU twin.
 #include <algorithm>
 
 #include "autograd/device.h"
@@ -51,14 +48,14 @@ using namespace dev;
 namespace cc = ::gdncp::cuda::detail;  // device helpers shared with the layer kernels
 
 constexpr int kMaxRanks = 64;
-constexpr int kTileCols = 8;  // state columns per warp (Note [sweep slices])
+constexpr int kTileCols = 8;  // state columns per warp (Note [fold slices])
 constexpr int kKC = 16;       // values of k per staged chunk
 constexpr int kKCP = 20;      // pitch of a chunk of op(A) = A: 5 float4 (odd: conflict-free along k)
 constexpr int kYP = 12;       // pitch of the state slice: 3 float4 (odd: a lane's float4 rows conflict-free)
 constexpr int kStages = 4;    // depth of the cp.async ring
 constexpr int kMaxWarps = 4;  // slices per block
 
-// Row slots of a lane (Note [sweep slices]): lane r covers rows r + 16a, a < RA, so 16·RA ≥ D.
+// Row slots of a lane (Note [fold slices]): lane r covers rows r + 16a, a < RA, so 16·RA ≥ D.
 // The kernels are built for RA = 7 (D ≤ 112, the production head dim: one slot fewer than the
 // padded 128 saves the registers of a slot) and RA = 8 (up to the largest head dim).
 constexpr int kSlotRows = 16;
@@ -77,7 +74,7 @@ constexpr int smem_bytes(int ra, int warps) {
 static_assert(kKC <= kKCP, "a staged row of a chunk holds its kKC values of k");
 
 // Stages chunk j of op(A), A a row-major D×D matrix, into buf as [i][k0 … k0+kKC) with pitch
-// kKCP (Note [sweep slices]): the product reads it the same way for op(A) = A and op(A) = Aᵀ.
+// kKCP (Note [fold slices]): the product reads it the same way for op(A) = A and op(A) = Aᵀ.
 // op(A) = A: 16-byte copies along k (vec: D % 4 == 0, A 16-byte aligned), else 4-byte ones.
 // op(A) = Aᵀ: buf[i][kk] = A[k0 + kk][i], 4-byte copies, consecutive threads along i (reads of
 // A's rows coalesced; the transpose happens on the way into shared memory), no index division
@@ -257,113 +254,6 @@ __device__ __forceinline__ Place place_of(const Job* jobs, int n, int warps) {
   return Place{k, rel / jobs[k].groups, (rel % jobs[k].groups) * warps + warp, warp};
 }
 
-// --- sweeps -----------------------------------------------------------------------------------
-struct SweepArgs {
-  float* ob = nullptr;
-  float* oa = nullptr;
-  float* fin = nullptr;
-  const float* P = nullptr;
-  const float* vb = nullptr;
-  const float* ua = nullptr;
-  const float* init = nullptr;
-  const float* cuts = nullptr;  // clip mask (B, F), row bh / H; null: no cut (Note [clip cuts])
-  int D = 0, F = 0, E = 0, active = 0, init_kind = 0, cut = 0, H = 1;
-  bool descending = false, transpose = false, vec = false, vec_states = false;
-  int tiles = 0, groups = 0, block0 = 0;  // slices per b·h, blocks per b·h, first block
-};
-constexpr int kMaxSweeps = 8;
-struct SweepBatch {
-  SweepArgs s[kMaxSweeps];
-  InPlain decay;
-  int n = 0, warps = 1;
-};
-
-// One warp per (sweep, b·h, slice); the steps of Note [scan step] in frame order.
-template <int RA>
-__global__ void __launch_bounds__(32 * kMaxWarps) sweep_kernel(const __grid_constant__ SweepBatch batch) {
-  extern __shared__ __align__(16) float smem[];
-  const Place pl = place_of(batch.s, batch.n, batch.warps);
-  const SweepArgs& a = batch.s[pl.job];
-  const int bh = pl.unit, D = a.D, E = a.E, F = a.F;
-  const bool live = pl.tile < a.tiles;  // dead warps only help stage the ring
-  const Slice sl = slice_of(D, E, pl.tile, a.vec_states);
-  float* ys = smem + kStages * stage_floats(RA) + pl.warp * slice_floats(RA);
-  const int64_t DE = static_cast<int64_t>(D) * E, DD = static_cast<int64_t>(D) * D;
-  auto frame = [&](int step) { return a.descending ? F - 1 - step : step; };
-  auto at = [&](auto* base, int t) { return base + (static_cast<int64_t>(bh) * F + t) * DE; };
-  auto mat = [&](int step) { return a.P + (static_cast<int64_t>(bh) * F + frame(step)) * DD; };
-  Ring<RA, decltype(mat)> ring = make_ring<RA>(smem, mat, D, F, a.transpose, a.vec);
-  ring.start();
-
-  fill_slice<RA>(ys, sl, live, [&](int i, int col) {
-    if (a.init_kind == static_cast<int>(Init::identity)) return i == col ? 1.f : 0.f;
-    if (a.init_kind == static_cast<int>(Init::given)) return a.init[bh * DE + static_cast<int64_t>(i) * E + col];
-    return 0.f;
-  });
-  // pre: the additive term of the next use — U_t (add_after), else the next frame's add_before.
-  const bool pre_u = a.ua != nullptr, pre_v = a.vb != nullptr && !pre_u;
-  float pre[RA][4], acc[RA][4];
-  zero<RA>(pre);
-  if (pre_v && F > 0) load_own<RA>(pre, at(a.vb, frame(0)), sl, live);
-  // Zeroes the warp's slice (the lane's own elements), Note [clip cuts].
-  auto clear = [&] {
-    if (live)
-#pragma unroll
-      for (int i = 0; i < RA; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          if (sl.ok(i, c)) ys[sl.sh(i, c)] = 0.f;
-    __syncwarp();
-  };
-  for (int step = 0; step < F; ++step) {
-    const int t = frame(step);
-    const bool frozen = t >= a.active;  // uniform over the block
-    const bool cut = a.cuts && !frozen && a.cuts[static_cast<int64_t>(bh / a.H) * F + t] != 0.f;  // uniform too
-    if (cut && a.cut == static_cast<int>(Cut::before)) clear();
-    if (a.vb && live) {  // 1. Y += Vb_t
-      if (pre_v) {
-#pragma unroll
-        for (int i = 0; i < RA; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            if (sl.ok(i, c)) ys[sl.sh(i, c)] += pre[i][c];
-      } else {  // both add terms given: this one unprefetched
-        const float* v = at(a.vb, t);
-#pragma unroll
-        for (int i = 0; i < RA; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            if (sl.ok(i, c)) ys[sl.sh(i, c)] += v[sl.at(i, c)];
-      }
-    }
-    if (a.ob) store_own<RA>(at(a.ob, t), ys, sl, live, frozen);  // 2. out_before
-    if (pre_u) {
-      if (!frozen) load_own<RA>(pre, at(a.ua, t), sl, live);
-    } else if (pre_v && step + 1 < F) {
-      load_own<RA>(pre, at(a.vb, frame(step + 1)), sl, live);
-    }
-    ring.product(acc, ys, live && !frozen);  // 3. op(P_t) Y
-    __syncwarp();                            // the slice has been read
-    if (live && !frozen) {
-      const float g = batch.decay[static_cast<int64_t>(bh) * F + t];
-#pragma unroll
-      for (int i = 0; i < RA; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          if (sl.ok(i, c)) {
-            float y = g * (ys[sl.sh(i, c)] - acc[i][c]);
-            if (pre_u) y += pre[i][c];  // 4. Y += Ua_t
-            ys[sl.sh(i, c)] = y;
-          }
-    }
-    __syncwarp();
-    if (cut && a.cut == static_cast<int>(Cut::after)) clear();
-    if (a.oa) store_own<RA>(at(a.oa, t), ys, sl, live);  // 5. out_after
-  }
-  if (a.fin) store_own<RA>(a.fin + bh * DE, ys, sl, live);
-  cp_async_wait_all();
-}
-
 // --- folds over ranks ---------------------------------------------------------------------------
 struct FoldArgs {
   float* X = nullptr;
@@ -425,90 +315,6 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fold_kernel(const __grid_const
   cp_async_wait_all();
 }
 
-// --- transition gradients -----------------------------------------------------------------------
-struct OuterSrc {
-  const float* L = nullptr;
-  const float* R = nullptr;
-  const float* R0 = nullptr;
-  bool shifted = false;
-  int active = 0;
-};
-struct OuterArgs {
-  float* dP = nullptr;
-  float* dg = nullptr;
-  const float* P = nullptr;
-  OuterSrc src[2];
-  const float* cuts = nullptr;  // clip mask (B, F), row bh / H: a cut frame gets no gradient
-  int nsrc = 0, E = 0, H = 1;
-  bool accumulate = false;
-};
-constexpr int kMaxGroups = 4;
-struct OuterBatch {
-  OuterArgs g[kMaxGroups];
-  InPlain decay;
-  int D = 0, F = 0;
-};
-
-// blockIdx = (b·h·F + t, group): Gr = Σ_src L_t R'_tᵀ, then dP and dg.
-__global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_constant__ OuterBatch batch) {
-  __shared__ float Ls[kChunk * kOuterPitch];
-  __shared__ float Rs[kChunk * kOuterPitch];
-  __shared__ float red[kOuterThreads];
-  const OuterArgs& a = batch.g[blockIdx.y];
-  const int D = batch.D, F = batch.F, E = a.E;
-  const int64_t bt = blockIdx.x;
-  const int t = static_cast<int>(bt % F);
-  const int64_t bh = bt / F;
-  const int64_t DD = static_cast<int64_t>(D) * D, DE = static_cast<int64_t>(D) * E;
-  float* dPt = a.dP + bt * DD;
-  float sum[8][8];
-#pragma unroll
-  for (int ia = 0; ia < 8; ++ia)
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb) sum[ia][kb] = 0.f;
-  bool any = false;
-  const bool cut = a.cuts && a.cuts[(bh / a.H) * F + t] != 0.f;  // the transition is unused
-  for (int q = 0; q < a.nsrc && !cut; ++q) {
-    const OuterSrc& src = a.src[q];
-    if (t >= src.active) continue;  // a frozen frame of this source: no gradient
-    any = true;
-    const float* Lt = src.L + bt * DE;
-    const float* Rp =
-        src.shifted ? src.R + bt * DE : (t > 0 ? src.R + (bt - 1) * DE : (src.R0 ? src.R0 + bh * DE : nullptr));
-    float acc[8][8];
-    outer_tile(
-        acc, [&](int r, int e) { return Lt[static_cast<int64_t>(r) * E + e]; },
-        [&](int r, int e) { return Rp ? Rp[static_cast<int64_t>(r) * E + e] : 0.f; }, D, E, Ls, Rs);
-#pragma unroll
-    for (int ia = 0; ia < 8; ++ia)
-#pragma unroll
-      for (int kb = 0; kb < 8; ++kb) sum[ia][kb] += acc[ia][kb];
-  }
-  if (!any) {  // every source frozen: dP_t = 0, dg unchanged
-    if (!a.accumulate)
-      for (int64_t k = threadIdx.x; k < DD; k += blockDim.x) dPt[k] = 0.f;
-    return;
-  }
-  const float g = batch.decay[bt];
-  const float* Pt = a.P + bt * DD;
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  float part = 0.f;
-#pragma unroll
-  for (int ia = 0; ia < 8; ++ia)
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      const int i = ty + 16 * ia, k = tx + 16 * kb;
-      if (i < D && k < D) {
-        const float v = sum[ia][kb];
-        const int64_t o = static_cast<int64_t>(i) * D + k;
-        part += v * ((i == k ? 1.f : 0.f) - Pt[o]);
-        dPt[o] = a.accumulate ? dPt[o] - g * v : -g * v;
-      }
-    }
-  const float total = block_sum<kOuterThreads>(part, red);
-  if (threadIdx.x == 0) a.dg[bt] += total;
-}
-
 // --- the Z corrections (E = 1) -----------------------------------------------------------------
 // x_t[i] += Σ_k C_t[i][k] v[k] for one (b·h, t) per block: warp w takes rows w, w + 8, …, lanes
 // along k (a float4 each when D % 4 == 0); every row's loads are issued before the first sum,
@@ -553,20 +359,12 @@ __global__ void __launch_bounds__(32 * kZcWarps)
 }
 
 // --- launchers ----------------------------------------------------------------------------------
-InPlain decay_of(const Tensor& decay) { return in_of<InPlain>(decay, "decay"); }
-
-void check_dims(const SweepSpec& s) {
-  GDNCP_CHECK(s.D >= 1 && s.D <= kRowThreads, "cp cuda scan: D = ", s.D, " must be in [1, ", kRowThreads, "]");
-  GDNCP_CHECK(s.E == 1 || s.E == s.D, "cp cuda scan: E = ", s.E, " must be 1 or D");
-}
-
 // Note [eight columns]. At D = 112 on an H200, 16-column slices need 221
 // registers and keep too few warps resident to hide the ring's latency;
-// 8-column slices need 128 and make the sweeps about a fifth faster. What
-// remains is latency: cycles between a warp's instructions, a third of it at
-// the ring's barriers in the transposed sweeps.
+// 8-column slices need 128 and made the SIMT sweeps (since replaced by the
+// scan core, src/kernels/scan_sweep.cu) about a fifth faster.
 //
-// Slices per block (Note [sweep slices]): one warp per block while the launch
+// Slices per block (Note [fold slices]): one warp per block while the launch
 // holds at most one warp per SM sub-partition; beyond that 2, then 4, so the
 // warps of a block share the staged transitions (less L2 traffic).
 int warps_for(int64_t slices) {
@@ -598,130 +396,6 @@ void launch_tiles(void (*k7)(Batch), void (*k8)(Batch), Batch& batch, Job* jobs,
 }
 
 }  // namespace
-
-// The clip mask of a sweep or outer group (B, F) f32 on the device, or null.
-const float* cuts_of(const Tensor& cuts, int64_t BH, int64_t H, int64_t F) {
-  if (!cuts.defined()) return nullptr;
-  GDNCP_CHECK(H >= 1 && BH % H == 0, "cp cuda scan: H = ", H, " does not divide B·H = ", BH);
-  GDNCP_CHECK(cuts.numel() == BH / H * F, "cp cuda scan: cuts: must be (B, F) = (", BH / H, ", ", F, "), got ",
-              cuts.str());
-  return f32_or_null(cuts, "cuts");
-}
-
-void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
-  const InPlain dc = decay_of(decay);
-  for (size_t first = 0; first < sweeps.size(); first += kMaxSweeps) {
-    const size_t n = std::min<size_t>(kMaxSweeps, sweeps.size() - first);
-    SweepBatch batch;
-    batch.decay = dc;
-    batch.n = static_cast<int>(n);
-    int64_t units[kMaxSweeps];
-    int64_t BH = 0, D = 0;
-    for (size_t k = 0; k < n; ++k) {
-      Sweep& w = sweeps[first + k];
-      const SweepSpec& s = w.spec;
-      check_dims(s);
-      GDNCP_CHECK(k == 0 || (s.BH == BH && s.D == D), "scan_sweeps: sweeps of one batch must share B·H and D");
-      GDNCP_CHECK(s.init != Init::identity || s.E == s.D, "scan_sweep: identity init needs E == D");
-      BH = s.BH;
-      D = s.D;
-      SweepArgs& a = batch.s[k];
-      a.ob = f32_out_or_null(w.out_before, "out_before");
-      a.oa = f32_out_or_null(w.out_after, "out_after");
-      a.fin = f32_out_or_null(w.final_state, "final_state");
-      GDNCP_CHECK(!a.fin || (w.final_offset >= 0 && w.final_offset + s.BH * s.D * s.E <= w.final_state.numel()),
-                  "scan_sweeps: final_offset ", w.final_offset, " leaves no room for the final states in ",
-                  w.final_state.str());
-      if (a.fin) a.fin += w.final_offset;
-      a.P = f32_or_null(w.P, "P");
-      GDNCP_CHECK(w.P.defined(), "scan_sweep: P is undefined");  // (null data: a rank with no frame)
-      a.vb = f32_or_null(w.add_before, "add_before");
-      a.ua = f32_or_null(w.add_after, "add_after");
-      a.init = s.init == Init::given ? f32_or_null(w.init, "init") : nullptr;
-      GDNCP_CHECK(s.init != Init::given || a.init, "scan_sweep: init is undefined");
-      a.D = static_cast<int>(s.D);
-      a.F = static_cast<int>(s.F);
-      a.E = static_cast<int>(s.E);
-      a.active = static_cast<int>(std::min(s.active, s.F));
-      a.init_kind = static_cast<int>(s.init);
-      a.cuts = s.cut == Cut::none ? nullptr : cuts_of(w.cuts, s.BH, s.H, s.F);
-      a.cut = static_cast<int>(s.cut);
-      a.H = static_cast<int>(s.H);
-      a.descending = s.descending;
-      a.transpose = s.transpose;
-      a.vec = s.D % 4 == 0 && cc::aligned16(a.P);
-      a.vec_states = s.E % 4 == 0 && cc::aligned16(a.ob) && cc::aligned16(a.oa) && cc::aligned16(a.fin) &&
-                     cc::aligned16(a.vb) && cc::aligned16(a.ua) && cc::aligned16(a.init);
-      a.tiles = static_cast<int>(cc::cdiv(s.E, kTileCols));
-      units[k] = s.BH;
-    }
-    launch_tiles(sweep_kernel<7>, sweep_kernel<8>, batch, batch.s, units, static_cast<int>(D), "sweep_kernel");
-  }
-}
-
-void scan_sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Tensor& P, const Tensor& decay,
-                const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s,
-                const Tensor& cuts) {
-  std::vector<Sweep> one(1);
-  one[0] = Sweep{out_before, out_after, final_state, P, add_before, add_after, init, s, 0, cuts};
-  scan_sweeps(one, decay);
-}
-
-void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
-  GDNCP_CHECK(D >= 1 && D <= kRowThreads, "cp cuda scan: D = ", D, " must be in [1, ", kRowThreads, "]");
-  for (size_t first = 0; first < groups.size(); first += kMaxGroups) {
-    const size_t n = std::min<size_t>(kMaxGroups, groups.size() - first);
-    OuterBatch batch;
-    batch.decay = decay_of(decay);
-    batch.D = static_cast<int>(D);
-    batch.F = static_cast<int>(F);
-    for (size_t k = 0; k < n; ++k) {
-      OuterGroup& g = groups[first + k];
-      GDNCP_CHECK(g.sources.size() >= 1 && g.sources.size() <= 2, "scan_grad_outers: 1 or 2 sources per group");
-      OuterArgs& a = batch.g[k];
-      a.dP = f32_out_or_null(g.dP, "dP");
-      a.dg = f32_out_or_null(g.dg, "dg");
-      a.P = f32_or_null(g.P, "P");
-      a.E = static_cast<int>(g.E);
-      a.accumulate = g.accumulate_dP;
-      a.cuts = cuts_of(g.cuts, BH, g.H, F);
-      a.H = static_cast<int>(g.H);
-      a.nsrc = static_cast<int>(g.sources.size());
-      for (size_t q = 0; q < g.sources.size(); ++q) {
-        const OuterSource& src = g.sources[q];
-        a.src[q].L = f32_or_null(src.L, "L");
-        a.src[q].R = f32_or_null(src.R, "R");
-        a.src[q].R0 = f32_or_null(src.R0, "R0");
-        a.src[q].shifted = src.shifted;
-        a.src[q].active = static_cast<int>(std::min(src.active, F));
-      }
-    }
-    if (BH * F == 0) continue;
-    outer_kernel<<<dim3(static_cast<unsigned>(BH * F), static_cast<unsigned>(n)), kOuterThreads, 0, stream()>>>(batch);
-    GDNCP_CUDA_CHECK_LAUNCH("outer_kernel");
-  }
-}
-
-void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const Tensor& R0, const Tensor& P,
-                     const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate, const Tensor& cuts) {
-  check_dims(s);
-  std::vector<OuterGroup> one(1);
-  one[0].dP = dP;
-  one[0].dg = dg;
-  one[0].P = P;
-  one[0].E = s.E;
-  one[0].accumulate_dP = accumulate;
-  one[0].cuts = cuts;
-  one[0].H = s.H;
-  OuterSource src;
-  src.L = L;
-  src.R = R;
-  src.R0 = R0;
-  src.shifted = shifted;
-  src.active = s.active;
-  one[0].sources.push_back(src);
-  scan_grad_outers(one, decay, s.BH, s.F, s.D);
-}
 
 // Note [corrections through cuBLAS]: X_t += C_t·v for all frames t of one b·h is
 // one GEMM — the frames' C_t stacked are an (F·D)×D row-major matrix, their X_t

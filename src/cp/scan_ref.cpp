@@ -259,6 +259,23 @@ void add(Tensor& out, const Tensor& a, const Tensor& b) {
 }
 
 void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
+  // A pair's sweeps and sum, checked as the CUDA twin checks them.
+  std::vector<bool> paired(sweeps.size(), false);
+  for (size_t k = 0; k < sweeps.size(); ++k) {
+    const int p = sweeps[k].partner;
+    if (p < 0) continue;
+    const size_t q = static_cast<size_t>(p);
+    GDNCP_CHECK(q < sweeps.size() && q != k && sweeps[q].partner < 0 && !paired[k] && !paired[q], "scan_sweeps: sweep ",
+                k, ": partner ", p, " is not a free sweep of the batch");
+    const SweepSpec &s = sweeps[k].spec, &o = sweeps[q].spec;
+    GDNCP_CHECK(s.F == o.F && s.E == o.E, "scan_sweeps: sweeps ", k, " and ", p, " of a pair differ in F or E");
+    GDNCP_CHECK(sweeps[k].sum.defined() && sweeps[k].sum.numel() == s.BH * s.F * s.D * s.E, "scan_sweeps: sweep ", k,
+                ": sum must be (B·H, F, D, E)");
+    GDNCP_CHECK((sweeps[k].out_after.defined() || sweeps[k].out_before.defined()) &&
+                    (sweeps[q].out_after.defined() || sweeps[q].out_before.defined()),
+                "scan_sweeps: a pair's sweeps need out_after or out_before");
+    paired[k] = paired[q] = true;
+  }
   for (Sweep& w : sweeps) {
     if (!w.final_state.defined() || w.final_offset == 0) {
       scan_sweep(w.out_before, w.out_after, w.final_state, w.P, decay, w.add_before, w.add_after, w.init, w.spec,
@@ -269,10 +286,16 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
     scan_sweep(w.out_before, w.out_after, fin, w.P, decay, w.add_before, w.add_after, w.init, w.spec, w.cuts);
     copy_region(w.final_state, w.final_offset, fin, 0, fin.numel());
   }
+  const auto summed = [](const Sweep& w) -> const Tensor& {
+    return w.out_after.defined() ? w.out_after : w.out_before;
+  };
+  for (Sweep& w : sweeps)
+    if (w.partner >= 0) add(w.sum, summed(w), summed(sweeps[static_cast<size_t>(w.partner)]));
 }
 
 void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
-  for (OuterGroup& g : groups)
+  for (OuterGroup& g : groups) {
+    if (!g.accumulate_dg) g.dg.fill_(0.0);
     for (size_t i = 0; i < g.sources.size(); ++i) {
       const OuterSource& src = g.sources[i];
       SweepSpec s;
@@ -285,6 +308,7 @@ void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int6
       scan_grad_outer(g.dP, g.dg, src.L, src.R, src.R0, g.P, decay, s, src.shifted, i > 0 || g.accumulate_dP,
                       g.cuts);
     }
+  }
 }
 
 namespace {

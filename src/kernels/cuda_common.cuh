@@ -235,6 +235,8 @@ inline const float* f32_in(const Tensor& t, const char* what) {  // a required f
 }
 // 16-byte vector loads and stores (and 16-byte cp.async) need 16-byte aligned pointers.
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+// 8-byte (float2) accesses need 8-byte aligned pointers.
+inline bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
 
 // Typed pointers and element conversions for the kernels templated on the storage type
 // (GDNCP_CUDA_FLOAT_SWITCH); Tensor::data_ptr knows only the host bf16 type.

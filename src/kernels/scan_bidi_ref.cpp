@@ -1,19 +1,20 @@
 // src/kernels/scan_bidi_ref.cpp — CPU twin of the single-rank bidirectional
 // frame scan (docs/design.md §4, §4a), forward and backward, and the
-// composition it runs: the sweeps of the scan core (Note [scan step] and
-// Note [clip cuts] in src/cp/cp_kernels.h) through the cp::kern dispatchers, so
-// the recurrence itself is coded once per device (cp::cpu here).
+// composition both twins run (scan_core, scan_bidi_sweeps.h): the sweeps of the
+// scan core (Note [scan step] and Note [clip cuts] in src/cp/cp_kernels.h) through
+// the cp::kern dispatchers, so the recurrence itself is coded once per device
+// (cp::cpu; on CUDA src/kernels/scan_sweep.cu).
 //
 // Per (b, h), with G_t = g_t (I − P_t):
 //   Mf_t = G_t Mf_{t−1} + A_t (Mf_{−1} = 0):        ascending sweep, add_after A, out_after;  cut before.
 //   Mr_{t−1} = G_t Mr_t + A_t (Mr_{F−1} = 0):        descending sweep, add_after A, out_before; cut after.
-//   Msum = Mf + Mr;  z the same with (Pz, bz) and E = 1.
+//   Msum = Mf + Mr (the pair's sum, Sweep::partner);  z the same with (Pz, bz) and E = 1.
 // Backward, with Λ = dL/dMf and Λ̃ = dL/dMr (both get dMsum directly):
 //   Λ_t = dMsum_t + G_{t+1}ᵀ Λ_{t+1}:     descending transposed sweep, add_before dMsum, out_before = Λ_t
 //                                           (the adjoint of a cut before is a cut after);
 //   Λ̃_t = dMsum_t + G_tᵀ Λ̃_{t−1}:         ascending transposed sweep, add_after dMsum, out_before = Λ̃_{t−1}
 //                                           (cut before);
-//   dA_t = Λ_t + Λ̃_{t−1};  dP_t, dg_t from scan_grad_outer(s) with the sources (Λ, Mf, unshifted) and
+//   dA_t = Λ_t + Λ̃_{t−1} (the pair's sum);  dP_t, dg_t from scan_grad_outer(s) with the sources (Λ, Mf, unshifted) and
 //   (Λ̃, Mr, shifted): Gr_t = Λ_t Mf_{t−1}ᵀ + Λ̃_{t−1} Mr_tᵀ, dP_t = −g_t Gr_t, dg_t = ⟨Gr_t, I − P_t⟩ over
 //   both KV and z. A cut frame's transition is unused: its dP, dPz and ddecay are 0.
 // The clip mask of this layer ignores column 0 (frame 0 has no transition from
@@ -71,11 +72,13 @@ void scan_bidi_fwd(Tensor& Mf, Tensor& Mr, Tensor& Msum, Tensor& zf, Tensor& zr,
                       spec(d, kv ? d.D : 1, /*descending=*/anti, /*transpose=*/false, anti ? Cut::after : Cut::before));
       w.add_after = kv ? A : bz;
       (anti ? w.out_before : w.out_after) = kv ? (anti ? Mr : Mf) : (anti ? zr : zf);
+      if (!anti) {  // the pair (Mf, Mr) writes Msum, (zf, zr) zsum: sweeps 0, 1 pair with 2, 3
+        w.partner = static_cast<int>(sweeps.size()) + 2;
+        w.sum = kv ? Msum : zsum;
+      }
       sweeps.push_back(w);
     }
   cp::kern::scan_sweeps(sweeps, decay);
-  cp::kern::add(Msum, Mf, Mr);
-  cp::kern::add(zsum, zf, zr);
 }
 
 void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& ddecay, const Tensor& dMsum,
@@ -90,19 +93,25 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
                       spec(d, kv ? d.D : 1, /*descending=*/!anti, /*transpose=*/true, anti ? Cut::before : Cut::after));
       (anti ? w.add_after : w.add_before) = kv ? dMsum : dzsum;
       w.out_before = L[kv][anti];
+      if (!anti) {  // the pair (Λ, Λ̃') writes dA, and dbz likewise
+        w.partner = static_cast<int>(sweeps.size()) + 2;
+        w.sum = kv ? dA : dbz;
+      }
       sweeps.push_back(w);
     }
   cp::kern::scan_sweeps(sweeps, decay);
-  cp::kern::add(dA, L[1][0], L[1][1]);
-  cp::kern::add(dbz, L[0][0], L[0][1]);
 
-  // The transition gradients: one group per P, each with its own dg (the groups are independent), summed.
+  // The transition gradients: one group per P, into one dg (ddecay itself when it has the compute
+  // dtype) that the first overwrites and the second adds to.
   const DType ct = compute_dtype(P.dtype());
+  const bool direct = ddecay.dtype() == ct;
+  Tensor dg = direct ? ddecay : Tensor::empty({d.B, d.H, d.F}, ct, P.device());
   std::vector<cp::OuterGroup> groups;
   for (const bool kv : {true, false}) {
     cp::OuterGroup g;
     g.dP = kv ? dP : dPz;
-    g.dg = Tensor::zeros({d.BH(), d.F}, ct, P.device());
+    g.dg = dg;
+    g.accumulate_dg = !kv;
     g.P = kv ? P : Pz;
     g.E = kv ? d.D : 1;
     g.cuts = clip_starts;
@@ -114,9 +123,7 @@ void scan_bidi_bwd(Tensor& dP, Tensor& dA, Tensor& dPz, Tensor& dbz, Tensor& dde
     groups.push_back(g);
   }
   cp::kern::scan_grad_outers(groups, decay, d.BH(), d.F, d.D);
-  Tensor dg = Tensor::empty({d.B, d.H, d.F}, ct, P.device());
-  cp::kern::add(dg, groups[0].dg, groups[1].dg);
-  ddecay.copy_from(ddecay.dtype() == ct ? dg : dg.to(ddecay.dtype()));
+  if (!direct) ddecay.copy_from(dg.to(ddecay.dtype()));
 }
 
 }  // namespace scan_core

@@ -1,9 +1,9 @@
 // src/kernels/scan_bidi_sweeps.h — the single-rank bidirectional scan (kernels.h, scan_bidi_fwd /
 // scan_bidi_bwd: same arguments, same results) composed of the sweeps and transition gradients of
 // the scan core (src/cp/cp_kernels.h, Note [scan step]) through the cp::kern dispatchers: it runs
-// on the device of its tensors. The CPU twin is this composition; on CUDA the layer keeps the
-// fused 3xTF32 kernel of scan_bidi.cu, and CudaTwins.ScanBidiSweeps checks this composition there.
-// Shapes are the caller's to check.
+// on the device of its tensors. Both twins of scan_bidi are this composition (the CUDA one on
+// the 3xTF32 sweeps of src/kernels/scan_sweep.cu, its forward and anti-causal sweeps as pairs
+// that write Msum, dA and their z twins). Shapes are the caller's to check.
 #pragma once
 
 #include "gdncp/tensor.h"
