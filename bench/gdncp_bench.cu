@@ -37,9 +37,9 @@
 #include "cp_bench.h"
 #include "timing.h"
 #include "gdncp/gdncp.h"
-#include "kernels/cuda_common.cuh"
+#include "kernels/common/cuda_common.cuh"
 #include "kernels/kernels.h"
-#include "kernels/scan_bidi_sweeps.h"
+#include "kernels/scan/scan_bidi.h"
 
 namespace {
 

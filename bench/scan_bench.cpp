@@ -1,4 +1,4 @@
-// bench/scan_bench.cpp — times the CUDA kernels of the CP scan (src/kernels/scan_sweep.cu, src/cp/scan.cu)
+// bench/scan_bench.cpp — times the CUDA kernels of the CP scan (src/kernels/scan/scan_sweep.cu, src/kernels/scan/fold.cu)
 // on the launches one forward and one backward of the bidirectional CP layer
 // give them (the jobs KV fwd, Z fwd, KV anti, Z anti of cp_layers.cpp, batched
 // as scan_engine.cpp batches them), at P = 1 (all frames on one rank) and at
@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "cp/cp_kernels.h"
+#include "kernels/cp_kernels.h"
 #include "gdncp/error.h"
 #include "gdncp/tensor.h"
 #include "timing.h"

@@ -50,7 +50,7 @@ NODE = 8
 TAU = 2e-3
 KAPPA = 3e-3
 
-# Bytes of the composites (src/cp/scan_engine.cpp layout): per scan direction the KV and
+# Bytes of the composites (src/cp/scan/scan_engine.cpp layout): per scan direction the KV and
 # Z states h (D^2 + D per head) and their transitions M (2 D^2), f32.
 H_BYTES = BH * (D * D + D) * F32
 M_BYTES = BH * 2 * D * D * F32
@@ -94,7 +94,7 @@ def x_allgather(P):
 # The implementation as it is: the two rank orders of a round go in one grouped send/recv
 # (ncclSend/ncclRecv in one group: the links' full duplex), and a round launches about 20
 # small kernels (16 copies packing and unpacking the 4 maps, their 16 compositions in batched
-# fold launches of 4, src/cp/exchange.cpp). IMPROVED models what is not built: the maps
+# fold launches of 4, src/cp/scan/exchange.cpp). IMPROVED models what is not built: the maps
 # composed straight out of and into the message buffers (no copies: 8 launches a round).
 IMPROVED = False
 

@@ -1,5 +1,5 @@
 // tests/mpi_test_cp_exchange.cpp — the composites' exchanges of the CP scan
-// (gdncp/cp.h Exchange, Note [exchange] in src/cp/exchange.h) on CPU ranks:
+// (gdncp/cp.h Exchange, Note [exchange] in src/cp/scan/exchange.h) on CPU ranks:
 //   - every exchange (all-gather, log, hierarchical with every node size that
 //     divides P, auto) == one rank, f64, forward and every gradient, for every
 //     entry: uneven splits with empty ranks, clip masks crossing rank and node

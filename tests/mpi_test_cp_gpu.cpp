@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "bigdn_fixtures.h"
-#include "cp/cp_kernels.h"
+#include "kernels/cp_kernels.h"
 #include "mpi_cp_fixtures.h"
 
 #if GDNCP_WITH_CUDA
@@ -114,7 +114,7 @@ TEST(CudaTwins, ScanSweepMatchesCpu) {
 
 // A final state written into a pack at an offset that is not 16-byte aligned (a Z job's
 // B·H·D elements before it, B·H·D % 4 != 0): the sweep writes exactly its elements
-// (src/kernels/scan_sweep.cu; an offset that is not 8-byte aligned either, which moves the
+// (src/kernels/scan/scan_sweep.cu; an offset that is not 8-byte aligned either, which moves the
 // state accesses from float2 to scalar, is in CudaTwins.ScanCoreSweepVariants).
 TEST(CudaTwins, ScanSweepUnalignedPackOffset) {
   REQUIRE_GPUS();
@@ -150,10 +150,10 @@ TEST(CudaTwins, ScanSweepUnalignedPackOffset) {
   }
 }
 
-// Large B·H: many column blocks of the sweeps (src/kernels/scan_sweep.cu) with a wide and
+// Large B·H: many column blocks of the sweeps (src/kernels/scan/scan_sweep.cu) with a wide and
 // a narrow sweep in one batch, a correction over many (b·h, t), and a fold whose launch puts
 // 2 and 4 state slices (warps) in one block, sharing the staged transitions, with idle warps
-// where D/8 slices do not divide (src/cp/scan.cu, Note [fold slices]).
+// where D/8 slices do not divide (src/kernels/scan/fold.cu, Note [fold slices]).
 TEST(CudaTwins, ScanKernelsManySlicesMatchCpu) {
   REQUIRE_GPUS();
   const int64_t D = 112, F = 3;

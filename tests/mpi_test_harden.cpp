@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "autograd/dlpack.h"
+#include "capi/dlpack.h"
 #include "gdncp/gdncp_c.h"
 #include "mpi_cp_fixtures.h"
 #include "util/tolerance.h"

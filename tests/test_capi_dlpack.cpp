@@ -1,11 +1,11 @@
 // tests/test_capi_dlpack.cpp — the DLPack conversions behind the C ABI
-// (src/autograd/dlpack.cpp): both directions share memory, ownership ends
+// (src/capi/dlpack.cpp): both directions share memory, ownership ends
 // exactly once on either side, and a bad DLPack tensor is refused by name.
 #include <gtest/gtest.h>
 
 #include <vector>
 
-#include "autograd/dlpack.h"
+#include "capi/dlpack.h"
 #include "gdncp/error.h"
 #include "gdncp/tensor.h"
 

@@ -27,10 +27,10 @@
 #include <vector>
 
 #include "bigdn_fixtures.h"
-#include "cp/cp_kernels.h"
+#include "kernels/cp_kernels.h"
 #include "gdncp/gdncp.h"
 #include "kernels/kernels.h"
-#include "kernels/scan_bidi_sweeps.h"
+#include "kernels/scan/scan_bidi.h"
 #include "util/test_util.h"
 #include "util/tolerance.h"
 
@@ -264,7 +264,7 @@ TEST(CudaTwins, ScanBidiSweeps) {
     expect_scan_bidi_twins(d, seed, clip_mask(d), " sweeps clips " + dims_str(d), true);
 }
 
-// --- the scan core (src/cp/cp_kernels.h) on every variant of a sweep and a transition gradient ---
+// --- the scan core (src/kernels/cp_kernels.h) on every variant of a sweep and a transition gradient ---
 Tensor rnd(const Shape& s, uint64_t seed, double sd = 1.0) {
   return Tensor::randn(s, DType::f32, Device::cpu, seed, sd);
 }

@@ -7,7 +7,7 @@
 // cuBLAS may order the f32 accumulation differently before that rounding).
 #include "gdncp/nn.h"
 #include "gdncp/optim.h"
-#include "kernels/nn_kernels.h"
+#include "nn/nn_kernels.h"
 #include "util/test_util.h"
 
 namespace gdncp {

@@ -76,7 +76,7 @@ Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const T
              const Tensor& rope_sin_q = Tensor());
 
 // The same layer composed of the fine-grained ops of gdncp/ops.h, one node per
-// op (CPU). An independent coding of the math, used to check bigdn.
+// op (CPU). An independent implementation of the math, used to check bigdn.
 Tensor bigdn_unfused(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                      const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
                      const BigdnOptions& options = {}, const Tensor& clip_starts = Tensor(),

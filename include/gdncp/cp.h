@@ -318,7 +318,7 @@ struct FrameSplit {
 FrameSplit balanced_split(int64_t F_total, int P, int r);
 
 // How the CP scan exchanges the per-rank composites (docs/design.md §6, Note [exchange] in
-// src/cp/exchange.h). All give the one-rank result up to rounding; each rank sends and receives:
+// src/cp/scan/exchange.h). All give the one-rank result up to rounding; each rank sends and receives:
 //   all_gather   — one all-gather of every rank's composites: (P−1) composites in, one collective;
 //   log          — recursive doubling over the ranks: ⌈log₂P⌉ rounds of one composite each way;
 //   hierarchical — an all-gather inside each node (a ring of n−1 exchanges), then log over the nodes

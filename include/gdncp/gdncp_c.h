@@ -1,6 +1,6 @@
 /* gdncp/gdncp_c.h — the C ABI of gdncp (docs/design.md §11).
  *
- * A door for trainers outside C++ (Python through ctypes, Julia, Rust, C):
+ * The C API, for trainers outside C++ (Python through ctypes, Julia, Rust, C):
  * opaque handles, tensors in and out as DLPack DLManagedTensor without a
  * copy, and no C++ type or exception crossing it.
  *
@@ -21,7 +21,7 @@
  * Tensors out: fresh DLManagedTensor*s owned by the caller, who calls their
  * deleter (or hands them to a framework's from_dlpack, which does).
  *
- * Autograd across the door: a layer call given a non-NULL `graph` records
+ * Autograd across the C API: a layer call given a non-NULL `graph` records
  * the computation for the inputs flagged in `requires_grad` (bit i = input i
  * in the order listed at the call) and returns an opaque graph;
  * gdncp_graph_backward() runs its backward once, returning the gradients of
@@ -49,7 +49,7 @@ int gdncp_abi_version(void);
 
 typedef enum gdncp_status {
   GDNCP_OK = 0,
-  GDNCP_ERROR_ARGUMENT = 1,      /* the door's own checks: a null pointer, a bad enum, a bad DLPack tensor */
+  GDNCP_ERROR_ARGUMENT = 1,      /* the C API's own checks: a null pointer, a bad enum, a bad DLPack tensor */
   GDNCP_ERROR = 2,               /* a gdncp::Error: bad input (named), CUDA/NCCL/MPI failure, a timeout */
   GDNCP_ERROR_OUT_OF_MEMORY = 3, /* host memory */
   GDNCP_ERROR_INTERNAL = 4       /* anything else thrown inside the library */
@@ -189,7 +189,7 @@ gdncp_status gdncp_comm_aborted(const gdncp_comm* comm, int* aborted);
  * input; the sum is written into its memory. */
 gdncp_status gdncp_comm_all_reduce_sum(gdncp_comm* comm, DLManagedTensor* t, void* stream);
 
-/* --- graphs (autograd across the door) ----------------------------------------------- */
+/* --- graphs (autograd across the C API) ----------------------------------------------- */
 typedef struct gdncp_graph gdncp_graph;
 
 /* Outputs and differentiable inputs of the call that made the graph. */

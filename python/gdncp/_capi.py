@@ -36,7 +36,7 @@ class GdncpError(RuntimeError):
 
 
 class ArgumentError(GdncpError, ValueError):
-    """The door refused an argument (GDNCP_ERROR_ARGUMENT)."""
+    """The C API refused an argument (GDNCP_ERROR_ARGUMENT)."""
 
 
 def _candidates():

@@ -2,7 +2,7 @@
 // (fill, dtype cast, add for gradient accumulation). Grid-stride loops; every
 // launch is checked. CPU versions live in tensor.cpp.
 #include "autograd/device.h"
-#include "kernels/cuda_common.cuh"
+#include "kernels/common/cuda_common.cuh"
 
 namespace gdncp {
 namespace detail {

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "autograd/tensor_internals.h"
-#include "cp/cp_kernels.h"
+#include "kernels/cp_kernels.h"
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"

@@ -9,9 +9,9 @@
 // Gradients: q, k, v, beta, decay in their dtypes, fresh tensors.
 #include <memory>
 
-#include "cp/cp_kernels.h"
-#include "cp/deterministic.h"
-#include "cp/scan_engine.h"
+#include "kernels/cp_kernels.h"
+#include "cp/scan/deterministic.h"
+#include "cp/scan/scan_engine.h"
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"

@@ -27,16 +27,16 @@
 #include <utility>
 
 #include "autograd/tensor_internals.h"
-#include "cp/exchange.h"
-#include "cp/deterministic.h"
-#include "cp/kv_z_scan.h"
-#include "cp/scan_engine.h"
+#include "cp/scan/exchange.h"
+#include "cp/scan/deterministic.h"
+#include "cp/scan/kv_z_scan.h"
+#include "cp/scan/scan_engine.h"
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
 #include "kernels/kernels.h"
-#include "kernels/layer_prep.h"
-#include "kernels/validate.h"
+#include "layer/layer_prep.h"
+#include "layer/validate.h"
 
 namespace gdncp {
 namespace cp {

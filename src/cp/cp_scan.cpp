@@ -7,10 +7,10 @@
 // fresh tensors (activation gradients), summed into the leaves by the engine.
 #include <memory>
 
-#include "cp/exchange.h"
-#include "cp/deterministic.h"
-#include "cp/kv_z_scan.h"
-#include "cp/scan_engine.h"
+#include "cp/scan/exchange.h"
+#include "cp/scan/deterministic.h"
+#include "cp/scan/kv_z_scan.h"
+#include "cp/scan/scan_engine.h"
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "gdncp/error.h"
-#include "kernels/validate.h"
+#include "layer/validate.h"
 
 namespace gdncp {
 namespace cp {

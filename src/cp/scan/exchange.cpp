@@ -1,0 +1,466 @@
+// src/cp/scan/exchange.cpp — Note [exchange] (exchange.h): the log-depth and
+// hierarchical exchanges of the CP scan's composites, on the fold twins.
+#include "cp/scan/exchange.h"
+
+#include <cerrno>
+#include <cstdlib>
+#include <string>
+
+#include "kernels/cp_kernels.h"
+#include "gdncp/error.h"
+
+namespace gdncp {
+namespace cp {
+
+const char* exchange_name(Exchange e) {
+  switch (e) {
+    case Exchange::automatic:
+      return "auto";
+    case Exchange::all_gather:
+      return "allgather";
+    case Exchange::log:
+      return "log";
+    case Exchange::hierarchical:
+      return "hierarchical";
+  }
+  return "unknown";
+}
+
+namespace detail {
+namespace {
+
+// Groups of at most this many ranks in one node keep the all-gather under `automatic`
+// (docs/scaling.md: on NVLink its one collective beats ⌈log₂P⌉ dependent rounds there).
+constexpr int kAllGatherMaxRanks = 8;
+
+int env_node_size() {
+  const char* s = std::getenv("GDNCP_CP_NODE_SIZE");
+  if (!s || !*s) return 0;
+  errno = 0;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  GDNCP_CHECK(errno == 0 && end && *end == '\0' && v >= 1 && v <= (1 << 20),
+              "GDNCP_CP_NODE_SIZE: must be a rank count >= 1, got \"", s, "\"");
+  return static_cast<int>(v);
+}
+
+// Sizes shared by one exchange; transpose: the backward's adjoint maps a → Nᵀ a + h.
+struct Ops {
+  int64_t BH = 0, D = 0;
+  DType dt = DType::f32;
+  Device dev = Device::cpu;
+  bool transpose = false;
+  Tensor zeros;  // (BH·D·D): the additive part of a product
+
+  Tensor flat(int64_t E) const { return Tensor::empty({BH * D * E}, dt, dev); }
+  // op(N) x + h (x undefined: h). With a batch, the result is computed when the batch runs.
+  Tensor apply(const Tensor& N, const Tensor& h, const Tensor& x, int64_t E, std::vector<Fold>* batch = nullptr) const {
+    GDNCP_CHECK(!x.defined() || N.defined(), "cp exchange: a transition that did not travel is needed");
+    return submit(step(flat(E), x, N, transpose, h, E), batch);
+  }
+  // The linear part of b∘a (a applied first): N_b N_a, or N_a N_b for the transposed maps.
+  Tensor product(const Tensor& Nb, const Tensor& Na, std::vector<Fold>* batch = nullptr) const {
+    GDNCP_CHECK(Na.defined() && Nb.defined(), "cp exchange: a transition that did not travel is needed");
+    return submit(step(flat(D), transpose ? Nb : Na, transpose ? Na : Nb, false, zeros, D), batch);
+  }
+
+ private:
+  // One fold step X = op(M) init + H.
+  static Fold step(const Tensor& X, const Tensor& init, const Tensor& M, bool t, const Tensor& H, int64_t E) {
+    Fold f;
+    f.X = X;
+    f.init = init;
+    f.Mbuf = M;
+    f.transpose = t;
+    f.Hbuf = H;
+    f.E = E;
+    f.order = {0};
+    return f;
+  }
+  Tensor submit(const Fold& f, std::vector<Fold>* batch) const {
+    if (batch) {
+      batch->push_back(f);
+    } else {
+      std::vector<Fold> one = {f};
+      kern::folds(one, BH, D);
+    }
+    return f.X;
+  }
+};
+
+// x → op(N) x + h; N undefined where no reader needs it (Note [exchange]).
+struct Affine {
+  Tensor N, h;
+};
+
+// One map of the log scan over G positions (nodes) of n ranks; this rank's lane is rank mod n.
+struct Item {
+  int64_t E = 0;
+  bool reverse = false;  // positions run over the nodes from the last one
+  Tensor init;           // the initial state the exclusive composite is applied to (undefined = 0)
+  bool want_total = false;
+  Affine own;
+  Tensor out;    // the exclusive composite applied to init; undefined when none (position 0, no init)
+  Tensor total;  // want_total: the inclusive composite of all positions applied to 0, on every rank
+};
+
+int pos_of(int node, int G, bool reverse) { return reverse ? G - 1 - node : node; }
+// Does a composite whose range starts at position lo carry its N in a round?
+bool carries_N(int lo, bool last, bool has_init) { return has_init || (lo > 0 && !last); }
+// Does the map of position pos itself need its N? It travels with it, or the inclusive
+// composite that starts with it is composed further (at the last position: only for the total).
+bool own_needs_N(int pos, int G, bool has_init, bool want_total) {
+  return G > 1 && (has_init || pos > 0) && (pos < G - 1 || want_total);
+}
+
+// The log scan of Note [exchange] over the nodes (positions) of every item, this rank at node g.
+void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& items) {
+  const int P = comm.size(), r = comm.rank(), G = P / n, g = r / n, lane = r % n;
+  int rounds = 0;
+  while ((1 << rounds) < G) ++rounds;
+  struct State {
+    Affine incl, excl;
+    bool have_excl = false;
+  };
+  std::vector<State> st(items.size());
+  for (size_t i = 0; i < items.size(); ++i) st[i].incl = items[i].own;
+  const int64_t DD = ops.D * ops.D;
+  for (int k = 0; k < rounds; ++k) {
+    const int s = 1 << k;
+    const bool last = k == rounds - 1;
+    // Both rank orders of the round in one step: each its own transfer (to the rank 2ᵏ ahead
+    // in its order, from the one 2ᵏ behind).
+    struct Way {
+      std::vector<size_t> mine;
+      int pos = 0, lo_recv = 0;
+    };
+    std::vector<Way> ways;
+    std::vector<Communicator::Transfer> ts;
+    for (bool dir : {false, true}) {
+      Way w;
+      for (size_t i = 0; i < items.size(); ++i)
+        if (items[i].reverse == dir) w.mine.push_back(i);
+      if (w.mine.empty()) continue;
+      const int pos = w.pos = pos_of(g, G, dir);
+      Communicator::Transfer t;
+      t.dst = pos + s < G ? pos_of(pos + s, G, dir) * n + lane : -1;
+      t.src = pos - s >= 0 ? pos_of(pos - s, G, dir) * n + lane : -1;
+      const int lo_send = std::max(0, pos - s + 1);
+      w.lo_recv = std::max(0, pos - 2 * s + 1);
+      // Pack: per item h, then N where it travels; the receiver sizes it by the same rule.
+      int64_t send_n = 0, recv_n = 0;
+      for (size_t i : w.mine) {
+        const bool init = items[i].init.defined();
+        send_n += ops.BH * ops.D * items[i].E + (carries_N(lo_send, last, init) ? ops.BH * DD : 0);
+        recv_n += ops.BH * ops.D * items[i].E + (carries_N(w.lo_recv, last, init) ? ops.BH * DD : 0);
+      }
+      if (t.dst >= 0) {
+        t.send = Tensor::empty({send_n}, ops.dt, ops.dev);
+        int64_t off = 0;
+        for (size_t i : w.mine) {
+          const Affine& a = st[i].incl;
+          kern::copy_region(t.send, off, a.h, 0, a.h.numel());
+          off += a.h.numel();
+          if (carries_N(lo_send, last, items[i].init.defined())) {
+            GDNCP_CHECK(a.N.defined(), "cp exchange: a transition that must travel is missing");
+            kern::copy_region(t.send, off, a.N, 0, a.N.numel());
+            off += a.N.numel();
+          }
+        }
+      }
+      if (t.src >= 0) t.recv = Tensor::empty({recv_n}, ops.dt, ops.dev);
+      ways.push_back(w);
+      ts.push_back(t);
+    }
+    comm.send_recv_group(ts);
+    std::vector<Fold> batch;  // the round's compositions, independent of each other: one launch
+    for (size_t wi = 0; wi < ways.size(); ++wi) {
+      const std::vector<size_t>& mine = ways[wi].mine;
+      const int pos = ways[wi].pos, lo_recv = ways[wi].lo_recv;
+      const Tensor& recv = ts[wi].recv;
+      if (ts[wi].src < 0) continue;
+      int64_t off = 0;
+      for (size_t i : mine) {
+        Item& it = items[i];
+        const bool init = it.init.defined();
+        Affine a;
+        a.h = ops.flat(it.E);
+        kern::copy_region(a.h, 0, recv, off, a.h.numel());
+        off += a.h.numel();
+        if (carries_N(lo_recv, last, init)) {
+          a.N = ops.flat(ops.D);
+          kern::copy_region(a.N, 0, recv, off, a.N.numel());
+          off += a.N.numel();
+        }
+        const bool keep_N = carries_N(lo_recv, last, init);  // the new composites start at lo_recv
+        State& t = st[i];
+        if (t.have_excl) {
+          Affine e;
+          e.h = ops.apply(t.excl.N, t.excl.h, a.h, it.E, &batch);
+          if (keep_N) e.N = ops.product(t.excl.N, a.N, &batch);
+          t.excl = e;
+        } else {
+          t.excl = a;
+          t.have_excl = true;
+        }
+        const bool incl_used = pos < G - 1 || it.want_total;
+        if ((!last && incl_used) || (last && it.want_total && pos == G - 1)) {  // it travels on, or is the total
+          Affine c;
+          c.h = ops.apply(t.incl.N, t.incl.h, a.h, it.E, &batch);
+          if (keep_N && !last) c.N = ops.product(t.incl.N, a.N, &batch);
+          t.incl = c;
+        }
+      }
+    }
+    if (!batch.empty()) kern::folds(batch, ops.BH, ops.D);
+  }
+  // The results, and the totals broadcast from the last node's first lane (the same bits everywhere).
+  int64_t total_n = 0;
+  std::vector<Fold> batch;
+  for (size_t i = 0; i < items.size(); ++i) {
+    Item& it = items[i];
+    const State& t = st[i];
+    if (it.init.defined())
+      it.out = t.have_excl ? ops.apply(t.excl.N, t.excl.h, it.init, it.E, &batch) : it.init;
+    else if (t.have_excl)
+      it.out = t.excl.h;
+    if (!it.want_total) continue;
+    GDNCP_CHECK(!it.reverse, "cp exchange: a terminal state needs the forward rank order");
+    total_n += ops.BH * ops.D * it.E;
+  }
+  if (!batch.empty()) kern::folds(batch, ops.BH, ops.D);
+  if (total_n == 0) return;
+  const int root = (G - 1) * n;
+  Tensor totals = Tensor::empty({total_n}, ops.dt, ops.dev);
+  int64_t off = 0;
+  for (size_t i = 0; i < items.size(); ++i)
+    if (items[i].want_total) {
+      if (r == root) kern::copy_region(totals, off, st[i].incl.h, 0, st[i].incl.h.numel());
+      off += ops.BH * ops.D * items[i].E;
+    }
+  comm.broadcast(totals, root);
+  off = 0;
+  for (Item& it : items)
+    if (it.want_total) {
+      it.total = ops.flat(it.E);
+      kern::copy_region(it.total, 0, totals, off, it.total.numel());
+      off += it.total.numel();
+    }
+}
+
+// The n packs of this rank's node (slot l: lane l's), by a ring of n − 1 exchanges.
+Tensor node_gather(Communicator& comm, int n, const Tensor& pack) {
+  const int r = comm.rank(), base = r / n * n, lane = r % n;
+  const int64_t m = pack.numel();
+  Tensor all = Tensor::empty({static_cast<int64_t>(n) * m}, pack.dtype(), pack.device());
+  kern::copy_region(all, lane * m, pack, 0, m);
+  Tensor recv = n > 1 ? Tensor::empty({m}, pack.dtype(), pack.device()) : Tensor();
+  for (int t = 1; t < n; ++t) {
+    const int from = (lane - t + n) % n;
+    comm.send_recv(pack, base + (lane + t) % n, recv, base + from);
+    kern::copy_region(all, from * m, recv, 0, m);
+  }
+  return all;
+}
+
+// The node's lanes in a job's logical order.
+std::vector<int> lanes_in_order(int n, bool reverse) {
+  std::vector<int> v;
+  for (int q = 0; q < n; ++q) v.push_back(reverse ? n - 1 - q : q);
+  return v;
+}
+
+// The product of the node's transitions in logical order, M_last ⋯ M_first: the linear
+// part of the node's forward map and, as transposed storage, of its adjoint map.
+Tensor node_product(const Ops& ops, const Tensor& nodebuf, int64_t stride, const ExchangeJob& j, int n) {
+  GDNCP_CHECK(j.M_off >= 0, "cp exchange: the node's transitions were not packed");
+  const std::vector<int> order = lanes_in_order(n, j.reverse);
+  Tensor first = ops.flat(ops.D);
+  kern::copy_region(first, 0, nodebuf, order[0] * stride + j.M_off, first.numel());
+  Tensor out = ops.flat(ops.D);
+  kern::fold(out, first, nodebuf, j.M_off, stride, false, ops.zeros, 0, 0,
+             std::vector<int>(order.begin() + 1, order.end()), ops.BH, ops.D, ops.D);
+  return out;
+}
+
+Ops ops_of(const Tensor& like, int64_t BH, int64_t D, bool transpose) {
+  Ops o;
+  o.BH = BH;
+  o.D = D;
+  o.dt = like.dtype();
+  o.dev = like.device();
+  o.transpose = transpose;
+  o.zeros = Tensor::zeros({BH * D * D}, o.dt, o.dev);
+  return o;
+}
+
+}  // namespace
+
+void check_exchange_only(const char* entry, const CpOptions& o) {
+  GDNCP_CHECK(!o.reverse_rank_order, entry,
+              ": cp_options.reverse_rank_order: not an option of this entry (it scans both directions)");
+  GDNCP_CHECK(o.truncate_to_active == 0, entry, ": cp_options.truncate_to_active: not an option of this entry");
+}
+
+ExchangePlan plan_exchange(Communicator& comm, Exchange requested, int node_size) {
+  const int P = comm.size();
+  GDNCP_CHECK(requested == Exchange::automatic || requested == Exchange::all_gather || requested == Exchange::log ||
+                  requested == Exchange::hierarchical,
+              "exchange: ", static_cast<int>(requested), " is not an Exchange (auto, allgather, log, hierarchical)");
+  GDNCP_CHECK(node_size >= 0, "node_size: must be >= 0 (0: detect), got ", node_size);
+  if (requested == Exchange::all_gather || (requested == Exchange::automatic && P <= 2))
+    return {Exchange::all_gather, P};
+  if (requested == Exchange::log) return {Exchange::log, 1};
+  int n = node_size > 0 ? node_size : env_node_size();
+  if (n == 0) n = comm.node_size();
+  if (n <= 0 || n > P) n = P;  // unknown: one node
+  if (requested == Exchange::hierarchical) {
+    GDNCP_CHECK(P % n == 0, "exchange hierarchical: node_size ", n, " does not divide the group's ", P,
+                " ranks (set CpOptions::node_size or GDNCP_CP_NODE_SIZE)");
+    return {Exchange::hierarchical, n};
+  }
+  if (n == P) return P <= kAllGatherMaxRanks ? ExchangePlan{Exchange::all_gather, P} : ExchangePlan{Exchange::log, 1};
+  if (n > 1 && P % n == 0) return {Exchange::hierarchical, n};
+  return {Exchange::log, 1};
+}
+
+void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::vector<ExchangeJob>& jobs,
+                      const Tensor& pack, int64_t fwd_total, int64_t BH, int64_t D, Tensor& kept,
+                      std::vector<Tensor>& X0, std::vector<Tensor>& T) {
+  const int P = comm.size(), r = comm.rank(), n = plan.node, G = P / n, g = r / n, lane = r % n;
+  GDNCP_CHECK(n >= 1 && P % n == 0, "cp exchange: bad node size ", n);
+  int64_t kept_n = static_cast<int64_t>(n) * fwd_total;
+  for (size_t i = 0; i < jobs.size(); ++i) kept_n += X0[i].numel() + (jobs[i].terminal ? T[i].numel() : 0);
+  auto unpack = [&] {  // X0 and T out of kept
+    GDNCP_CHECK(kept.numel() == kept_n, "cp scan: kept composites do not match this call (", kept.numel(),
+                " elements)");
+    int64_t off = static_cast<int64_t>(n) * fwd_total;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      kern::copy_region(X0[i], 0, kept, off, X0[i].numel());
+      off += X0[i].numel();
+    }
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (jobs[i].terminal) {
+        kern::copy_region(T[i], 0, kept, off, T[i].numel());
+        off += T[i].numel();
+      }
+  };
+  if (kept.defined()) return unpack();
+
+  const Ops ops = ops_of(pack, BH, D, false);
+  const Tensor nodebuf = node_gather(comm, n, pack);
+  std::vector<Item> items(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const ExchangeJob& j = jobs[i];
+    Item& it = items[i];
+    it.E = j.E;
+    it.reverse = j.reverse;
+    it.want_total = j.terminal;
+    const int pos = pos_of(g, G, j.reverse);
+    if (G > 1 || j.terminal) {  // the node's own map travels (or is the total)
+      GDNCP_CHECK(j.M_off >= 0 || n == 1, "cp exchange: the node's transitions were not packed");
+      it.own.h = ops.flat(j.E);
+      kern::fold(it.own.h, Tensor(), j.M_off >= 0 ? nodebuf : Tensor(), std::max<int64_t>(j.M_off, 0), fwd_total, false,
+                 nodebuf, j.h_off, fwd_total, lanes_in_order(n, j.reverse), BH, D, j.E);
+    }
+    if (own_needs_N(pos, G, false, j.terminal)) it.own.N = node_product(ops, nodebuf, fwd_total, j, n);
+  }
+  log_scan(comm, ops, n, items);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const ExchangeJob& j = jobs[i];
+    const int lp = j.reverse ? n - 1 - lane : lane;
+    const std::vector<int> all = lanes_in_order(n, j.reverse);
+    const std::vector<int> before(all.begin(), all.begin() + lp);
+    GDNCP_CHECK(j.M_off >= 0 || (before.size() + (items[i].out.defined() ? 1 : 0)) <= 1,
+                "cp exchange: the fold needs composites that were not gathered");
+    kern::fold(X0[i], items[i].out, j.M_off >= 0 ? nodebuf : Tensor(), std::max<int64_t>(j.M_off, 0), fwd_total, false,
+               nodebuf, j.h_off, fwd_total, before, BH, D, j.E);
+    if (j.terminal) kern::copy_region(T[i], 0, items[i].total, 0, T[i].numel());
+  }
+  kept = Tensor::empty({kept_n}, pack.dtype(), pack.device());
+  kern::copy_region(kept, 0, nodebuf, 0, nodebuf.numel());
+  int64_t off = nodebuf.numel();
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    kern::copy_region(kept, off, X0[i], 0, X0[i].numel());
+    off += X0[i].numel();
+  }
+  for (size_t i = 0; i < jobs.size(); ++i)
+    if (jobs[i].terminal) {
+      kern::copy_region(kept, off, T[i], 0, T[i].numel());
+      off += T[i].numel();
+    }
+}
+
+void exchange_backward(Communicator& comm, const ExchangePlan& plan, const std::vector<ExchangeJob>& jobs,
+                       const Tensor& kept, int64_t fwd_total, const Tensor& pack, int64_t BH, int64_t D,
+                       std::vector<Tensor>& seed) {
+  const int P = comm.size(), r = comm.rank(), n = plan.node, G = P / n, g = r / n, lane = r % n;
+  GDNCP_CHECK(n >= 1 && P % n == 0, "cp exchange: bad node size ", n);
+  GDNCP_CHECK(kept.defined() && kept.numel() >= static_cast<int64_t>(n) * fwd_total,
+              "cp scan backward: the forward composites are missing");
+  const Ops ops = ops_of(pack, BH, D, true);
+  const int64_t bwd_total = pack.numel();
+
+  // Σ over ranks of dT: one all-reduce of them packed (bitwise the same on every rank).
+  int64_t dT_n = 0;
+  for (const ExchangeJob& j : jobs)
+    if (j.terminal) dT_n += BH * D * j.E;
+  std::vector<Tensor> a0(jobs.size());
+  if (dT_n > 0) {
+    Tensor sums = Tensor::empty({dT_n}, ops.dt, ops.dev);
+    int64_t off = 0;
+    for (const ExchangeJob& j : jobs)
+      if (j.terminal) {
+        kern::copy_region(sums, off, pack, j.dT_off, BH * D * j.E);
+        off += BH * D * j.E;
+      }
+    comm.all_reduce_sum(sums);
+    off = 0;
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (jobs[i].terminal) {
+        a0[i] = ops.flat(jobs[i].E);
+        kern::copy_region(a0[i], 0, sums, off, a0[i].numel());
+        off += a0[i].numel();
+      }
+  }
+
+  // The adjoint maps run in the reverse logical order: within the node and over the nodes.
+  const Tensor nbuf = node_gather(comm, n, pack);
+  std::vector<Item> items(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const ExchangeJob& j = jobs[i];
+    Item& it = items[i];
+    it.E = j.E;
+    it.reverse = !j.reverse;
+    it.init = a0[i];
+    const int pos = pos_of(g, G, it.reverse);
+    if (G > 1) {
+      GDNCP_CHECK(j.M_off >= 0 || n == 1, "cp exchange: the node's transitions were not packed");
+      it.own.h = ops.flat(j.E);
+      kern::fold(it.own.h, Tensor(), j.M_off >= 0 ? kept : Tensor(), std::max<int64_t>(j.M_off, 0), fwd_total, true,
+                 nbuf, j.dX0_off, bwd_total, lanes_in_order(n, it.reverse), BH, D, j.E);
+    }
+    if (own_needs_N(pos, G, it.init.defined(), false)) it.own.N = node_product(ops, kept, fwd_total, j, n);
+  }
+  log_scan(comm, ops, n, items);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const ExchangeJob& j = jobs[i];
+    const std::vector<int> all = lanes_in_order(n, !j.reverse);  // backward order
+    const int bp = j.reverse ? lane : n - 1 - lane;              // this lane's backward position
+    const std::vector<int> after(all.begin(), all.begin() + bp);
+    const Tensor& init = items[i].out;
+    if (after.empty()) {
+      seed[i] = init;
+      continue;
+    }
+    GDNCP_CHECK(j.M_off >= 0 || (after.size() + (init.defined() ? 1 : 0)) <= 1,
+                "cp scan backward: the fold needs composites that were not gathered");
+    seed[i] = ops.flat(j.E);
+    kern::fold(seed[i], init, j.M_off >= 0 ? kept : Tensor(), std::max<int64_t>(j.M_off, 0), fwd_total, true, nbuf,
+               j.dX0_off, bwd_total, after, BH, D, j.E);
+  }
+}
+
+}  // namespace detail
+}  // namespace cp
+}  // namespace gdncp

@@ -1,0 +1,408 @@
+// src/cp/scan/scan_engine.cpp — Note [CP scan] (scan_engine.h): composites, the
+// one all-gather, the fold over ranks, the rescan, and their backward.
+//
+// Gradient rule: dU of each job is fresh (overwritten); dP accumulates when
+// the job says so (jobs sharing one transition); dg always accumulates.
+#include "cp/scan/scan_engine.h"
+
+#include <algorithm>
+
+#include "cp/scan/exchange.h"
+#include "cp/scan/deterministic.h"
+#include "gdncp/error.h"
+
+namespace gdncp {
+namespace cp {
+namespace detail {
+namespace {
+
+DType compute_dtype(const std::vector<ScanJob>& jobs) { return jobs.front().P.dtype(); }
+
+// Logical position of a physical rank in a job's rank order.
+int logical(const ScanJob& j, int rank, int P) { return (j.anti || j.rank_reverse) ? P - 1 - rank : rank; }
+int physical(const ScanJob& j, int pos, int P) { return (j.anti || j.rank_reverse) ? P - 1 - pos : pos; }
+
+// adjoint: a sweep of the state adjoint (Note [clip cuts]: the forward scan
+// cuts before a step, the anti-causal one after it, their adjoints the other way).
+SweepSpec spec_of(const ScanContext& c, const ScanJob& j, bool adjoint) {
+  SweepSpec s;
+  s.BH = c.BH;
+  s.F = c.F;
+  s.D = c.D;
+  s.E = j.E;
+  s.active = j.active;
+  s.H = c.H;
+  if (c.cuts.defined()) s.cut = (j.anti != adjoint) ? Cut::after : Cut::before;
+  return s;
+}
+
+// Note [which composites travel]. The folds start from a zero state, and their
+// first step is X = h of the first rank in order, with no product. So the
+// forward folds read M only of logical positions 1 … P−2 (1 … P−1 for the
+// terminal fold), and the backward folds, from a zero adjoint, only of
+// positions r'+1 … P−2 (up to P−1 from a terminal gradient). No rank ever reads
+// the M of logical position 0, and with two ranks and no terminal state no rank
+// reads any M: the pack then carries only the states h, and no rank sweeps a
+// product of transitions beyond the Wcum its correction needs.
+bool gathers_M(const ScanJob& j, int P) { return P > 2 || j.terminal; }
+
+// Offsets (elements) of each job's pieces inside one rank's packed slice.
+struct Layout {
+  std::vector<int64_t> h, M;  // forward: composite state, composite transition (-1: not gathered)
+  int64_t fwd_total = 0;
+  std::vector<int64_t> dX0, dT;  // backward: adjoint of X0, adjoint of the terminal state
+  int64_t bwd_total = 0;
+};
+
+Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs, int P) {
+  Layout L;
+  for (const auto& j : jobs) {
+    L.h.push_back(L.fwd_total);
+    L.fwd_total += c.BH * c.D * j.E;
+    L.M.push_back(gathers_M(j, P) ? L.fwd_total : -1);
+    if (gathers_M(j, P)) L.fwd_total += c.BH * c.D * c.D;
+  }
+  for (const auto& j : jobs) {
+    L.dX0.push_back(L.bwd_total);
+    L.bwd_total += c.BH * c.D * j.E;
+  }
+  for (const auto& j : jobs) {
+    L.dT.push_back(L.bwd_total);
+    if (j.terminal) L.bwd_total += c.BH * c.D * j.E;
+  }
+  return L;
+}
+
+// (BH, D) for the Z stream (E = 1), else (BH, D, E); with frames: (BH, F, D[, E]).
+Shape state_shape(int64_t BH, int64_t D, int64_t E) { return E == 1 ? Shape{BH, D} : Shape{BH, D, E}; }
+Shape states_shape(int64_t BH, int64_t F, int64_t D, int64_t E) {
+  return E == 1 ? Shape{BH, F, D} : Shape{BH, F, D, E};
+}
+
+// Folds over ranks; those without a product need no fold kernel: over no rank
+// from a zero state X = 0, over one rank from a zero state X = h of that rank
+// (a device copy out of the gathered buffer).
+void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
+  std::vector<Fold> products;
+  for (Fold& f : fs) {
+    if (f.init.defined() || f.order.size() > 1)
+      products.push_back(f);
+    else if (f.order.empty())
+      f.X.fill_(0.0);
+    else
+      kern::copy_region(f.X, 0, f.Hbuf, f.h_off + f.order[0] * f.h_stride, f.X.numel());
+  }
+  kern::folds(products, BH, D);
+}
+
+// The offsets and roles of every job, for the exchanges of exchange.h.
+std::vector<ExchangeJob> exchange_jobs(const std::vector<ScanJob>& jobs, const Layout& L) {
+  std::vector<ExchangeJob> out;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ExchangeJob x;
+    x.E = jobs[i].E;
+    x.reverse = jobs[i].anti || jobs[i].rank_reverse;
+    x.terminal = jobs[i].terminal;
+    x.h_off = L.h[i];
+    x.M_off = L.M[i];
+    x.dX0_off = L.dX0[i];
+    x.dT_off = jobs[i].terminal ? L.dT[i] : -1;
+    out.push_back(x);
+  }
+  return out;
+}
+
+}  // namespace
+
+int64_t active_frames(int64_t K, int64_t offset, int64_t F) {
+  if (K <= 0) return F;
+  return std::min<int64_t>(F, std::max<int64_t>(0, K - offset));
+}
+
+void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
+  Communicator& comm = *ctx.comm;
+  const int P = comm.size(), r = comm.rank();
+  // The deterministic mode: the one-rank scan over the global sequence (Note [deterministic scan]).
+  if (P > 1 && !ctx.frames.empty()) return deterministic_scan_forward(ctx, jobs);
+  const DType dt = compute_dtype(jobs);
+  const Device dev = jobs.front().P.device();
+  const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
+  const Layout L = layout_of(ctx, jobs, P);
+  const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
+
+  // 1. The local scans from a zero state (all jobs in one batch of sweeps):
+  //    states Y_loc into Y, and with P > 1 the composite state h (last state)
+  //    written straight into the all-gather's pack; where a correction will
+  //    follow (X0 ≠ 0), the cumulative products Wcum per frame, whose last is
+  //    the composite transition M (into the pack where it travels: Note [which
+  //    composites travel]). A checkpoint recompute (composites kept) writes no
+  //    composites.
+  const bool gather = P > 1 && !ctx.gathered.defined();
+  Tensor pack = gather ? Tensor::empty({L.fwd_total}, dt, dev) : Tensor();
+  std::vector<Sweep> sweeps;
+  std::vector<Tensor> cum(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ScanJob& j = jobs[i];
+    j.Y = Tensor::empty(states_shape(BH, F, D, j.E), dt, dev);
+    Sweep sh;
+    sh.P = j.P;
+    sh.add_after = j.U;
+    sh.cuts = ctx.cuts;
+    sh.spec = spec_of(ctx, j, false);
+    sh.spec.descending = j.anti;
+    sh.spec.init = Init::zero;
+    (j.anti ? sh.out_before : sh.out_after) = j.Y;
+    if (P == 1 && j.terminal) {  // one rank: the terminal state is its last state
+      j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
+      sh.final_state = j.T;
+    }
+    if (P > 1) {
+      sh.final_state = pack;
+      sh.final_offset = L.h[i];
+    }
+    if (P > 1 && logical(j, r, P) > 0) {  // X0 ≠ 0 here: Wcum for the correction
+      Sweep sm = sh;
+      cum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
+      sm.out_before = sm.out_after = Tensor();
+      (j.anti ? sm.out_before : sm.out_after) = cum[i];
+      sm.final_state = L.M[i] >= 0 ? pack : Tensor();
+      sm.final_offset = std::max<int64_t>(L.M[i], 0);
+      sm.add_after = Tensor();
+      sm.spec.init = Init::identity;
+      sm.spec.E = D;
+      sweeps.push_back(sm);
+    }
+    sweeps.push_back(sh);
+  }
+  kern::scan_sweeps(sweeps, ctx.decay);
+  if (P == 1) {
+    for (auto& j : jobs) j.X0 = Tensor::zeros(state_shape(BH, D, j.E), dt, dev);
+    return;
+  }
+
+  // 2-3 by the log-depth or hierarchical exchange (exchange.h): X0 and T directly.
+  if (plan.algo != Exchange::all_gather) {
+    std::vector<Tensor> X0s(jobs.size()), Ts(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      X0s[i] = jobs[i].X0 = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
+      if (jobs[i].terminal) Ts[i] = jobs[i].T = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
+    }
+    exchange_forward(comm, plan, exchange_jobs(jobs, L), pack, L.fwd_total, BH, D, ctx.gathered, X0s, Ts);
+    std::vector<Correction> cs;
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (cum[i].defined()) cs.push_back(Correction{jobs[i].Y, cum[i], jobs[i].X0, jobs[i].E});
+    kern::scan_correct(cs, BH, F, D);
+    return;
+  }
+
+  // 2. One all-gather of every job's composites (kept: a checkpoint recompute passes them back in).
+  if (gather) {
+    Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * L.fwd_total}, dt, dev);
+    comm.all_gather(gathered, pack);
+    ctx.gathered = gathered;
+  }
+  GDNCP_CHECK(ctx.gathered.numel() == static_cast<int64_t>(P) * L.fwd_total,
+              "cp scan: kept composites do not match this call (", ctx.gathered.numel(), " elements)");
+
+  // 3. The incoming state of every job (and the terminal states): folds over the ranks.
+  std::vector<Fold> fs;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ScanJob& j = jobs[i];
+    Fold f;
+    f.Hbuf = ctx.gathered;
+    if (L.M[i] >= 0) f.Mbuf = ctx.gathered;
+    f.m_off = std::max<int64_t>(L.M[i], 0);
+    f.h_off = L.h[i];
+    f.m_stride = f.h_stride = L.fwd_total;
+    f.E = j.E;
+    for (int pos = 0; pos < logical(j, r, P); ++pos) f.order.push_back(physical(j, pos, P));
+    GDNCP_CHECK(f.Mbuf.defined() || f.order.size() <= 1, "cp scan: the fold needs composites that were not gathered");
+    j.X0 = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
+    f.X = j.X0;
+    fs.push_back(f);
+    if (j.terminal) {
+      GDNCP_CHECK(!j.anti && !j.rank_reverse, "cp scan: a terminal state needs the forward rank order");
+      Fold ft = f;
+      ft.order.clear();
+      for (int p = 0; p < P; ++p) ft.order.push_back(p);
+      j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
+      ft.X = j.T;
+      fs.push_back(ft);
+    }
+  }
+  run_folds(fs, BH, D);
+
+  // 4. The correction of docs/design.md §6, all frames at once: Y_t = Y_loc,t + Wcum_t X0.
+  std::vector<Correction> cs;
+  for (size_t i = 0; i < jobs.size(); ++i)
+    if (cum[i].defined()) cs.push_back(Correction{jobs[i].Y, cum[i], jobs[i].X0, jobs[i].E});
+  kern::scan_correct(cs, BH, F, D);
+}
+
+void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
+  Communicator& comm = *ctx.comm;
+  const int P = comm.size(), r = comm.rank();
+  // The deterministic mode: the one-rank scan over the global sequence (Note [deterministic scan]).
+  if (P > 1 && !ctx.frames.empty()) return deterministic_scan_backward(ctx, jobs, dg);
+  const DType dt = compute_dtype(jobs);
+  const Device dev = jobs.front().P.device();
+  const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
+  const Layout L = layout_of(ctx, jobs, P);
+
+  // Sweeps of the state adjoint: anti jobs run ascending with the slot
+  // gradient added after the step, forward jobs descending with it added before.
+  auto adjoint = [&](const ScanJob& j, const Tensor& out_before, const Tensor& final_state, const Tensor& init) {
+    Sweep w;
+    w.out_before = out_before;
+    w.final_state = final_state;
+    w.P = j.P;
+    w.init = init;
+    w.cuts = ctx.cuts;
+    w.spec = spec_of(ctx, j, true);
+    w.spec.transpose = true;
+    w.spec.init = init.defined() ? Init::given : Init::zero;
+    w.spec.descending = !j.anti;
+    if (j.anti)
+      w.add_after = j.dY;
+    else
+      w.add_before = j.dY;
+    return w;
+  };
+  // Does the adjoint arriving from later ranks (a) exist for job j?
+  auto seeded = [&](const ScanJob& j) { return j.terminal || logical(j, r, P) < P - 1; };
+
+  // 1. The adjoint sweep of every job from its own output gradients (λ, into
+  //    dU; its final state is the adjoint of X0), and where an adjoint a will
+  //    arrive from later ranks, the cumulative products Rcum_t of the
+  //    transposed transitions it passes through. One batch.
+  //    With P > 1 the adjoints of X0 go straight into the all-gather's pack.
+  std::vector<Sweep> sweeps;
+  std::vector<Tensor> rcum(jobs.size());
+  Tensor pack = P > 1 ? Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev) : Tensor();
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ScanJob& j = jobs[i];
+    j.dU = Tensor::empty(states_shape(BH, F, D, j.E), dt, dev);
+    if (P == 1) {  // one rank: the only seed is the terminal state's gradient
+      sweeps.push_back(adjoint(j, j.dU, Tensor(), j.terminal ? j.dT : Tensor()));
+      continue;
+    }
+    const bool has_dX0 = logical(j, r, P) > 0;  // the adjoint of X0, where X0 came from earlier ranks
+    sweeps.push_back(adjoint(j, j.dU, has_dX0 ? pack : Tensor(), Tensor()));
+    sweeps.back().final_offset = L.dX0[i];
+    if (seeded(j)) {
+      rcum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
+      Sweep w = adjoint(j, rcum[i], Tensor(), Tensor());
+      w.add_before = w.add_after = Tensor();
+      w.spec.init = Init::identity;
+      w.spec.E = D;
+      sweeps.push_back(w);
+    }
+  }
+  kern::scan_sweeps(sweeps, ctx.decay);
+
+  const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
+  if (P > 1 && plan.algo != Exchange::all_gather) {  // 2-3 by the exchange of exchange.h
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
+    std::vector<Tensor> seed(jobs.size());
+    exchange_backward(comm, plan, exchange_jobs(jobs, L), ctx.gathered, L.fwd_total, pack, BH, D, seed);
+    std::vector<Correction> cs;
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (seed[i].defined()) {
+        GDNCP_CHECK(rcum[i].defined(), "cp scan backward: missing cumulative products");
+        cs.push_back(Correction{jobs[i].dU, rcum[i], seed[i].reshape(state_shape(BH, D, jobs[i].E)), jobs[i].E});
+      }
+    kern::scan_correct(cs, BH, F, D);
+  } else if (P > 1) {
+    GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
+    // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients.
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
+    Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * pack.numel()}, dt, dev);
+    comm.all_gather(gathered, pack);
+    const int64_t stride = pack.numel();
+    // 3. Σ over ranks of dT (rank order: the same bits everywhere), then the
+    //    adjoint a arriving from the logically later ranks: a ← dX0_j + M_jᵀ a.
+    std::vector<Fold> sums, backs;
+    std::vector<Tensor> a0(jobs.size()), seed(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      if (!jobs[i].terminal) continue;
+      Fold f;
+      a0[i] = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
+      f.X = a0[i];
+      f.Hbuf = gathered;
+      f.h_off = L.dT[i];
+      f.h_stride = stride;
+      f.E = jobs[i].E;
+      for (int p = 0; p < P; ++p) f.order.push_back(p);
+      sums.push_back(f);
+    }
+    run_folds(sums, BH, D);
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const ScanJob& j = jobs[i];
+      Fold f;
+      for (int pos = P - 1; pos > logical(j, r, P); --pos) f.order.push_back(physical(j, pos, P));
+      if (f.order.empty()) {
+        seed[i] = a0[i];
+        continue;
+      }
+      GDNCP_CHECK(L.M[i] >= 0 || (f.order.size() == 1 && !a0[i].defined()),
+                  "cp scan backward: the fold needs composites that were not gathered");
+      seed[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
+      f.X = seed[i];
+      f.init = a0[i];
+      if (L.M[i] >= 0) f.Mbuf = ctx.gathered;
+      f.m_off = std::max<int64_t>(L.M[i], 0);
+      f.m_stride = L.fwd_total;
+      f.transpose = true;
+      f.Hbuf = gathered;
+      f.h_off = L.dX0[i];
+      f.h_stride = stride;
+      f.E = j.E;
+      backs.push_back(f);
+    }
+    run_folds(backs, BH, D);
+    // 4. The composite's gradient folded into the last state (Note [CP scan]):
+    //    the adjoint seeded with a is λ_t + Rcum_t a, all frames at once.
+    std::vector<Correction> cs;
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (seed[i].defined()) {
+        GDNCP_CHECK(rcum[i].defined(), "cp scan backward: missing cumulative products");
+        cs.push_back(Correction{jobs[i].dU, rcum[i], seed[i], jobs[i].E});
+      }
+    kern::scan_correct(cs, BH, F, D);
+  }
+
+  // 5. The transition gradients, grouped by the P they belong to (one launch).
+  std::vector<OuterGroup> groups;
+  for (const ScanJob& j : jobs) {
+    OuterSource src;
+    src.L = j.dU;
+    src.R = j.Y;
+    src.R0 = j.anti ? Tensor() : j.X0;
+    src.shifted = j.anti;
+    src.active = j.active;
+    auto same = std::find_if(groups.begin(), groups.end(), [&](const OuterGroup& g) { return g.dP.same_as(j.dP); });
+    if (same != groups.end()) {
+      GDNCP_CHECK(same->sources.size() < 2 && same->E == j.E, "cp scan backward: bad transition sharing");
+      same->sources.push_back(src);
+      continue;
+    }
+    OuterGroup g;
+    g.dP = j.dP;
+    g.P = j.P;
+    g.E = j.E;
+    g.accumulate_dP = j.dP_accumulate;
+    g.cuts = ctx.cuts;
+    g.H = ctx.H;
+    g.dg = Tensor::zeros({BH, F}, dt, dev);
+    g.sources.push_back(src);
+    groups.push_back(g);
+  }
+  kern::scan_grad_outers(groups, ctx.decay, BH, F, D);
+  for (OuterGroup& g : groups) kern::add(dg, dg, g.dg);
+}
+
+}  // namespace detail
+}  // namespace cp
+}  // namespace gdncp

@@ -1,0 +1,105 @@
+// src/cp/scan/scan_engine.h — the distributed frame scan of docs/design.md §6, forward and
+// backward, for several scans ("jobs") that share one all-gather.
+//
+// Note [CP scan]. Each job scans Y_t = G_t Y_{t−1} + U_t (G_t = g_t (I − P_t),
+// Note [scan step]) over the global sequence, in the logical rank order
+// (rank_reverse: P−1 → 0). Forward, per job:
+//   1. composites of this rank from a zero state: h = state after the local
+//      frames, M = the product of the local transitions (a sweep from I, run
+//      only where a correction needs it or another rank reads M: Note [which
+//      composites travel] in scan_engine.cpp);
+//   2. ONE all-gather of every job's (h, M) packed together (or the log-depth or
+//      hierarchical exchange of Note [exchange] in exchange.h, which gives steps 3's X0 and T);
+//   3. the incoming state X0 = fold over the logically earlier ranks of
+//      X ← M_j X + h_j (and the terminal state, with truncation, the fold over
+//      all ranks: identical on every rank, no broadcast needed);
+//   4. the local rescan from X0. (docs/design.md §6 writes step 5 as the correction
+//      S_loc[t] + X0·Wcum[t]; rescanning from X0 is the same linear map, costs
+//      the same and needs no cumulative products kept per frame.)
+// Backward, per job, with λ the state adjoint:
+//   1. dX0 = the adjoint of the rescan's initial state (a transposed sweep);
+//   2. ONE all-gather of every job's dX0 (and dT of the terminal states);
+//   3. a = the adjoint arriving from the logically later ranks:
+//      a ← dX0_j + M_jᵀ a for j = P−1 … r+1, starting from Σ_ranks dT (or 0),
+//      with the M_j kept from the forward gather;
+//   4. the composite's gradient is folded into the rescan's last state:
+//      ⟨dh, h⟩ + ⟨dM, M⟩ = ⟨a, h + M·X0⟩ = ⟨a, Y_last⟩, so one transposed sweep
+//      seeded with a gives dU, and the outer products give dP and dg.
+// The gathered composites are kept in ScanContext: a checkpoint recompute that
+// passes them back in issues no collective.
+//
+// Uneven ownership: F is this rank's frame count and may differ between ranks
+// (the composites are (BH, D, D) whatever F); a rank with F = 0 sweeps
+// nothing and contributes h = 0, M = I. Clip starts (ctx.cuts) cut the sweeps
+// of Note [clip cuts] (cp_kernels.h): a start inside a rank cuts its
+// composite (M = 0 from there), and the anti-causal cut at the first frame of
+// a rank (M̃ of the frame before = 0) falls on that rank's own anti-causal
+// composite (h = M = 0), so it reaches the nearest non-empty rank before it
+// with no halo of mask bits.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cp_kernels.h"
+#include "gdncp/cp.h"
+#include "gdncp/tensor.h"
+
+namespace gdncp {
+namespace cp {
+namespace detail {
+
+struct ScanJob {
+  // --- inputs
+  Tensor P;                   // (BH, F, D, D) compute dtype
+  Tensor U;                   // (BH, F, D, E)
+  int64_t E = 0;              // D (KV) or 1 (Z)
+  bool anti = false;          // flipped + shifted: out slot t = strictly-later state (bidi M̃); rank order P−1 → 0
+  bool rank_reverse = false;  // rank order P−1 → 0 (local frames in their order)
+  bool terminal = false;      // produce the terminal state (truncate_to_active)
+  int64_t active = 0;         // frames t ≥ active of this rank are frozen (F: none)
+  // --- forward results
+  Tensor Y;   // (BH, F, D, E) states: inclusive, or strictly-later for anti
+  Tensor X0;  // (BH, D, E) incoming state
+  Tensor T;   // (BH, D, E) terminal state (terminal jobs)
+  // --- backward inputs (undefined = zero) and targets
+  Tensor dY, dT;
+  Tensor dP;  // where dP goes: (BH, F, D, D), overwritten or accumulated
+  bool dP_accumulate = false;
+  Tensor dU;  // result (BH, F, D, E), fresh
+};
+
+struct ScanContext {
+  Communicator* comm = nullptr;
+  int64_t BH = 0, F = 0, D = 0;  // F: this rank's frames (≥ 0)
+  Tensor decay;     // (B, H, F), any float dtype
+  Tensor gathered;  // (P · per-rank) composites; kept from the forward (set: no all-gather)
+  Tensor cuts;      // clip mask (B, F) f32 or undefined (Note [clip cuts])
+  int64_t H = 1;    // heads: row bh / H of cuts
+  // The deterministic mode (Note [deterministic scan], deterministic.h): every
+  // rank's F in rank order (empty: the default mode) and truncate_to_active.
+  std::vector<int64_t> frames;
+  int64_t truncate = 0;
+  // How the composites travel (CpOptions); with log or hierarchical, `gathered` keeps what
+  // src/cp/scan/exchange.h says instead of every rank's composites.
+  Exchange exchange = Exchange::automatic;
+  int node_size = 0;
+};
+
+// The exchange options of a CP entry into its scan context.
+inline void set_exchange(ScanContext& ctx, const CpOptions& o) {
+  ctx.exchange = o.exchange;
+  ctx.node_size = o.node_size;
+}
+
+// Frames of this rank (F of them from global frame `offset`) that stay active
+// under truncate_to_active = K (0 = off).
+int64_t active_frames(int64_t K, int64_t offset, int64_t F);
+
+void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs);
+// dg (BH, F) compute dtype: the decay gradient, accumulated.
+void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg);
+
+}  // namespace detail
+}  // namespace cp
+}  // namespace gdncp
