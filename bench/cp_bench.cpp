@@ -97,8 +97,8 @@ BigdnOptions options(const CpBenchConfig& c, Checkpoint ck) {
 
 // comm == nullptr: the single-GPU layer bigdn().
 Tensor forward(cp::Communicator* comm, const Layer& l, const BigdnOptions& o) {
-  return comm ? cp::bigdn_cp(*comm, l.qkv, l.beta, l.decay, l.qw, l.kw, l.cos, l.sin, l.F, l.S, o, Tensor(),
-                                Tensor(), Tensor(), l.cpo)
+  return comm ? cp::bigdn_cp(*comm, l.qkv, l.beta, l.decay, l.qw, l.kw, l.cos, l.sin, l.F, l.S, o, Tensor(), Tensor(),
+                             Tensor(), l.cpo)
               : bigdn(l.qkv, l.beta, l.decay, l.qw, l.kw, l.cos, l.sin, l.F, l.S, o);
 }
 

@@ -35,11 +35,11 @@
 #include <vector>
 
 #include "cp_bench.h"
-#include "timing.h"
 #include "gdncp/gdncp.h"
 #include "kernels/common/cuda_common.cuh"
 #include "kernels/kernels.h"
 #include "kernels/scan/scan_bidi.h"
+#include "timing.h"
 
 namespace {
 
@@ -58,7 +58,7 @@ struct Args {
   // --cp: the composites' exchange and nodes; --emulate: the modeled links (modeled_link.h).
   std::string exchange = "auto", link = "none";
   int node_size = 8;
-  bool profile = false;  // one forward+backward of the first configuration, nothing else (for ncu)
+  bool profile = false;        // one forward+backward of the first configuration, nothing else (for ncu)
   bool validate_full = false;  // also the production shape against the f64 CPU layer (slow: minutes of CPU)
 };
 
@@ -82,36 +82,56 @@ bool parse_args(int argc, char** argv, Args& a) {
       if (i + 1 >= argc) throw std::runtime_error("flag " + f + " needs a value");
       return argv[++i];
     };
-    if (f == "--json") a.json = next();
-    else if (f == "--batches") a.batches = parse_list(next());
-    else if (f == "--dims") a.head_dims = parse_list(next());
-    else if (f == "--frames") set_frames(a, next());
-    else if (f == "--tokens") a.tokens = std::stoll(next());
-    else if (f == "--heads") a.heads = std::stoll(next());
-    else if (f == "--warmup") a.warmup = std::stoi(next());
-    else if (f == "--iters") a.iters = std::stoi(next());
-    else if (f == "--quick") { a.batches = {1, 4}; a.head_dims = {112}; a.iters = 20; }
-    else if (f == "--cp") a.cp = true;
-    else if (f == "--emulate") a.emulate = std::stoi(next());
-    else if (f == "--profile-row") a.profile_row = std::stoi(next());
-    else if (f == "--exchange") a.exchange = next();
-    else if (f == "--link") a.link = next();
-    else if (f == "--node-size") a.node_size = std::stoi(next());
-    else if (f == "--profile") a.profile = true;
-    else if (f == "--validate-full") a.validate_full = true;
+    if (f == "--json")
+      a.json = next();
+    else if (f == "--batches")
+      a.batches = parse_list(next());
+    else if (f == "--dims")
+      a.head_dims = parse_list(next());
+    else if (f == "--frames")
+      set_frames(a, next());
+    else if (f == "--tokens")
+      a.tokens = std::stoll(next());
+    else if (f == "--heads")
+      a.heads = std::stoll(next());
+    else if (f == "--warmup")
+      a.warmup = std::stoi(next());
+    else if (f == "--iters")
+      a.iters = std::stoi(next());
+    else if (f == "--quick") {
+      a.batches = {1, 4};
+      a.head_dims = {112};
+      a.iters = 20;
+    } else if (f == "--cp")
+      a.cp = true;
+    else if (f == "--emulate")
+      a.emulate = std::stoi(next());
+    else if (f == "--profile-row")
+      a.profile_row = std::stoi(next());
+    else if (f == "--exchange")
+      a.exchange = next();
+    else if (f == "--link")
+      a.link = next();
+    else if (f == "--node-size")
+      a.node_size = std::stoi(next());
+    else if (f == "--profile")
+      a.profile = true;
+    else if (f == "--validate-full")
+      a.validate_full = true;
     else if (f == "--help" || f == "-h") {
-      std::printf("gdncp_bench [--json PATH] [--batches 1,4,8] [--dims 112,128] [--frames 11] [--tokens 920]\n"
-                  "            [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp [--emulate P [--profile-row K]]]\n"
-                  "            [--exchange auto|allgather|log|hierarchical] [--node-size 8] [--link none|nvlink|ib]\n"
-                  "            [--profile] [--validate-full]\n"
-                  "  --cp --emulate P       one GPU times each rank of P on stand-in peers (P up to 256: above 8,\n"
-                  "                         ranks 0, 1, P/2, P-1)\n"
-                  "  --exchange X           the CP composites' exchange (gdncp/cp.h Exchange)\n"
-                  "  --node-size N          ranks per node for the exchange and the link model\n"
-                  "  --link L               with --emulate, modeled links: each collective occupies a communication\n"
-                  "                         stream for alpha + bytes/beta of each round of the exchange; nvlink: one\n"
-                  "                         NVLink domain (8 us, 365 GB/s), ib: NVLink inside nodes, NDR InfiniBand\n"
-                  "                         between them (20 us, 45 GB/s); none: collectives are device copies\n");
+      std::printf(
+          "gdncp_bench [--json PATH] [--batches 1,4,8] [--dims 112,128] [--frames 11] [--tokens 920]\n"
+          "            [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp [--emulate P [--profile-row K]]]\n"
+          "            [--exchange auto|allgather|log|hierarchical] [--node-size 8] [--link none|nvlink|ib]\n"
+          "            [--profile] [--validate-full]\n"
+          "  --cp --emulate P       one GPU times each rank of P on stand-in peers (P up to 256: above 8,\n"
+          "                         ranks 0, 1, P/2, P-1)\n"
+          "  --exchange X           the CP composites' exchange (gdncp/cp.h Exchange)\n"
+          "  --node-size N          ranks per node for the exchange and the link model\n"
+          "  --link L               with --emulate, modeled links: each collective occupies a communication\n"
+          "                         stream for alpha + bytes/beta of each round of the exchange; nvlink: one\n"
+          "                         NVLink domain (8 us, 365 GB/s), ib: NVLink inside nodes, NDR InfiniBand\n"
+          "                         between them (20 us, 45 GB/s); none: collectives are device copies\n");
       std::exit(0);
     } else {
       std::fprintf(stderr, "gdncp_bench: unknown flag %s (try --help)\n", f.c_str());
@@ -165,9 +185,11 @@ Ceilings measure_ceilings(int iters) {
   Ceilings c;
   const int64_t n = int64_t(1) << 28;  // 1 GiB of f32
   Tensor src = device_random({n}, DType::f32, 7), dst = Tensor::empty({n}, DType::f32, Device::cuda);
-  const double ms = time_ms([&] {
-    GDNCP_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.nbytes(), cudaMemcpyDeviceToDevice, stream()));
-  }, 3, iters);
+  const double ms = time_ms(
+      [&] {
+        GDNCP_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.nbytes(), cudaMemcpyDeviceToDevice, stream()));
+      },
+      3, iters);
   c.copy_gbs = 2.0 * static_cast<double>(src.nbytes()) / (ms * 1e-3) / 1e9;
   src = Tensor();
   dst = Tensor();
@@ -179,11 +201,13 @@ Ceilings measure_ceilings(int iters) {
   GDNCP_CUBLAS_CHECK(cublasCreate(&h));
   GDNCP_CUBLAS_CHECK(cublasSetStream(h, stream()));
   const float one = 1.f, zero = 0.f;
-  const double gms = time_ms([&] {
-    GDNCP_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, m, m, m, &one, A.data(), CUDA_R_16BF, m, B.data(),
-                                    CUDA_R_16BF, m, &zero, C.data(), CUDA_R_16BF, m, CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
-  }, 3, iters);
+  const double gms = time_ms(
+      [&] {
+        GDNCP_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, m, m, m, &one, A.data(), CUDA_R_16BF, m, B.data(),
+                                        CUDA_R_16BF, m, &zero, C.data(), CUDA_R_16BF, m, CUBLAS_COMPUTE_32F,
+                                        CUBLAS_GEMM_DEFAULT));
+      },
+      3, iters);
   GDNCP_CUBLAS_CHECK(cublasDestroy(h));
   c.gemm_tflops = 2.0 * m * double(m) * m / (gms * 1e-3) / 1e12;
   return c;
@@ -262,7 +286,7 @@ double rel_l2(const Tensor& a, const Tensor& b) {
 
 double worst(const Result& a, const Result& b, std::string& report) {
   const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> items[] = {
-      {"out", {&a.out, &b.out}},          {"dqkv", {&a.dqkv, &b.dqkv}}, {"dbeta", {&a.dbeta, &b.dbeta}},
+      {"out", {&a.out, &b.out}},          {"dqkv", {&a.dqkv, &b.dqkv}},    {"dbeta", {&a.dbeta, &b.dbeta}},
       {"ddecay", {&a.ddecay, &b.ddecay}}, {"dq_norm_w", {&a.dqw, &b.dqw}}, {"dk_norm_w", {&a.dkw, &b.dkw}}};
   double w = 0;
   std::ostringstream os;
@@ -301,10 +325,11 @@ bool validate(const Args& a, std::ostringstream& js) {
   Inputs big32 = convert(big, DType::f32, Device::cuda);
   big32.opt.precision = Precision::ieee;
   const double e_big = worst(fwd_bwd(big), fwd_bwd(big32), rep);
-  std::printf("validate production shape (B=1 H=%lld D=112 F=%lld S=%lld) GPU bf16 vs GPU ieee f32: worst rel L2 %.3g "
-              "(bar 1e-2):%s\n",
-              static_cast<long long>(a.heads), static_cast<long long>(a.frames), static_cast<long long>(a.tokens),
-              e_big, rep.c_str());
+  std::printf(
+      "validate production shape (B=1 H=%lld D=112 F=%lld S=%lld) GPU bf16 vs GPU ieee f32: worst rel L2 %.3g "
+      "(bar 1e-2):%s\n",
+      static_cast<long long>(a.heads), static_cast<long long>(a.frames), static_cast<long long>(a.tokens), e_big,
+      rep.c_str());
   ok = ok && e_big <= 1e-2;
   js << "\"validation\": {\"small_ieee_vs_f64\": " << e_ieee << ", \"small_bf16_vs_f64\": " << e_bf
      << ", \"big_bf16_vs_ieee\": " << e_big;
@@ -408,15 +433,23 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
   const double peak_gib = static_cast<double>(cuda_memory_stats().peak_allocated - base) / double(1 << 30);
   zero_grads();
 
-  rows.push_back({"forward", time_ms([&] {
-                    Tensor out = bigdn(qkv, beta, decay, qw, kw, in.cs, in.sn, d.F, d.S, in.opt);
-                    autograd::clear_tape();
-                  }, a.warmup, a.iters), w.fwd});
-  rows.push_back({"forward+backward", time_ms([&] {
-                    Tensor out = bigdn(qkv, beta, decay, qw, kw, in.cs, in.sn, d.F, d.S, in.opt);
-                    backward(out, in.dout);
-                    zero_grads();
-                  }, a.warmup, a.iters), w.fwd_bwd});
+  rows.push_back({"forward",
+                  time_ms(
+                      [&] {
+                        Tensor out = bigdn(qkv, beta, decay, qw, kw, in.cs, in.sn, d.F, d.S, in.opt);
+                        autograd::clear_tape();
+                      },
+                      a.warmup, a.iters),
+                  w.fwd});
+  rows.push_back({"forward+backward",
+                  time_ms(
+                      [&] {
+                        Tensor out = bigdn(qkv, beta, decay, qw, kw, in.cs, in.sn, d.F, d.S, in.opt);
+                        backward(out, in.dout);
+                        zero_grads();
+                      },
+                      a.warmup, a.iters),
+                  w.fwd_bwd});
 
   // Each phase alone, on the intermediates of one real pass.
   const Device dev = Device::cuda;
@@ -434,7 +467,8 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
   Tensor dP = Tensor::empty(mat, f32, dev), dA = Tensor::empty(mat, f32, dev), dPz = Tensor::empty(mat, f32, dev),
          dbz = Tensor::empty(vec, f32, dev);
   Tensor ddecay = Tensor::empty(in.decay.shape(), in.decay.dtype(), dev);
-  Tensor dqkv = Tensor::empty(in.qkv.shape(), in.qkv.dtype(), dev), dbeta = Tensor::empty(in.beta.shape(), in.beta.dtype(), dev);
+  Tensor dqkv = Tensor::empty(in.qkv.shape(), in.qkv.dtype(), dev),
+         dbeta = Tensor::empty(in.beta.shape(), in.beta.dtype(), dev);
   Tensor dqw = Tensor::empty({d.C()}, f32, dev), dkw = Tensor::empty({d.C()}, f32, dev);
   const auto& o = in.opt;
   const std::function<void()> phases[] = {
@@ -442,18 +476,26 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
       [&] { kernels::phase_a_fwd(P, A, Pz, bz, in.qkv, rstd, in.kw, in.cs, in.sn, in.beta, d, o.k_scale, mode); },
       [&] { kernels::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, Tensor(), d); },
       [&] { kernels::phase_c_fwd(out, den, in.qkv, rstd, in.qw, in.cs, in.sn, Ms, zs, d, o.eps, true, mode); },
-      [&] { kernels::phase_c_bwd(dq, dMs, dzs, in.dout, Tensor(), in.qkv, rstd, in.qw, in.cs, in.sn, Ms, zs, d, o.eps, true, mode); },
+      [&] {
+        kernels::phase_c_bwd(dq, dMs, dzs, in.dout, Tensor(), in.qkv, rstd, in.qw, in.cs, in.sn, Ms, zs, d, o.eps, true,
+                             mode);
+      },
       [&] { kernels::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, Tensor(), d); },
-      [&] { kernels::phase_a_bwd(dk, dqkv, dbeta, dP, dA, dPz, dbz, in.qkv, rstd, in.kw, in.cs, in.sn, in.beta, d, o.k_scale, mode); },
+      [&] {
+        kernels::phase_a_bwd(dk, dqkv, dbeta, dP, dA, dPz, dbz, in.qkv, rstd, in.kw, in.cs, in.sn, in.beta, d,
+                             o.k_scale, mode);
+      },
       [&] { kernels::rms_norm_bwd(dqkv, dqw, dkw, dq, dk, in.qkv, rstd, in.qw, in.kw, d); },
       // The same scan called as the scan core's composition (kernels/scan_bidi_sweeps.h) without the layer's shape
       // checks: the layer's scan_bidi is this composition; last, like before.
       [&] { scan_core::scan_bidi_fwd(Mf, Mr, Ms, zf, zr, zs, P, A, Pz, bz, in.decay, Tensor(), d); },
-      [&] { scan_core::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, Tensor(), d); }};
-  const char* names[] = {"rms_stats",   "phase_a_fwd",  "scan_bidi_fwd",   "phase_c_fwd",    "phase_c_bwd",
-                         "scan_bidi_bwd", "phase_a_bwd", "rms_norm_bwd", "scan_sweeps_fwd", "scan_sweeps_bwd"};
-  const Work works[] = {w.rms,      w.a_fwd,    w.scan_fwd, w.c_fwd,    w.c_bwd,
-                        w.scan_bwd, w.a_bwd,    w.rms_bwd,  w.scan_fwd, w.scan_bwd};
+      [&] {
+        scan_core::scan_bidi_bwd(dP, dA, dPz, dbz, ddecay, dMs, dzs, P, Pz, in.decay, Mf, Mr, zf, zr, Tensor(), d);
+      }};
+  const char* names[] = {"rms_stats",     "phase_a_fwd", "scan_bidi_fwd", "phase_c_fwd",     "phase_c_bwd",
+                         "scan_bidi_bwd", "phase_a_bwd", "rms_norm_bwd",  "scan_sweeps_fwd", "scan_sweeps_bwd"};
+  const Work works[] = {w.rms,      w.a_fwd, w.scan_fwd, w.c_fwd,    w.c_bwd,
+                        w.scan_bwd, w.a_bwd, w.rms_bwd,  w.scan_fwd, w.scan_bwd};
   constexpr int kPhases = sizeof(names) / sizeof(names[0]);
   static_assert(kPhases == sizeof(phases) / sizeof(phases[0]) && kPhases == sizeof(works) / sizeof(works[0]),
                 "one name and one work estimate per phase");
@@ -473,8 +515,8 @@ void bench_config(const Args& a, const Ceilings& c, int64_t B, int64_t D, std::o
     std::printf("  %-17s %9.4f %9.4f %8.1f %8.0f %9.1f %8.1f\n", r.name.c_str(), r.ms, fl, r.ms / fl, gbs, tf,
                 r.w.bytes / 1e6);
     js << (i ? ", " : "") << "{\"name\": \"" << r.name << "\", \"ms\": " << r.ms << ", \"floor_ms\": " << fl
-       << ", \"bytes\": " << r.w.bytes << ", \"flops\": " << r.w.flops << ", \"gbs\": " << gbs
-       << ", \"tflops\": " << tf << "}";
+       << ", \"bytes\": " << r.w.bytes << ", \"flops\": " << r.w.flops << ", \"gbs\": " << gbs << ", \"tflops\": " << tf
+       << "}";
   }
   js << "]}";
 }

@@ -1,11 +1,9 @@
-// bench/scan_bench.cpp — times the CUDA kernels of the CP scan (src/kernels/scan/scan_sweep.cu, src/kernels/scan/fold.cu)
-// on the launches one forward and one backward of the bidirectional CP layer
-// give them (the jobs KV fwd, Z fwd, KV anti, Z anti of cp_layers.cpp, batched
-// as scan_engine.cpp batches them), at P = 1 (all frames on one rank) and at
-// P = 2 (rank 0's half): the sequential sweeps, the corrections, the folds and
-// the transition gradients. One GPU, no communication. Prints per launch the
-// median time (CUDA events, warm-up first) and, for sweeps, the time per frame
-// step; a checksum of the P = 1 forward states lets two builds be compared.
+// bench/scan_bench.cpp — times the CUDA kernels of the CP scan (src/kernels/scan/scan_sweep.cu,
+// src/kernels/scan/fold.cu) on the launches one forward and one backward of the bidirectional CP layer give them (the
+// jobs KV fwd, Z fwd, KV anti, Z anti of cp_layers.cpp, batched as scan_engine.cpp batches them), at P = 1 (all frames
+// on one rank) and at P = 2 (rank 0's half): the sequential sweeps, the corrections, the folds and the transition
+// gradients. One GPU, no communication. Prints per launch the median time (CUDA events, warm-up first) and, for sweeps,
+// the time per frame step; a checksum of the P = 1 forward states lets two builds be compared.
 //
 //   scan_bench [--bh 20] [--dim 112] [--frames 22] [--warmup 3] [--iters 20]
 //
@@ -20,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cp_kernels.h"
 #include "gdncp/error.h"
 #include "gdncp/tensor.h"
+#include "kernels/cp_kernels.h"
 #include "timing.h"
 
 namespace gdncp {

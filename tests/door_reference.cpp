@@ -5,12 +5,12 @@
 //   door_reference DIR [--time ITERS]            gdncp::bigdn
 //   mpirun -np P door_reference DIR --cp [...]   gdncp::cp::bigdn_cp, rank r in DIR/rank<r>
 //
-// DIR/meta.txt (DIR/rank<r>/meta.txt with --cp): "B H D F S k_scale dtype(f32|bf16|f64) checkpoint(off|on) device(cpu|cuda)
-// precision(auto|bf16|tf32|ieee)" (F = this rank's frames). Inputs: raw dense bytes qkv, beta, decay, grad_out in
-// dtype; q_norm_w, k_norm_w (absent file = no norm), rope_cos, rope_sin, and optionally q's own rope_cos_q, rope_sin_q
-// (absent files = q uses the k tables) in f32 (f64 with f64). Writes out.ref and
-// grad_<name>.ref beside them: one forward and one backward(out, grad_out). --time ITERS then times ITERS more
-// forward+backward steps and prints "door_reference: <ms> ms per step".
+// DIR/meta.txt (DIR/rank<r>/meta.txt with --cp): "B H D F S k_scale dtype(f32|bf16|f64) checkpoint(off|on)
+// device(cpu|cuda) precision(auto|bf16|tf32|ieee)" (F = this rank's frames). Inputs: raw dense bytes qkv, beta, decay,
+// grad_out in dtype; q_norm_w, k_norm_w (absent file = no norm), rope_cos, rope_sin, and optionally q's own rope_cos_q,
+// rope_sin_q (absent files = q uses the k tables) in f32 (f64 with f64). Writes out.ref and grad_<name>.ref beside
+// them: one forward and one backward(out, grad_out). --time ITERS then times ITERS more forward+backward steps and
+// prints "door_reference: <ms> ms per step".
 #include <mpi.h>
 
 #include <chrono>
@@ -91,8 +91,7 @@ int run(int argc, char** argv) {
   meta_file >> B >> H >> D >> F >> S >> k_scale >> dtype_s >> ckpt_s >> device_s >> prec_s;
   GDNCP_CHECK(!meta_file.fail(), "door_reference: cannot parse ", dir, "/meta.txt");
   const Device device = device_s == "cuda" ? Device::cuda : Device::cpu;
-  if (cp_mode)
-    comm = device == Device::cuda ? cp::make_nccl_communicator(MPI_COMM_WORLD) : cp::make_mpi_communicator();
+  if (cp_mode) comm = device == Device::cuda ? cp::make_nccl_communicator(MPI_COMM_WORLD) : cp::make_mpi_communicator();
   const DType dtype = dtype_named(dtype_s), table = dtype == DType::f64 ? DType::f64 : DType::f32;
   const int64_t N = F * S, C = H * D;
   Tensor qkv = read(dir + "/qkv", {B, N, 3, H, D}, dtype, device);

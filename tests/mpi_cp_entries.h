@@ -214,8 +214,8 @@ inline Entry layer_entry(bool bidi, const cp::CpOptions& o, int64_t Ft, DType dt
   opt.checkpoint = ck;
   e.call = [bidi, o, opt](cp::Communicator& c, const std::vector<Tensor>& x, int64_t F, const Tensor& mask) {
     if (bidi)
-      return std::vector<Tensor>{cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, kS, opt, mask, Tensor(),
-                                                 Tensor(), o)};
+      return std::vector<Tensor>{
+          cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, kS, opt, mask, Tensor(), Tensor(), o)};
     return raw_outputs(cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, kS, opt, o, mask));
   };
   return e;

@@ -9,8 +9,8 @@
 //   - uneven splits (empty ranks included) and clip masks: the CUDA twins with
 //     cuts and with no frame, and the layers and camera branch on P GPUs vs one.
 // gdncp-mpi-np: 1 2
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <string>
 #include <thread>
 #include <vector>
@@ -375,7 +375,7 @@ TEST(CudaTwins, ScanSweepClipCutsMatchCpu) {
         const Tensor decay = Tensor::uniform({B, H, F}, DType::f32, Device::cpu, 34, 0.5, 0.99);
         std::vector<double> c(static_cast<size_t>(B * F), 0.0);
         for (int64_t f = 0; f < F; ++f) {
-          c[static_cast<size_t>(f)] = f == 2 ? 1.0 : 0.0;                    // row 0: one start inside
+          c[static_cast<size_t>(f)] = f == 2 ? 1.0 : 0.0;                          // row 0: one start inside
           c[static_cast<size_t>(F + f)] = f == 0 || f == 3 || f == 4 ? 1.0 : 0.0;  // row 1: first frame, 1-frame clip
         }
         const Tensor cuts = Tensor::from_vector(c, {B, F}, DType::f32);
@@ -394,7 +394,9 @@ TEST(CudaTwins, ScanSweepClipCutsMatchCpu) {
             for (int g = 0; g < 2; ++g) {
               const Device dev = g ? Device::cuda : Device::cpu;
               auto mv = [&](const Tensor& t) { return g ? gpu(t) : t; };
-              auto part = [&](const Tensor& t) { return F == 0 ? Tensor::empty({BH, 0, D, t.size(3)}, DType::f32) : t; };
+              auto part = [&](const Tensor& t) {
+                return F == 0 ? Tensor::empty({BH, 0, D, t.size(3)}, DType::f32) : t;
+              };
               Tensor ob = use_ob ? poisoned({BH, F, D, E}, dev) : Tensor();
               Tensor oa = use_oa ? poisoned({BH, F, D, E}, dev) : Tensor();
               Tensor fin = poisoned({BH, D, E}, dev);
@@ -408,9 +410,8 @@ TEST(CudaTwins, ScanSweepClipCutsMatchCpu) {
               res[g][1] = cpu(oa);
               res[g][2] = cpu(fin);
             }
-            const std::string what = "D=" + std::to_string(D) + " E=" + std::to_string(E) + " F=" +
-                                     std::to_string(F) + " mode " + std::to_string(mode) +
-                                     (cut == cp::Cut::before ? " before" : " after");
+            const std::string what = "D=" + std::to_string(D) + " E=" + std::to_string(E) + " F=" + std::to_string(F) +
+                                     " mode " + std::to_string(mode) + (cut == cp::Cut::before ? " before" : " after");
             for (int k = 0; k < 3; ++k) {
               if (!res[0][k].defined() || res[0][k].numel() == 0) continue;
               EXPECT_FALSE(has_nonfinite(res[1][k])) << what << " output " << k << " not fully written";
@@ -742,11 +743,14 @@ void check_layers_uneven_gpu(bool bidi, uint64_t seed) {
       if (bidi) {
         outs = {cp::bigdn_cp(comm, x[0], x[1], x[2], x[3], x[4], x[5], x[6], Fl, S, in.opt, gpu(m))};
       } else {
-        const cp::RawResult rr = cp::cp_gdn_raw(comm, x[0], x[1], x[2], x[3], x[4], x[5], x[6], Fl, S, in.opt, o, gpu(m));
+        const cp::RawResult rr =
+            cp::cp_gdn_raw(comm, x[0], x[1], x[2], x[3], x[4], x[5], x[6], Fl, S, in.opt, o, gpu(m));
         outs = {rr.num, rr.den, rr.terminal_M, rr.terminal_z};
       }
       for (size_t k = 0; k < outs.size(); ++k) {
-        Tensor w = Tensor::randn(k == 0 ? Shape{B, Ft * S, H, D} : k == 1 ? Shape{B, H, Ft * S} : outs[k].shape(),
+        Tensor w = Tensor::randn(k == 0   ? Shape{B, Ft * S, H, D}
+                                 : k == 1 ? Shape{B, H, Ft * S}
+                                          : outs[k].shape(),
                                  DType::f32, Device::cpu, seed + 20 + k);
         if (k == 0) w = slice(w, 1, woff * S, (woff + Fl) * S);
         if (k == 1) w = slice(w, 2, woff * S, (woff + Fl) * S);
@@ -775,8 +779,8 @@ void check_layers_uneven_gpu(bool bidi, uint64_t seed) {
     const std::vector<Tensor> ref = call(*nccl_self(), g, Ft, mask, 0, P);
     const size_t nout = bidi ? 1 : 4;
     auto local = [&](const Tensor& t, int axis, int64_t per) { return slice(t, axis, off * per, (off + F) * per); };
-    const std::string tag = std::string(bidi ? "bigdn_cp" : "cp_gdn_raw") + " split rank " + std::to_string(r) +
-                            " F=" + std::to_string(F);
+    const std::string tag =
+        std::string(bidi ? "bigdn_cp" : "cp_gdn_raw") + " split rank " + std::to_string(r) + " F=" + std::to_string(F);
     if (F > 0) {
       EXPECT_TRUE(close_rel(mine[0], local(ref[0], 1, S), tol_fwd(DType::f32), tag + " out/num"));
       if (!bidi) {
@@ -823,11 +827,11 @@ TEST(CpUnevenGpu, CamMatchesOneGpu) {
     auto run = [&](cp::Communicator& comm, const std::vector<Tensor>& x_in, const Tensor& wt, int64_t Fl) {
       return run_cam_gpu(comm, x_in, wt, Fl, S);
     };
-    const std::vector<Tensor> mine = run(
-        *nccl_world(),
-        {slice(in[0], 3, off * S, (off + F) * S), slice(in[1], 3, off * S, (off + F) * S),
-         slice(in[2], 3, off * S, (off + F) * S), slice(in[3], 2, off, off + F), slice(in[4], 2, off, off + F)},
-        slice(w, 3, off * S, (off + F) * S), F);
+    const std::vector<Tensor> mine =
+        run(*nccl_world(),
+            {slice(in[0], 3, off * S, (off + F) * S), slice(in[1], 3, off * S, (off + F) * S),
+             slice(in[2], 3, off * S, (off + F) * S), slice(in[3], 2, off, off + F), slice(in[4], 2, off, off + F)},
+            slice(w, 3, off * S, (off + F) * S), F);
     const std::vector<Tensor> ref = run(*nccl_self(), in, w, Ft);
     if (F == 0) {
       for (const Tensor& t : mine) EXPECT_EQ(t.numel(), 0);
@@ -836,8 +840,7 @@ TEST(CpUnevenGpu, CamMatchesOneGpu) {
     const char* names[] = {"out", "dq", "dk", "dv", "dbeta", "ddecay"};
     for (size_t i = 0; i < 6; ++i) {
       const Tensor e = i <= 3 ? slice(ref[i], 3, off * S, (off + F) * S) : slice(ref[i], 2, off, off + F);
-      EXPECT_TRUE(close_rel(mine[i], e, i == 0 ? tol_fwd(DType::f32) : tol_grad(DType::f32), names[i]))
-          << "rank " << r;
+      EXPECT_TRUE(close_rel(mine[i], e, i == 0 ? tol_fwd(DType::f32) : tol_grad(DType::f32), names[i])) << "rank " << r;
     }
   }
 }

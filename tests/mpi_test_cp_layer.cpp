@@ -16,7 +16,6 @@ namespace gdncp {
 namespace test {
 namespace {
 
-
 struct LayerRun {
   std::vector<Tensor> outs;
   std::vector<Tensor> grads;  // qkv, beta, decay, q_norm_w, k_norm_w (undefined when absent)
@@ -63,10 +62,10 @@ void check_bigdn_cp(DType dt, bool norms, uint64_t seed, double tol_out, double 
   const Tensor w = Tensor::randn({B, F * P * S, 2, D}, dt, Device::cpu, seed + 50);
 
   const std::vector<Tensor> xg = leaves_of(g);
-  const LayerRun ref =
-      finish(xg, {bigdn(xg[0], xg[1], xg[2], xg[3], xg[4], xg[5], xg[6], g.d.F, S, g.opt, Tensor(), g.rope_cos_q,
-                        g.rope_sin_q)},
-             {w}, nullptr);
+  const LayerRun ref = finish(
+      xg,
+      {bigdn(xg[0], xg[1], xg[2], xg[3], xg[4], xg[5], xg[6], g.d.F, S, g.opt, Tensor(), g.rope_cos_q, g.rope_sin_q)},
+      {w}, nullptr);
   const LayerInputs l = local_block(g, F, r);
   const std::vector<Tensor> xl = leaves_of(l);
   const LayerRun cp = finish(xl,
@@ -115,18 +114,17 @@ void check_raw(DType dt, const cp::CpOptions& o, uint64_t seed, bool q_tables = 
   cp::CpOptions ref_opt = o;
   ref_opt.reverse_rank_order = false;
   const std::vector<Tensor> xg = leaves_of(g);
-  const LayerRun ref = finish(
-      xg,
-      raw_outputs(cp::cp_gdn_raw(*self(), xg[0], xg[1], xg[2], xg[3], xg[4], xg[5], xg[6], F * P, S, g.opt, ref_opt,
-                                 Tensor(), g.rope_cos_q, g.rope_sin_q)),
-      wref, nullptr);
+  const LayerRun ref =
+      finish(xg,
+             raw_outputs(cp::cp_gdn_raw(*self(), xg[0], xg[1], xg[2], xg[3], xg[4], xg[5], xg[6], F * P, S, g.opt,
+                                        ref_opt, Tensor(), g.rope_cos_q, g.rope_sin_q)),
+             wref, nullptr);
   const LayerInputs l = local_block(g, F, b);
   const std::vector<Tensor> xl = leaves_of(l);
-  const LayerRun cp =
-      finish(xl,
-             raw_outputs(cp::cp_gdn_raw(*world(), xl[0], xl[1], xl[2], xl[3], xl[4], xl[5], xl[6], F, S, l.opt, o,
-                                        Tensor(), l.rope_cos_q, l.rope_sin_q)),
-             {rank_block(w[0], 1, F * S, b), rank_block(w[1], 2, F * S, b), w[2], w[3]}, world().get());
+  const LayerRun cp = finish(xl,
+                             raw_outputs(cp::cp_gdn_raw(*world(), xl[0], xl[1], xl[2], xl[3], xl[4], xl[5], xl[6], F, S,
+                                                        l.opt, o, Tensor(), l.rope_cos_q, l.rope_sin_q)),
+                             {rank_block(w[0], 1, F * S, b), rank_block(w[1], 2, F * S, b), w[2], w[3]}, world().get());
 
   ASSERT_EQ(cp.outs.size(), ref.outs.size());
   EXPECT_TRUE(close_rel(cp.outs[0], rank_block(ref.outs[0], 1, F * S, b), tol_fwd(dt), "num")) << "rank " << r;

@@ -30,11 +30,16 @@ namespace {
 // inside and last.
 std::vector<std::vector<int64_t>> splits_for(int P) {
   switch (P) {
-    case 1: return {{11}, {21}, {3}};
-    case 2: return {{6, 5}, {11, 10}, {0, 3}, {2, 9}};
-    case 3: return {{4, 4, 3}, {7, 7, 7}, {5, 0, 6}, {1, 1, 0}};
-    case 4: return {{3, 3, 3, 2}, {6, 5, 5, 5}, {1, 1, 1, 0}, {0, 4, 0, 7}};
-    case 8: return {{3, 3, 3, 3, 3, 2, 2, 2}, {2, 2, 2, 1, 1, 1, 1, 1}, {1, 1, 1, 0, 0, 0, 0, 0}};
+    case 1:
+      return {{11}, {21}, {3}};
+    case 2:
+      return {{6, 5}, {11, 10}, {0, 3}, {2, 9}};
+    case 3:
+      return {{4, 4, 3}, {7, 7, 7}, {5, 0, 6}, {1, 1, 0}};
+    case 4:
+      return {{3, 3, 3, 2}, {6, 5, 5, 5}, {1, 1, 1, 0}, {0, 4, 0, 7}};
+    case 8:
+      return {{3, 3, 3, 3, 3, 2, 2, 2}, {2, 2, 2, 1, 1, 1, 1, 1}, {1, 1, 1, 0, 0, 0, 0, 0}};
     default: {
       std::vector<std::vector<int64_t>> s(1);
       for (int r = 0; r < P; ++r) s[0].push_back(cp::balanced_split(11, P, r).frames);
@@ -44,8 +49,8 @@ std::vector<std::vector<int64_t>> splits_for(int P) {
 }
 
 // Every split of this group size, f64 and f32, with and without clips.
-void check_entry_splits(const std::function<Entry(int64_t Ft, DType dt, uint64_t seed)>& make,
-                        const cp::CpOptions& o, bool with_clips, uint64_t seed) {
+void check_entry_splits(const std::function<Entry(int64_t Ft, DType dt, uint64_t seed)>& make, const cp::CpOptions& o,
+                        bool with_clips, uint64_t seed) {
   for (const auto& split : splits_for(nranks()))
     for (DType dt : {DType::f64, DType::f32})
       for (bool clips : {false, true}) {
@@ -69,9 +74,8 @@ TEST(CpUneven, BidiScanMatchesOneRank) {
   check_entry_splits([](int64_t Ft, DType dt, uint64_t s) { return scan_entry(true, {}, Ft, dt, s); }, {}, true, 300);
 }
 TEST(CpUneven, BigdnCpMatchesOneRank) {
-  check_entry_splits(
-      [](int64_t Ft, DType dt, uint64_t s) { return layer_entry(true, {}, Ft, dt, s, Checkpoint::off); }, {}, true,
-      400);
+  check_entry_splits([](int64_t Ft, DType dt, uint64_t s) { return layer_entry(true, {}, Ft, dt, s, Checkpoint::off); },
+                     {}, true, 400);
 }
 TEST(CpUneven, RawMatchesOneRank) {
   check_entry_splits(
@@ -86,8 +90,8 @@ TEST(CpUneven, RawReversedMatchesOneRank) {
       600);
 }
 TEST(CpUneven, CamMatchesOneRank) {
-  check_entry_splits(
-      [](int64_t Ft, DType dt, uint64_t s) { return cam_entry({}, Ft, dt, s, Checkpoint::off); }, {}, false, 700);
+  check_entry_splits([](int64_t Ft, DType dt, uint64_t s) { return cam_entry({}, Ft, dt, s, Checkpoint::off); }, {},
+                     false, 700);
 }
 TEST(CpUneven, CamReversedMatchesOneRank) {
   cp::CpOptions o;
@@ -122,15 +126,14 @@ void check_truncated(const std::function<Entry(const cp::CpOptions&, int64_t, DT
 }
 
 TEST(CpUneven, ScanTruncatedInShortRank) {
-  check_truncated([](const cp::CpOptions& o, int64_t Ft, DType dt, uint64_t s) { return scan_entry(false, o, Ft, dt, s); },
-                  true, 900);
+  check_truncated(
+      [](const cp::CpOptions& o, int64_t Ft, DType dt, uint64_t s) { return scan_entry(false, o, Ft, dt, s); }, true,
+      900);
 }
 TEST(CpUneven, RawTruncatedInShortRank) {
-  check_truncated(
-      [](const cp::CpOptions& o, int64_t Ft, DType dt, uint64_t s) {
-        return layer_entry(false, o, Ft, dt, s, Checkpoint::off);
-      },
-      true, 1000);
+  check_truncated([](const cp::CpOptions& o, int64_t Ft, DType dt,
+                     uint64_t s) { return layer_entry(false, o, Ft, dt, s, Checkpoint::off); },
+                  true, 1000);
 }
 TEST(CpUneven, CamTruncatedInShortRank) {
   check_truncated(
@@ -170,7 +173,8 @@ TEST(CpUneven, BalancedSplitAndRopeOffset) {
     const auto global = rope_tables(Ft * kS, kD, DType::f64, Device::cpu, 5);
     const auto local = rope_tables(mine.frames * kS, kD, DType::f64, Device::cpu, 5 + mine.offset * kS);
     EXPECT_TRUE(bitwise_equal(local.first, slice(global.first, 0, mine.offset * kS, (mine.offset + mine.frames) * kS)));
-    EXPECT_TRUE(bitwise_equal(local.second, slice(global.second, 0, mine.offset * kS, (mine.offset + mine.frames) * kS)));
+    EXPECT_TRUE(
+        bitwise_equal(local.second, slice(global.second, 0, mine.offset * kS, (mine.offset + mine.frames) * kS)));
   }
   EXPECT_THROW(cp::balanced_split(-1, P, 0), Error);
   EXPECT_THROW(cp::balanced_split(4, 0, 0), Error);
@@ -250,10 +254,14 @@ Tensor packed_mask() {
 
 std::vector<int64_t> packed_split(int P) {
   switch (P) {
-    case 1: return {9};
-    case 2: return {5, 4};
-    case 3: return {3, 3, 3};
-    case 4: return {3, 0, 4, 2};
+    case 1:
+      return {9};
+    case 2:
+      return {5, 4};
+    case 3:
+      return {3, 3, 3};
+    case 4:
+      return {3, 0, 4, 2};
     default: {
       std::vector<int64_t> s;
       for (int r = 0; r < P; ++r) s.push_back(cp::balanced_split(9, P, r).frames);
@@ -295,8 +303,8 @@ TEST(CpClipErrors, MaskShapeOrDtypeOnOneRank) {
   const std::string others = "bad argument on rank " + std::to_string(last);
   const std::vector<int64_t> split = splits_for(P)[0];
   const auto [off, F] = block_of(split, r);
-  const Entry e = layer_entry(true, {}, std::accumulate(split.begin(), split.end(), int64_t{0}), DType::f64, 3000,
-                              Checkpoint::off);
+  const Entry e =
+      layer_entry(true, {}, std::accumulate(split.begin(), split.end(), int64_t{0}), DType::f64, 3000, Checkpoint::off);
   std::vector<Tensor> local;
   for (size_t k = 0; k < e.in.size(); ++k) local.push_back(frames(e.in[k], e.in_ax[k], off, off + F));
   const Tensor good = Tensor::zeros({kB, F}, DType::f32, Device::cpu);
@@ -319,9 +327,8 @@ TEST(CpUnevenErrors, TokensPerFrameDifferBetweenRanks) {
   const Tensor qkv = Tensor::randn({1, F * S, 3, kH, kD}, DType::f64, Device::cpu, 1);
   const Tensor beta = Tensor::uniform({1, kH, F, S}, DType::f64, Device::cpu, 2, 0.1, 0.9);
   const Tensor decay = Tensor::uniform({1, kH, F}, DType::f64, Device::cpu, 3, 0.5, 0.99);
-  expect_all_throw(
-      [&] { cp::bigdn_cp(*world(), qkv, beta, decay, Tensor(), Tensor(), rope.first, rope.second, F, S); },
-      "S differs");
+  expect_all_throw([&] { cp::bigdn_cp(*world(), qkv, beta, decay, Tensor(), Tensor(), rope.first, rope.second, F, S); },
+                   "S differs");
 }
 
 TEST(CpUnevenErrors, EveryRankEmpty) {

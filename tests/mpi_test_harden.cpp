@@ -194,8 +194,9 @@ TEST(HardenOptions, NormEpsInfiniteOnRankZero) {
 TEST(HardenSizes, HugeFramesOnEveryRank) {
   const LayerInputs l = local_inputs(960, Checkpoint::off);
   const std::vector<Tensor> x = leaves_of(l);
-  expect_all_throw([&] { cp::bigdn_cp(*world(), x[0], x[1], x[2], x[3], x[4], x[5], x[6], int64_t(1) << 62, kS, l.opt); },
-                   "bigdn_cp: F·S: ");
+  expect_all_throw(
+      [&] { cp::bigdn_cp(*world(), x[0], x[1], x[2], x[3], x[4], x[5], x[6], int64_t(1) << 62, kS, l.opt); },
+      "bigdn_cp: F·S: ");
   autograd::clear_tape();
 }
 

@@ -108,6 +108,4 @@ TEST(TrainCapture, StepReplaysBitwise) { GTEST_SKIP() << "examples not built"; }
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return gdncp::test::mpi_main(argc, argv);
-}
+int main(int argc, char** argv) { return gdncp::test::mpi_main(argc, argv); }

@@ -275,7 +275,9 @@ TEST(BadInput, UnfusedKScaleNaN) {
 
 // --- sizes that overflow int64 ------------------------------------------------------------------
 
-TEST(BadInput, FramesTimesTokensOverflow) { expect_bad(good(), "F·S", "overflows", int64_t(1) << 40, int64_t(1) << 40); }
+TEST(BadInput, FramesTimesTokensOverflow) {
+  expect_bad(good(), "F·S", "overflows", int64_t(1) << 40, int64_t(1) << 40);
+}
 
 TEST(BadInput, UnfusedFramesTimesTokensOverflow) {
   expect_bad(good(), "F·S", "overflows", int64_t(1) << 62, 4, /*fused=*/false);
@@ -302,19 +304,28 @@ TEST(BadSize, ZerosWhoseBytesOverflow) {
 
 TEST(BadSize, ShapeWhoseElementsOverflow) {
   // 2^32 · 2^32 = 2^64 wraps to 0 in int64 arithmetic: must not become an empty tensor.
-  expect_error([] { Tensor::zeros({int64_t(1) << 32, int64_t(1) << 32}, DType::f32); },
-               {"Tensor::empty", "[4294967296, 4294967296]", "int64"});
+  expect_error(
+      [] {
+        Tensor::zeros({int64_t(1) << 32, int64_t(1) << 32}, DType::f32);
+      },
+      {"Tensor::empty", "[4294967296, 4294967296]", "int64"});
 }
 
 TEST(BadSize, RandnWhoseElementsOverflow) {
-  expect_error([] { Tensor::randn({int64_t(1) << 40, 1 << 20, 1 << 20}, DType::bf16, Device::cpu, 1); },
-               {"[1099511627776, 1048576, 1048576]"});
+  expect_error(
+      [] {
+        Tensor::randn({int64_t(1) << 40, 1 << 20, 1 << 20}, DType::bf16, Device::cpu, 1);
+      },
+      {"[1099511627776, 1048576, 1048576]"});
 }
 
 TEST(BadSize, FromVectorShapeOverflow) {
   // 274177 · 67280421310721 = 2^64 + 1: an unchecked product wraps to 1, matching the one value.
-  expect_error([] { Tensor::from_vector({1.0}, {274177, 67280421310721}, DType::f32); },
-               {"Tensor::from_vector", "[274177, 67280421310721]"});
+  expect_error(
+      [] {
+        Tensor::from_vector({1.0}, {274177, 67280421310721}, DType::f32);
+      },
+      {"Tensor::from_vector", "[274177, 67280421310721]"});
 }
 
 TEST(BadSize, ReshapeToOverflowingShape) {
@@ -328,7 +339,9 @@ TEST(BadSize, AllocationThatCannotBeServed) {
   expect_error([] { Tensor::empty({int64_t(1) << 60}, DType::f32); }, {"cannot allocate", "4611686018427387904 bytes"});
 }
 
-TEST(BadSize, NegativeExtent) { expect_error([] { Tensor::full({3, -1}, 1.0, DType::f32); }, {"negative", "[3, -1]"}); }
+TEST(BadSize, NegativeExtent) {
+  expect_error([] { Tensor::full({3, -1}, 1.0, DType::f32); }, {"negative", "[3, -1]"});
+}
 
 TEST(BadSize, RopeTableSizeOverflow) {
   expect_error([] { rope_tables(int64_t(1) << 60, 64, DType::f32, Device::cpu); }, {"rope_tables: N·D", "overflows"});
@@ -345,8 +358,11 @@ TEST(BadSize, CheckedMulNamesTheProduct) {
 }
 
 TEST(BadSize, FromBlobNullData) {
-  expect_error([] { Tensor::from_blob(nullptr, {2, 3}, DType::f32, Device::cpu, nullptr); },
-               {"Tensor::from_blob: data", "null"});
+  expect_error(
+      [] {
+        Tensor::from_blob(nullptr, {2, 3}, DType::f32, Device::cpu, nullptr);
+      },
+      {"Tensor::from_blob: data", "null"});
 }
 
 TEST(BadSize, FromBlobShapeOverflow) {

@@ -7,8 +7,8 @@
  * reads and writes the caller's memory in place.
  */
 #include <math.h>
-#include <stddef.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -385,12 +385,13 @@ static void cp_options_exchange(gdncp_comm* comm) {
       o.struct_size = offsetof(gdncp_cp_options, exchange);
     }
     DLManagedTensor* outs[4] = {NULL, NULL, NULL, NULL};
-    const gdncp_status st = gdncp_cp_scan(comm, wrap(&b[0], P, kDLFloat, 32, 4, s4), wrap(&b[1], A, kDLFloat, 32, 4, s4),
-                                          wrap(&b[2], Pz, kDLFloat, 32, 4, s4), wrap(&b[3], bz, kDLFloat, 32, 3, s3),
-                                          wrap(&b[4], dc, kDLFloat, 32, 3, sd), NULL, &o, NULL, 0, outs, NULL);
+    const gdncp_status st =
+        gdncp_cp_scan(comm, wrap(&b[0], P, kDLFloat, 32, 4, s4), wrap(&b[1], A, kDLFloat, 32, 4, s4),
+                      wrap(&b[2], Pz, kDLFloat, 32, 4, s4), wrap(&b[3], bz, kDLFloat, 32, 3, s3),
+                      wrap(&b[4], dc, kDLFloat, 32, 3, sd), NULL, &o, NULL, 0, outs, NULL);
     if (round == 0)
-      EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "cp_options->exchange 9") != NULL, "%d '%s'",
-             st, gdncp_last_error());
+      EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "cp_options->exchange 9") != NULL, "%d '%s'", st,
+             gdncp_last_error());
     else
       EXPECT(st == GDNCP_OK && outs[0] != NULL, "first-version struct: %d '%s'", st, gdncp_last_error());
     for (int k = 0; k < 4; ++k) release(outs[k]);
@@ -784,8 +785,8 @@ static void case_HardenSameTensorTwice(void) {
     DLManagedTensor* out = NULL;
     gdncp_graph* g = NULL;
     /* q_norm_w for both norm weights, rope_cos for both tables' slots is not the same math: only the weights. */
-    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[3], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL, with_graph ? 0x1f : 0,
-                     &out, with_graph ? &g : NULL);
+    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[3], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL,
+                     with_graph ? 0x1f : 0, &out, with_graph ? &g : NULL);
     release(in[4]); /* not given to the call */
     EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
     if (st != GDNCP_OK) break;
@@ -828,7 +829,8 @@ static void case_HardenDlpack(void) {
     if (k == 1) L->b[1].shape[2] = -3;
     if (k == 2) in[2]->dl_tensor.shape = huge;
     if (k == 3) in[5]->dl_tensor.data = NULL;
-    st = gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL, 0, &out, NULL);
+    st =
+        gdncp_bigdn(in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL, NULL, F, S, NULL, NULL, 0, &out, NULL);
     EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), names[k]) != NULL &&
                strstr(gdncp_last_error(), why[k]) != NULL,
            "%s: %d '%s'", names[k], st, gdncp_last_error());

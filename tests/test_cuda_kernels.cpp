@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "bigdn_fixtures.h"
-#include "kernels/cp_kernels.h"
 #include "gdncp/gdncp.h"
+#include "kernels/cp_kernels.h"
 #include "kernels/kernels.h"
 #include "kernels/scan/scan_bidi.h"
 #include "util/test_util.h"
@@ -302,14 +302,14 @@ TEST(CudaTwins, ScanCoreSweepVariants) {
   using cp::Cut;
   using cp::Init;
   const std::vector<SweepVariant> variants = {
-      {false, false, Cut::before, Init::given, true, false, true, false, true, true},   // forward scan from X0
-      {true, false, Cut::after, Init::zero, false, false, true, true, false, true},     // anti-causal scan
-      {true, true, Cut::after, Init::given, true, true, false, true, false, true},      // forward adjoint
-      {false, true, Cut::before, Init::zero, false, false, true, true, false, false},   // anti adjoint (last unseen)
+      {false, false, Cut::before, Init::given, true, false, true, false, true, true},     // forward scan from X0
+      {true, false, Cut::after, Init::zero, false, false, true, true, false, true},       // anti-causal scan
+      {true, true, Cut::after, Init::given, true, true, false, true, false, true},        // forward adjoint
+      {false, true, Cut::before, Init::zero, false, false, true, true, false, false},     // anti adjoint (last unseen)
       {false, false, Cut::none, Init::identity, false, false, false, false, true, true},  // products from I
-      {true, true, Cut::before, Init::identity, true, true, true, true, true, true},    // everything at once
-      {false, false, Cut::after, Init::given, false, true, false, false, true, false},  // add_before, out_after
-      {true, false, Cut::none, Init::zero, false, true, false, true, false, false},     // add_before, out_before
+      {true, true, Cut::before, Init::identity, true, true, true, true, true, true},      // everything at once
+      {false, false, Cut::after, Init::given, false, true, false, false, true, false},    // add_before, out_after
+      {true, false, Cut::none, Init::zero, false, true, false, true, false, false},       // add_before, out_before
   };
   uint64_t seed = 3800;
   const int64_t B = 2, H = 2, BH = B * H;
@@ -410,7 +410,7 @@ TEST(CudaTwins, ScanCoreGradOuterVariants) {
         cpu_g[1].sources = {source(D, false, false, F), source(D, false, true, F)};
         cpu_g[2].sources = {source(D, true, false, F)};
         cpu_g[3].sources = {source(1, false, false, F), source(1, true, false, std::max<int64_t>(F - 1, 0))};
-        cpu_g[3].dg = cpu_g[0].dg;  // shared: both add into one dg
+        cpu_g[3].dg = cpu_g[0].dg;       // shared: both add into one dg
         cpu_g[2].accumulate_dg = false;  // overwrites its dg
         std::vector<cp::OuterGroup> gpu_g = cpu_g;
         for (size_t k = 0; k < gpu_g.size(); ++k) {
@@ -427,8 +427,8 @@ TEST(CudaTwins, ScanCoreGradOuterVariants) {
         cp::kern::scan_grad_outers(cpu_g, decay, BH, F, D);
         cp::kern::scan_grad_outers(gpu_g, gpu(decay), BH, F, D);
         for (size_t k = 0; k < cpu_g.size(); ++k) {
-          const std::string tag = " D=" + std::to_string(D) + " F=" + std::to_string(F) +
-                                  (with_cuts ? " cuts" : "") + " group " + std::to_string(k);
+          const std::string tag = " D=" + std::to_string(D) + " F=" + std::to_string(F) + (with_cuts ? " cuts" : "") +
+                                  " group " + std::to_string(k);
           expect_close(gpu_g[k].dP, cpu_g[k].dP, tol::f32, "dP" + tag);
           expect_close(gpu_g[k].dg, cpu_g[k].dg, tol::f32, "dg" + tag);
         }

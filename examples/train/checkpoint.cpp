@@ -255,8 +255,7 @@ std::vector<std::string> remove_stale_temps(const std::string& dir) {
   if (dir.empty() || !fs::is_directory(dir, ec)) return removed;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
-    if (name.size() == 22 && name.rfind("step_", 0) == 0 && name.substr(13) == ".ckpt.tmp" &&
-        fs::remove(e.path(), ec))
+    if (name.size() == 22 && name.rfind("step_", 0) == 0 && name.substr(13) == ".ckpt.tmp" && fs::remove(e.path(), ec))
       removed.push_back(e.path().string());
   }
   return removed;

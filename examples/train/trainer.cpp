@@ -32,6 +32,7 @@
 #include <gdncp/gdncp.h>
 #include <gdncp/nn.h>
 #include <gdncp/optim.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -44,8 +45,6 @@
 #include <functional>
 #include <sstream>
 #include <stdexcept>
-
-#include <unistd.h>
 
 #include "checkpoint.h"
 #include "dist.h"
@@ -253,8 +252,8 @@ void check_sizes(const Config& c) {
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   if (c.device == "cpu" && pages > 0 && page > 0 && bytes / page > pages)
     throw UsageError(data_flags + ": the data set needs " + std::to_string(bytes) + " bytes per rank (" +
-                     std::to_string(c.pool) + " × " + std::to_string(c.batch) + " × " + std::to_string(c.frames / c.cp) +
-                     " × " + std::to_string(c.tokens) + " × " + std::to_string(C) +
+                     std::to_string(c.pool) + " × " + std::to_string(c.batch) + " × " +
+                     std::to_string(c.frames / c.cp) + " × " + std::to_string(c.tokens) + " × " + std::to_string(C) +
                      " values, inputs and targets), more than this host's " + std::to_string(int64_t(pages) * page) +
                      " bytes of memory");
 }

@@ -113,8 +113,7 @@ bool should_record(const std::vector<Tensor>& inputs);
 // with grad_fn = node, and appends the node to the tape. Returns whether it
 // recorded. Undefined inputs (absent optionals) are allowed and get no edge
 // gradient.
-bool record(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
-            const std::vector<Tensor>& outputs);
+bool record(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs, const std::vector<Tensor>& outputs);
 
 // Reverse pass from roots with the given output gradients (same shapes).
 // For a single one-element root the gradient may be omitted (taken as 1).
@@ -139,8 +138,7 @@ using Function = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;
 // is recorded that saves only the inputs, and backward recomputes fn with grad
 // mode on and back-propagates through the recomputed sub-tape. fn must be
 // deterministic (and, in CP, issue the same collectives on every rank).
-std::vector<Tensor> checkpoint(const Function& fn, const std::vector<Tensor>& inputs,
-                               Checkpoint mode = Checkpoint::on);
+std::vector<Tensor> checkpoint(const Function& fn, const std::vector<Tensor>& inputs, Checkpoint mode = Checkpoint::on);
 
 // The same for a function told whether it is the re-run in backward
 // (recompute = true): that run only has to rebuild the recorded graph, since

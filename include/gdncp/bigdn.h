@@ -55,7 +55,7 @@ enum class Precision {
 const char* precision_name(Precision p);
 
 struct BigdnOptions {
-  double k_scale = 1.0;   // finite; Sana production uses D^-½·S^-½
+  double k_scale = 1.0;    // finite; Sana production uses D^-½·S^-½
   double norm_eps = 1e-5;  // finite and > 0 (the RMSNorm of a zero row stays finite)
   double eps = 1e-6;       // finite and > 0 (a zero denominator stays finite)
   Precision precision = Precision::automatic;

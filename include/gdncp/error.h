@@ -72,8 +72,8 @@ inline int64_t checked_mul(int64_t a, int64_t b, const char* what) {
 
 // GDNCP_CHECK(cond, msg...) throws gdncp::Error("file:line: msg...") when cond is false.
 // The message parts are streamed, so GDNCP_CHECK(n > 0, "qkv: N must be > 0, got ", n) works.
-#define GDNCP_CHECK(cond, ...)                                        \
-  do {                                                                \
+#define GDNCP_CHECK(cond, ...)                                           \
+  do {                                                                   \
     if (!(cond)) ::gdncp::detail::fail(__FILE__, __LINE__, __VA_ARGS__); \
   } while (0)
 
@@ -83,48 +83,49 @@ inline int64_t checked_mul(int64_t a, int64_t b, const char* what) {
 // gdncp::Error naming the call (the expression text) and the library's reason.
 // The macros expand to the library's own error-string function, so they may be
 // used only where that library's header is included; error.h itself includes none.
-#define GDNCP_CUDA_CHECK(expr)                                                              \
-  do {                                                                                      \
-    const cudaError_t gdncp_err_ = (expr);                                                  \
-    if (gdncp_err_ != cudaSuccess)                                                          \
-      ::gdncp::detail::fail(__FILE__, __LINE__, "CUDA call ", #expr, " failed: ",            \
-                            cudaGetErrorName(gdncp_err_), " (", cudaGetErrorString(gdncp_err_), ")"); \
+#define GDNCP_CUDA_CHECK(expr)                                                                                        \
+  do {                                                                                                                \
+    const cudaError_t gdncp_err_ = (expr);                                                                            \
+    if (gdncp_err_ != cudaSuccess)                                                                                    \
+      ::gdncp::detail::fail(__FILE__, __LINE__, "CUDA call ", #expr, " failed: ", cudaGetErrorName(gdncp_err_), " (", \
+                            cudaGetErrorString(gdncp_err_), ")");                                                     \
   } while (0)
 
 // After a kernel launch: reports a launch error (configuration, shared memory, no image for
 // the device) naming the kernel and the launch site. kernel_name is any streamable value, so
 // a name chosen at run time is reported too.
-#define GDNCP_CUDA_CHECK_LAUNCH(kernel_name)                                                      \
-  do {                                                                                            \
-    const cudaError_t gdncp_err_ = cudaGetLastError();                                            \
-    if (gdncp_err_ != cudaSuccess)                                                                \
-      ::gdncp::detail::fail(__FILE__, __LINE__, "CUDA kernel ", kernel_name, " failed to launch: ", \
-                            cudaGetErrorName(gdncp_err_), " (", cudaGetErrorString(gdncp_err_), ")"); \
+#define GDNCP_CUDA_CHECK_LAUNCH(kernel_name)                                                                           \
+  do {                                                                                                                 \
+    const cudaError_t gdncp_err_ = cudaGetLastError();                                                                 \
+    if (gdncp_err_ != cudaSuccess)                                                                                     \
+      ::gdncp::detail::fail(__FILE__, __LINE__, "CUDA kernel ", kernel_name,                                           \
+                            " failed to launch: ", cudaGetErrorName(gdncp_err_), " (", cudaGetErrorString(gdncp_err_), \
+                            ")");                                                                                      \
   } while (0)
 
-#define GDNCP_CUBLAS_CHECK(expr)                                                         \
-  do {                                                                                   \
-    const cublasStatus_t gdncp_st_ = (expr);                                             \
-    if (gdncp_st_ != CUBLAS_STATUS_SUCCESS)                                              \
-      ::gdncp::detail::fail(__FILE__, __LINE__, "cuBLAS call ", #expr, " failed: ",       \
-                            cublasGetStatusName(gdncp_st_), " (", cublasGetStatusString(gdncp_st_), ")"); \
+#define GDNCP_CUBLAS_CHECK(expr)                                                                                    \
+  do {                                                                                                              \
+    const cublasStatus_t gdncp_st_ = (expr);                                                                        \
+    if (gdncp_st_ != CUBLAS_STATUS_SUCCESS)                                                                         \
+      ::gdncp::detail::fail(__FILE__, __LINE__, "cuBLAS call ", #expr, " failed: ", cublasGetStatusName(gdncp_st_), \
+                            " (", cublasGetStatusString(gdncp_st_), ")");                                           \
   } while (0)
 
-#define GDNCP_NCCL_CHECK(expr)                                                                  \
-  do {                                                                                          \
-    const ncclResult_t gdncp_nr_ = (expr);                                                      \
-    if (gdncp_nr_ != ncclSuccess && gdncp_nr_ != ncclInProgress)                                \
+#define GDNCP_NCCL_CHECK(expr)                                                                                    \
+  do {                                                                                                            \
+    const ncclResult_t gdncp_nr_ = (expr);                                                                        \
+    if (gdncp_nr_ != ncclSuccess && gdncp_nr_ != ncclInProgress)                                                  \
       ::gdncp::detail::fail(__FILE__, __LINE__, "NCCL call ", #expr, " failed: ", ncclGetErrorString(gdncp_nr_)); \
   } while (0)
 
-#define GDNCP_MPI_CHECK(expr)                                                         \
-  do {                                                                                \
-    const int gdncp_mr_ = (expr);                                                     \
-    if (gdncp_mr_ != MPI_SUCCESS) {                                                   \
-      char gdncp_msg_[MPI_MAX_ERROR_STRING];                                          \
-      int gdncp_len_ = 0;                                                             \
-      MPI_Error_string(gdncp_mr_, gdncp_msg_, &gdncp_len_);                           \
-      ::gdncp::detail::fail(__FILE__, __LINE__, "MPI call ", #expr, " failed: ",       \
-                            std::string(gdncp_msg_, static_cast<size_t>(gdncp_len_))); \
-    }                                                                                 \
+#define GDNCP_MPI_CHECK(expr)                                                                       \
+  do {                                                                                              \
+    const int gdncp_mr_ = (expr);                                                                   \
+    if (gdncp_mr_ != MPI_SUCCESS) {                                                                 \
+      char gdncp_msg_[MPI_MAX_ERROR_STRING];                                                        \
+      int gdncp_len_ = 0;                                                                           \
+      MPI_Error_string(gdncp_mr_, gdncp_msg_, &gdncp_len_);                                         \
+      ::gdncp::detail::fail(__FILE__, __LINE__, "MPI call ", #expr,                                 \
+                            " failed: ", std::string(gdncp_msg_, static_cast<size_t>(gdncp_len_))); \
+    }                                                                                               \
   } while (0)

@@ -220,8 +220,8 @@ gdncp_status gdncp_graph_destroy(gdncp_graph* graph);
 gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay, DLManagedTensor* q_norm_w,
                          DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos, DLManagedTensor* rope_sin,
                          DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q, DLManagedTensor* clip_starts,
-                         int64_t F, int64_t S, const gdncp_layer_options* options, void* stream,
-                         uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph);
+                         int64_t F, int64_t S, const gdncp_layer_options* options, void* stream, uint32_t requires_grad,
+                         DLManagedTensor** out, gdncp_graph** graph);
 
 /* The bidirectional CP layer (gdncp/cp.h bigdn_cp): the same inputs, this
  * rank's F frames; collective over comm (forward and backward). */

@@ -29,8 +29,8 @@ std::vector<Tensor> relu_rope(const Tensor& qkv_hat, const Tensor& rope_cos, con
 //   P = Σ_s β_s kʳ_s kʳ_sᵀ,  A = Σ_s β_s kʳ_s v_sᵀ,  Pz = Σ_s β_s k⁺_s k⁺_sᵀ,  b = Σ_s β_s k⁺_s.
 // kr, kp (B, N, H, D); v is channel 2 of qkv_hat; beta (B, H, F, S).
 // Returns {P, A, Pz, b}: (B·H, F, D, D) ×3 and (B·H, F, D).
-std::vector<Tensor> phase_a(const Tensor& kr, const Tensor& kp, const Tensor& qkv_hat, const Tensor& beta,
-                            int64_t F, int64_t S);
+std::vector<Tensor> phase_a(const Tensor& kr, const Tensor& kp, const Tensor& qkv_hat, const Tensor& beta, int64_t F,
+                            int64_t S);
 
 // Bidirectional frame scan (docs/design.md §4) with T_f = g_f (I − P_f):
 //   M_f = T_f M_{f−1} + A_f (causal),  M̃_f = T_{f+1} M̃_{f+1} + A_{f+1} (strictly later; z likewise with Pz, b).
@@ -42,8 +42,7 @@ std::vector<Tensor> bidi_scan(const Tensor& P, const Tensor& A, const Tensor& Pz
                               const Tensor& clip_starts = Tensor());
 
 // Phase C (docs/design.md §5): num (B, N, H, D) = qʳ M per token, den (B, H, N) = q⁺·z.
-std::vector<Tensor> phase_c(const Tensor& qr, const Tensor& qp, const Tensor& M, const Tensor& z, int64_t F,
-                            int64_t S);
+std::vector<Tensor> phase_c(const Tensor& qr, const Tensor& qp, const Tensor& M, const Tensor& z, int64_t F, int64_t S);
 
 // out = num / (den + eps), den (B, H, N) broadcast over D; out in out_dtype.
 Tensor output_divide(const Tensor& num, const Tensor& den, double eps, DType out_dtype);

@@ -96,8 +96,7 @@ bool should_record(const std::vector<Tensor>& inputs) {
   return false;
 }
 
-bool record(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
-            const std::vector<Tensor>& outputs) {
+bool record(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs, const std::vector<Tensor>& outputs) {
   if (!should_record(inputs)) return false;
   node->edges.clear();
   for (const Tensor& t : inputs) {
@@ -193,7 +192,9 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
   clear_tape();
 }
 
-void backward(const Tensor& root, const Tensor& grad) { backward(std::vector<Tensor>{root}, std::vector<Tensor>{grad}); }
+void backward(const Tensor& root, const Tensor& grad) {
+  backward(std::vector<Tensor>{root}, std::vector<Tensor>{grad});
+}
 
 size_t saved_bytes() { return g_saved_bytes.load(); }
 size_t tape_size() { return current_tape().nodes.size(); }

@@ -21,9 +21,12 @@ namespace autograd {
 
 const char* checkpoint_name(Checkpoint mode) {
   switch (mode) {
-    case Checkpoint::off: return "off";
-    case Checkpoint::on: return "on";
-    case Checkpoint::automatic: return "auto";
+    case Checkpoint::off:
+      return "off";
+    case Checkpoint::on:
+      return "on";
+    case Checkpoint::automatic:
+      return "auto";
   }
   return "?";
 }
@@ -62,8 +65,8 @@ class CheckpointNode : public Node {
       fn_ = nullptr;
       outputs = fn(inputs);
     }
-    GDNCP_CHECK(outputs.size() == grad_outputs.size(), "checkpoint: the recomputed function returned ",
-                outputs.size(), " outputs, the first run ", grad_outputs.size());
+    GDNCP_CHECK(outputs.size() == grad_outputs.size(), "checkpoint: the recomputed function returned ", outputs.size(),
+                " outputs, the first run ", grad_outputs.size());
     std::vector<Tensor> roots, grads;
     for (size_t k = 0; k < outputs.size(); ++k) {
       if (!outputs[k].requires_grad()) continue;  // depends on no input that requires grad
@@ -107,8 +110,7 @@ std::vector<Tensor> checkpoint(const Function& fn, const std::vector<Tensor>& in
 // src/autograd/tensor_internals.h): no memory for them at the backward's peak,
 // and any read of them throws. Only the re-run may do so: the first run's
 // outputs reach the caller.
-std::vector<Tensor> checkpoint_layer(const RecomputeFunction& fn, const std::vector<Tensor>& inputs,
-                                     Checkpoint mode) {
+std::vector<Tensor> checkpoint_layer(const RecomputeFunction& fn, const std::vector<Tensor>& inputs, Checkpoint mode) {
   auto ran = std::make_shared<bool>(false);
   const Function once_then_recompute = [fn, ran](const std::vector<Tensor>& x) {
     const bool recompute = *ran;

@@ -26,7 +26,7 @@ namespace gdncp {
 namespace {
 thread_local void* t_current_stream = nullptr;
 std::atomic<int64_t> g_host_waits{0};
-}
+}  // namespace
 
 int64_t cuda_host_waits() { return g_host_waits.load(); }
 

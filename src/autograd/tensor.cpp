@@ -5,9 +5,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
-#include <thread>
 #include <new>
 #include <sstream>
+#include <thread>
 
 #include "autograd/device.h"
 #include "autograd/tensor_internals.h"
@@ -19,18 +19,24 @@ namespace gdncp {
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::f32: return 4;
-    case DType::bf16: return 2;
-    case DType::f64: return 8;
+    case DType::f32:
+      return 4;
+    case DType::bf16:
+      return 2;
+    case DType::f64:
+      return 8;
   }
   return 0;
 }
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::f32: return "f32";
-    case DType::bf16: return "bf16";
-    case DType::f64: return "f64";
+    case DType::f32:
+      return "f32";
+    case DType::bf16:
+      return "bf16";
+    case DType::f64:
+      return "f64";
   }
   return "?";
 }
@@ -94,26 +100,35 @@ size_t checked_nbytes(const Shape& shape, DType dtype, const char* what) {
   const int64_t n = detail::checked_numel(shape, what);
   const int64_t elem = static_cast<int64_t>(dtype_size(dtype));
   int64_t bytes = 0;
-  GDNCP_CHECK(!mul_overflows(n, elem, &bytes), what, ": ", dtype_name(dtype), shape_str(shape), " needs ", n,
-              " × ", elem, " bytes, more than int64 can count");
+  GDNCP_CHECK(!mul_overflows(n, elem, &bytes), what, ": ", dtype_name(dtype), shape_str(shape), " needs ", n, " × ",
+              elem, " bytes, more than int64 can count");
   return static_cast<size_t>(bytes);
 }
 
 double host_load(const void* p, DType t, int64_t i) {
   switch (t) {
-    case DType::f32: return static_cast<const float*>(p)[i];
-    case DType::f64: return static_cast<const double*>(p)[i];
-    case DType::bf16: return bf16_to_float(static_cast<const bf16*>(p)[i]);
+    case DType::f32:
+      return static_cast<const float*>(p)[i];
+    case DType::f64:
+      return static_cast<const double*>(p)[i];
+    case DType::bf16:
+      return bf16_to_float(static_cast<const bf16*>(p)[i]);
   }
   return 0;
 }
 
 void host_store(void* p, DType t, int64_t i, double v) {
   switch (t) {
-    case DType::f32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
-    case DType::f64: static_cast<double*>(p)[i] = v; break;
+    case DType::f32:
+      static_cast<float*>(p)[i] = static_cast<float>(v);
+      break;
+    case DType::f64:
+      static_cast<double*>(p)[i] = v;
+      break;
     // Through float first, like the device cast, so both round identically.
-    case DType::bf16: static_cast<bf16*>(p)[i] = float_to_bf16(static_cast<float>(v)); break;
+    case DType::bf16:
+      static_cast<bf16*>(p)[i] = float_to_bf16(static_cast<float>(v));
+      break;
   }
 }
 
@@ -187,7 +202,8 @@ Tensor Tensor::from_blob(void* data, Shape shape, DType dtype, Device device, st
   const size_t bytes = checked_nbytes(shape, dtype, "Tensor::from_blob");
   GDNCP_CHECK(data != nullptr || bytes == 0, "Tensor::from_blob: data: null pointer for ", dtype_name(dtype),
               shape_str(shape));
-  GDNCP_CHECK(device == Device::cpu || cuda_available(), "Tensor::from_blob: device: cuda, but no CUDA device is "
+  GDNCP_CHECK(device == Device::cpu || cuda_available(),
+              "Tensor::from_blob: device: cuda, but no CUDA device is "
               "visible (or gdncp was built without CUDA)");
   int index = 0;
   if (device == Device::cuda) index = detail::current_device();
@@ -438,7 +454,8 @@ class ReshapeNode : public autograd::Node {
 }  // namespace
 
 Tensor Tensor::reshape(const Shape& new_shape) const {
-  GDNCP_CHECK(detail::checked_numel(new_shape, "Tensor::reshape") == numel(), "Tensor::reshape: cannot view ", str(), " as ", shape_str(new_shape));
+  GDNCP_CHECK(detail::checked_numel(new_shape, "Tensor::reshape") == numel(), "Tensor::reshape: cannot view ", str(),
+              " as ", shape_str(new_shape));
   Tensor out = detach();
   out.impl_->shape = new_shape;
   autograd::record(std::make_shared<ReshapeNode>(shape()), {*this}, {out});
@@ -450,8 +467,8 @@ Tensor Tensor::reshape(const Shape& new_shape) const {
 namespace detail {
 
 Tensor add(const Tensor& a, const Tensor& b) {
-  GDNCP_CHECK(a.shape() == b.shape() && a.dtype() == b.dtype() && a.device() == b.device(), "add: ", a.str(),
-              " and ", b.str(), " differ");
+  GDNCP_CHECK(a.shape() == b.shape() && a.dtype() == b.dtype() && a.device() == b.device(), "add: ", a.str(), " and ",
+              b.str(), " differ");
   Tensor out = Tensor::empty(a.shape(), a.dtype(), a.device());
   const int64_t n = a.numel();
   if (a.device() == Device::cuda) {

@@ -75,9 +75,7 @@ inline Tensor shape_only(const Shape& shape, DType dtype, Device device) {
 // Whether t has elements but no storage for them (false for undefined tensors).
 inline bool is_shape_only(const Tensor& t) { return TensorInternals::is_shape_only(t); }
 inline autograd::AutogradMeta& meta(const Tensor& t) { return TensorInternals::meta(t); }
-inline const std::shared_ptr<autograd::AutogradMeta>& meta_ptr(const Tensor& t) {
-  return TensorInternals::meta_ptr(t);
-}
+inline const std::shared_ptr<autograd::AutogradMeta>& meta_ptr(const Tensor& t) { return TensorInternals::meta_ptr(t); }
 // Call after writing into t's elements in place (not for a fresh output).
 inline void bump_version(const Tensor& t) { TensorInternals::bump_version(t); }
 

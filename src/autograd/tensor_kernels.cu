@@ -14,23 +14,32 @@ using ::gdncp::cuda::detail::stream;
 
 __device__ __forceinline__ double load_as_double(const void* p, DType t, int64_t i) {
   switch (t) {
-    case DType::f32: return static_cast<const float*>(p)[i];
-    case DType::f64: return static_cast<const double*>(p)[i];
-    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::f32:
+      return static_cast<const float*>(p)[i];
+    case DType::f64:
+      return static_cast<const double*>(p)[i];
+    default:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
   }
 }
 
 __device__ __forceinline__ void store_from_double(void* p, DType t, int64_t i, double v) {
   switch (t) {
-    case DType::f32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
-    case DType::f64: static_cast<double*>(p)[i] = v; break;
-    default: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(static_cast<float>(v)); break;
+    case DType::f32:
+      static_cast<float*>(p)[i] = static_cast<float>(v);
+      break;
+    case DType::f64:
+      static_cast<double*>(p)[i] = v;
+      break;
+    default:
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(static_cast<float>(v));
+      break;
   }
 }
 
 __global__ void fill_kernel(void* dst, DType t, int64_t n, double value) {
   GDNCP_GRID_STRIDE(i, n)
-    store_from_double(dst, t, i, value);
+  store_from_double(dst, t, i, value);
 }
 
 // f32 <-> bf16 goes through float so bf16 rounding is round-to-nearest-even,

@@ -27,8 +27,8 @@
 #include <string>
 #include <vector>
 
-#include "capi/dlpack.h"
 #include "autograd/tape.h"
+#include "capi/dlpack.h"
 #include "cp/validate_cp.h"
 #include "gdncp/bigdn.h"
 #include "gdncp/cp.h"
@@ -417,7 +417,6 @@ constexpr size_t kLayerDiff = 5;
 
 std::vector<const char*> layer_names() { return std::vector<const char*>(kLayerNames, kLayerNames + kLayerInputs); }
 
-
 }  // namespace
 
 extern "C" {
@@ -750,8 +749,8 @@ gdncp_status gdncp_graph_destroy(gdncp_graph* graph) {
 gdncp_status gdncp_bigdn(DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay, DLManagedTensor* q_norm_w,
                          DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos, DLManagedTensor* rope_sin,
                          DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q, DLManagedTensor* clip_starts,
-                         int64_t F, int64_t S, const gdncp_layer_options* options, void* stream,
-                         uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph) {
+                         int64_t F, int64_t S, const gdncp_layer_options* options, void* stream, uint32_t requires_grad,
+                         DLManagedTensor** out, gdncp_graph** graph) {
   const char* fn = "gdncp_bigdn";
   return guarded([&] {
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts},
@@ -773,8 +772,7 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
                             DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
                             DLManagedTensor* rope_sin, DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q,
                             DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
-                            void* stream, uint32_t requires_grad,
-                            DLManagedTensor** out, gdncp_graph** graph) {
+                            void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph) {
   return gdncp_bigdn_cp_ex(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q,
                            clip_starts, F, S, options, nullptr, stream, requires_grad, out, graph);
 }
@@ -801,8 +799,7 @@ gdncp_status gdncp_bigdn_cp_ex(gdncp_comm* comm, DLManagedTensor* qkv, DLManaged
           [&](std::vector<Tensor>& x) {
             entered = true;
             return std::vector<Tensor>{
-                gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[9], x[7], x[8],
-                                    cp_opt)};
+                gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[9], x[7], x[8], cp_opt)};
           },
           out, 1, graph);
     });
@@ -813,8 +810,8 @@ gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedT
                               DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
                               DLManagedTensor* rope_sin, DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q,
                               DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
-                              const gdncp_cp_options* cp_options, void* stream,
-                              uint32_t requires_grad, DLManagedTensor* outputs[4], gdncp_graph** graph) {
+                              const gdncp_cp_options* cp_options, void* stream, uint32_t requires_grad,
+                              DLManagedTensor* outputs[4], gdncp_graph** graph) {
   const char* fn = "gdncp_cp_gdn_raw";
   return guarded([&] {
     Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts},
@@ -831,8 +828,7 @@ gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedT
           [&](std::vector<Tensor>& x) {
             entered = true;
             gdncp::cp::RawResult r =
-                gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt, x[9], x[7],
-                                      x[8]);
+                gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt, x[9], x[7], x[8]);
             return std::vector<Tensor>{r.num, r.den, r.terminal_M, r.terminal_z};
           },
           outputs, 4, graph);

@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "autograd/tensor_internals.h"
-#include "kernels/cp_kernels.h"
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
+#include "kernels/cp_kernels.h"
 
 namespace gdncp {
 namespace cp {

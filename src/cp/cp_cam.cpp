@@ -9,12 +9,12 @@
 // Gradients: q, k, v, beta, decay in their dtypes, fresh tensors.
 #include <memory>
 
-#include "kernels/cp_kernels.h"
 #include "cp/scan/deterministic.h"
 #include "cp/scan/scan_engine.h"
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
+#include "kernels/cp_kernels.h"
 #include "kernels/kernels.h"
 
 namespace gdncp {

@@ -27,8 +27,8 @@
 #include <utility>
 
 #include "autograd/tensor_internals.h"
-#include "cp/scan/exchange.h"
 #include "cp/scan/deterministic.h"
+#include "cp/scan/exchange.h"
 #include "cp/scan/kv_z_scan.h"
 #include "cp/scan/scan_engine.h"
 #include "cp/validate_cp.h"
@@ -182,8 +182,8 @@ class CpLayerNode : public autograd::Node {
   CpOptions cpo_;
   MathMode mode_;
   bool bidi_;
-  int64_t offset_;  // this rank's first global frame
-  Tensor cuts_;     // the clip mask (B, F) or undefined (not differentiable)
+  int64_t offset_;               // this rank's first global frame
+  Tensor cuts_;                  // the clip mask (B, F) or undefined (not differentiable)
   std::vector<int64_t> frames_;  // the deterministic mode: every rank's F (ScanContext::frames)
 };
 

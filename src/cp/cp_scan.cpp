@@ -7,8 +7,8 @@
 // fresh tensors (activation gradients), summed into the leaves by the engine.
 #include <memory>
 
-#include "cp/scan/exchange.h"
 #include "cp/scan/deterministic.h"
+#include "cp/scan/exchange.h"
 #include "cp/scan/kv_z_scan.h"
 #include "cp/scan/scan_engine.h"
 #include "cp/validate_cp.h"

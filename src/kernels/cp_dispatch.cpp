@@ -1,7 +1,7 @@
 // src/kernels/cp_dispatch.cpp — gdncp::cp::kern: picks the CPU or CUDA twin of
 // each CP kernel (cp_kernels.h) by the device of its tensors.
-#include "kernels/cp_kernels.h"
 #include "gdncp/error.h"
+#include "kernels/cp_kernels.h"
 
 namespace gdncp {
 namespace cp {

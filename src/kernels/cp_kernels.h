@@ -117,61 +117,61 @@ struct CamDims {
   int64_t N() const { return F * S; }
 };
 
-#define GDNCP_CP_TWINS(NS)                                                                                               \
-  namespace NS {                                                                                                         \
-  /* The sweep of Note [scan step]. P (BH, F, D, D) and the states compute dtype; decay (BH·F) any float dtype;         \
-     add_before / add_after / out_before / out_after (BH, F, D, E); init / final_state (BH, D, E). Every tensor          \
-     argument except P and decay may be undefined (= absent). cuts: the clip mask (B, F) f32 (s.cut says where it     \
-     cuts, Note [clip cuts]) or undefined. */                                                                            \
-  void scan_sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Tensor& P, const Tensor& decay,      \
-                  const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s,             \
-                  const Tensor& cuts = Tensor());                                                                        \
-                                                                                                                         \
-  /* Gradient of the per-frame transitions from an adjoint sweep. For each (bh, t): Gr = L_t R'_tᵀ with R'_t the       \
-     state before step t: R_t when shifted (anti-causal layout), else R_{t−1} (R0 for t = 0; R0 undefined = 0).        \
-     dP_t = −g_t Gr (overwritten, or += when accumulate_dP), dg_t += ⟨Gr, I − P_t⟩ (always accumulated: every    \
-     sweep of a layer shares the decay); frozen frames (t ≥ s.active) and frames cut by the mask cuts (B, F) f32    \
-     (row bh / s.H; undefined = none) contribute 0. dP (BH, F, D, D), dg (BH, F), L, R (BH, F, D, E), R0 (BH, D, E), \
-     all compute dtype. */                                                                                               \
-  void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const Tensor& R0, const Tensor& P,      \
-                       const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate_dP,                        \
-                       const Tensor& cuts = Tensor());                                                                   \
-                                                                                                                         \
+#define GDNCP_CP_TWINS(NS)                                                                                              \
+  namespace NS {                                                                                                        \
+  /* The sweep of Note [scan step]. P (BH, F, D, D) and the states compute dtype; decay (BH·F) any float dtype;        \
+     add_before / add_after / out_before / out_after (BH, F, D, E); init / final_state (BH, D, E). Every tensor         \
+     argument except P and decay may be undefined (= absent). cuts: the clip mask (B, F) f32 (s.cut says where it       \
+     cuts, Note [clip cuts]) or undefined. */                                                                           \
+  void scan_sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Tensor& P, const Tensor& decay,     \
+                  const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s,            \
+                  const Tensor& cuts = Tensor());                                                                       \
+                                                                                                                        \
+  /* Gradient of the per-frame transitions from an adjoint sweep. For each (bh, t): Gr = L_t R'_tᵀ with R'_t the      \
+     state before step t: R_t when shifted (anti-causal layout), else R_{t−1} (R0 for t = 0; R0 undefined = 0).       \
+     dP_t = −g_t Gr (overwritten, or += when accumulate_dP), dg_t += ⟨Gr, I − P_t⟩ (always accumulated: every   \
+     sweep of a layer shares the decay); frozen frames (t ≥ s.active) and frames cut by the mask cuts (B, F) f32      \
+     (row bh / s.H; undefined = none) contribute 0. dP (BH, F, D, D), dg (BH, F), L, R (BH, F, D, E), R0 (BH, D, E),    \
+     all compute dtype. */                                                                                              \
+  void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const Tensor& R0, const Tensor& P,     \
+                       const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate_dP,                       \
+                       const Tensor& cuts = Tensor());                                                                  \
+                                                                                                                        \
   /* Independent sweeps (none reads another's outputs) sharing decay, BH, F and D, and the sums of their pairs          \
      (Sweep::partner): one launch per transpose, mask presence and pairing on CUDA. */                                  \
-  void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay);                                                     \
-  /* Independent groups of scan_grad_outer (each group its own dP; dg shared or not): one launch on CUDA (after the   \
-     KV groups' GEMMs). Per (bh, t): Gr = Σ over the group's sources; dP (=, +=) −g Gr, dg += ⟨Gr, I − P⟩. */     \
-  void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D);         \
-  /* Corrections X_t += C_t · v for all (bh, t) at once (docs/design.md §6 step 5): X (BH, F, D, E), C (BH, F, D, D) (cumulative \
-     transition products), v (BH, D, E). Independent corrections: one launch on CUDA. */                                 \
-  void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D);                                      \
-  /* Independent folds: one launch on CUDA. */                                                                           \
-  void folds(std::vector<Fold>& folds, int64_t BH, int64_t D);                                                           \
-                                                                                                                         \
-  /* Fold over ranks: X = init (undefined = 0); for j in order: X = op(M_j) X + H_j, op = transpose or identity.         \
-     M_j = Mbuf[m_off + j·m_stride + ...] (BH, D, D), the identity when Mbuf is undefined; H_j likewise from Hbuf       \
+  void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay);                                                    \
+  /* Independent groups of scan_grad_outer (each group its own dP; dg shared or not): one launch on CUDA (after the     \
+     KV groups' GEMMs). Per (bh, t): Gr = Σ over the group's sources; dP (=, +=) −g Gr, dg += ⟨Gr, I − P⟩. */  \
+  void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D);        \
+  /* Corrections X_t += C_t · v for all (bh, t) at once (docs/design.md §6 step 5): X (BH, F, D, E), C (BH, F, D, D)  \
+     (cumulative transition products), v (BH, D, E). Independent corrections: one launch on CUDA. */                    \
+  void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D);                                     \
+  /* Independent folds: one launch on CUDA. */                                                                          \
+  void folds(std::vector<Fold>& folds, int64_t BH, int64_t D);                                                          \
+                                                                                                                        \
+  /* Fold over ranks: X = init (undefined = 0); for j in order: X = op(M_j) X + H_j, op = transpose or identity.        \
+     M_j = Mbuf[m_off + j·m_stride + ...] (BH, D, D), the identity when Mbuf is undefined; H_j likewise from Hbuf      \
      (BH, D, E). Without init the first step is X = H_j: that M_j is never read. X, init (BH, D, E). Compute dtype. */  \
-  void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int64_t m_stride, bool transpose,          \
-            const Tensor& Hbuf, int64_t h_off, int64_t h_stride, const std::vector<int>& order, int64_t BH, int64_t D,   \
-            int64_t E);                                                                                                  \
-                                                                                                                         \
-  /* dst[dst_off + i] = src[src_off + i], i < n (same dtype). */                                                         \
-  void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n);                         \
-  /* out = a + b elementwise (same shape and dtype; out may alias a). */                                                 \
-  void add(Tensor& out, const Tensor& a, const Tensor& b);                                                               \
-                                                                                                                         \
-  /* Camera phase A: per (bh, f), Pc = Σ_s β_s k_s k_sᵀ, Ac = Σ_s β_s k_s v_sᵀ (BH, F, D, D) compute dtype. */   \
-  void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta,                     \
-                       const CamDims& d);                                                                                \
-  /* Its backward: overwrites dk, dv (B, H, D, N) and dbeta (beta's shape), in the inputs' dtype:                        \
-     dk_s = β_s (dPc + dPcᵀ) k_s + β_s dAc v_s, dv_s = β_s dAcᵀ k_s, dβ_s = k_sᵀ dPc k_s + k_sᵀ dAc v_s. */  \
-  void cam_phase_a_bwd(Tensor& dk, Tensor& dv, Tensor& dbeta, const Tensor& dPc, const Tensor& dAc, const Tensor& k,     \
-                       const Tensor& v, const Tensor& beta, const CamDims& d);                                           \
-  /* Camera output: out[bh, :, n] = M_fᵀ q[bh, :, n] (B, H, D, N) in out's dtype; M (BH, F, D, D) [key][value]. */     \
-  void cam_out_fwd(Tensor& out, const Tensor& q, const Tensor& M, const CamDims& d);                                     \
-  /* Its backward: dq = M_f dout (q's dtype, overwritten), dM_f = Σ_s q_s dout_sᵀ (compute dtype, overwritten). */    \
-  void cam_out_bwd(Tensor& dq, Tensor& dM, const Tensor& dout, const Tensor& q, const Tensor& M, const CamDims& d);      \
+  void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int64_t m_stride, bool transpose,         \
+            const Tensor& Hbuf, int64_t h_off, int64_t h_stride, const std::vector<int>& order, int64_t BH, int64_t D,  \
+            int64_t E);                                                                                                 \
+                                                                                                                        \
+  /* dst[dst_off + i] = src[src_off + i], i < n (same dtype). */                                                        \
+  void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n);                        \
+  /* out = a + b elementwise (same shape and dtype; out may alias a). */                                                \
+  void add(Tensor& out, const Tensor& a, const Tensor& b);                                                              \
+                                                                                                                        \
+  /* Camera phase A: per (bh, f), Pc = Σ_s β_s k_s k_sᵀ, Ac = Σ_s β_s k_s v_sᵀ (BH, F, D, D) compute dtype. */  \
+  void cam_phase_a_fwd(Tensor& Pc, Tensor& Ac, const Tensor& k, const Tensor& v, const Tensor& beta,                    \
+                       const CamDims& d);                                                                               \
+  /* Its backward: overwrites dk, dv (B, H, D, N) and dbeta (beta's shape), in the inputs' dtype:                       \
+     dk_s = β_s (dPc + dPcᵀ) k_s + β_s dAc v_s, dv_s = β_s dAcᵀ k_s, dβ_s = k_sᵀ dPc k_s + k_sᵀ dAc v_s. */ \
+  void cam_phase_a_bwd(Tensor& dk, Tensor& dv, Tensor& dbeta, const Tensor& dPc, const Tensor& dAc, const Tensor& k,    \
+                       const Tensor& v, const Tensor& beta, const CamDims& d);                                          \
+  /* Camera output: out[bh, :, n] = M_fᵀ q[bh, :, n] (B, H, D, N) in out's dtype; M (BH, F, D, D) [key][value]. */    \
+  void cam_out_fwd(Tensor& out, const Tensor& q, const Tensor& M, const CamDims& d);                                    \
+  /* Its backward: dq = M_f dout (q's dtype, overwritten), dM_f = Σ_s q_s dout_sᵀ (compute dtype, overwritten). */   \
+  void cam_out_bwd(Tensor& dq, Tensor& dM, const Tensor& dout, const Tensor& q, const Tensor& M, const CamDims& d);     \
   }
 
 GDNCP_CP_TWINS(cpu)

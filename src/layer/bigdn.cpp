@@ -31,10 +31,14 @@ namespace gdncp {
 
 const char* precision_name(Precision p) {
   switch (p) {
-    case Precision::automatic: return "automatic";
-    case Precision::bf16: return "bf16";
-    case Precision::tf32: return "tf32";
-    case Precision::ieee: return "ieee";
+    case Precision::automatic:
+      return "automatic";
+    case Precision::bf16:
+      return "bf16";
+    case Precision::tf32:
+      return "tf32";
+    case Precision::ieee:
+      return "ieee";
   }
   return "unknown";
 }
@@ -79,8 +83,8 @@ class BigdnNode : public autograd::Node {
     Tensor dMsum = Tensor::empty({BH, F, D, D}, ct, dev), dzsum = Tensor::empty({BH, F, D}, ct, dev);
     kernels::phase_c_bwd(dq_hat, dMsum, dzsum, grads[0], Tensor(), qkv, rstd, qw, csq, snq, Msum, zsum, d, opt_.eps,
                          /*divide=*/true, mode_);
-    PrepGrads g = prep_backward_q(dq_hat, qkv, rstd, qw, kw, beta, d, needs_input_grad(kQNormW),
-                                  needs_input_grad(kKNormW));
+    PrepGrads g =
+        prep_backward_q(dq_hat, qkv, rstd, qw, kw, beta, d, needs_input_grad(kQNormW), needs_input_grad(kKNormW));
     dq_hat = Tensor();
 
     Tensor dP = Tensor::empty({BH, F, D, D}, ct, dev), dA = Tensor::empty({BH, F, D, D}, ct, dev);
@@ -177,7 +181,8 @@ Tensor bigdn(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const T
     const std::shared_ptr<cp::Communicator> self = cp::detail::make_self_communicator(qkv.device());
     return cp::bigdn_cp(*self, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options, clip_starts);
   }
-  // Per stream, as docs/design.md §1 says ("absent ⇒ no RMSNorm"): the Python reference normalises both when either weight is given.
+  // Per stream, as docs/design.md §1 says ("absent ⇒ no RMSNorm"): the Python reference normalises both when either
+  // weight is given.
   const std::vector<Tensor> in = {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q};
   const autograd::RecomputeFunction fn = [d, options, clip_starts](const std::vector<Tensor>& x, bool recompute) {
     return std::vector<Tensor>{bigdn_fused(x, d, options, clip_starts, /*write_out=*/!recompute)};

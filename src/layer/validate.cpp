@@ -76,8 +76,8 @@ Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& b
   GDNCP_CHECK(d.H > 0, entry, ": qkv: heads H (dim 3) must be > 0, got ", shape_str(qkv.shape()));
   const int64_t N = checked_mul(F, S, (std::string(entry) + ": F·S").c_str());
   GDNCP_CHECK(qkv.size(1) == N, entry, ": qkv: dim 1 (N = ", qkv.size(1), ") must equal F·S = ", F, "·", S, " = ", N);
-  GDNCP_CHECK(supported_head_dim(d.D), entry, ": qkv: head dim D (dim 4) must be even and in ",
-              kMinHeadDim, "..", kMaxHeadDim, ", got ", d.D);
+  GDNCP_CHECK(supported_head_dim(d.D), entry, ": qkv: head dim D (dim 4) must be even and in ", kMinHeadDim, "..",
+              kMaxHeadDim, ", got ", d.D);
 
   // Shapes.
   const Arg ab{entry, "beta"}, ag{entry, "decay"}, aqw{entry, "q_norm_w"}, akw{entry, "k_norm_w"},
@@ -117,8 +117,7 @@ Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& b
   // > 0: with 0, a zero row (norm_eps) or a zero denominator (eps) turns finite input into NaN.
   GDNCP_CHECK(std::isfinite(options.norm_eps) && options.norm_eps > 0, entry,
               ": norm_eps: must be finite and > 0, got ", options.norm_eps);
-  GDNCP_CHECK(std::isfinite(options.eps) && options.eps > 0, entry, ": eps: must be finite and > 0, got ",
-              options.eps);
+  GDNCP_CHECK(std::isfinite(options.eps) && options.eps > 0, entry, ": eps: must be finite and > 0, got ", options.eps);
   const int p = static_cast<int>(options.precision);
   GDNCP_CHECK(p >= 0 && p <= static_cast<int>(Precision::ieee), entry, ": precision: unknown value ", p);
   const int c = static_cast<int>(options.checkpoint);
@@ -129,8 +128,8 @@ Dims validate_bigdn_inputs(const char* entry, const Tensor& qkv, const Tensor& b
 void validate_rope_q(const char* entry, const Tensor& rope_cos_q, const Tensor& rope_sin_q, const Dims& d,
                      const Tensor& rope_cos, Device device) {
   GDNCP_CHECK(rope_cos_q.defined() == rope_sin_q.defined(), entry, ": ",
-              rope_cos_q.defined() ? "rope_sin_q" : "rope_cos_q",
-              ": is undefined but ", rope_cos_q.defined() ? "rope_cos_q" : "rope_sin_q",
+              rope_cos_q.defined() ? "rope_sin_q" : "rope_cos_q", ": is undefined but ",
+              rope_cos_q.defined() ? "rope_cos_q" : "rope_sin_q",
               " is given (give both q tables, or neither to rotate q with rope_cos/rope_sin)");
   if (!rope_cos_q.defined()) return;
   const bool f64 = rope_cos.dtype() == DType::f64;

@@ -23,7 +23,8 @@ void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t 
 void validate_clip_values(const char* entry, const Tensor& clip_starts);
 
 // Checks one rank's inputs of the bidirectional layer and returns their dims:
-//  - F > 0 (F ≥ 0 with allow_empty: a CP rank may hold no frame), S > 0; qkv (B, N, 3, H, D) with B, H > 0, N = F·S, D even in 2..kMaxHeadDim;
+//  - F > 0 (F ≥ 0 with allow_empty: a CP rank may hold no frame), S > 0; qkv (B, N, 3, H, D) with B, H > 0, N = F·S, D
+//  even in 2..kMaxHeadDim;
 //  - beta (B, H, F, S), decay (B, H, F), rope_cos/rope_sin (N, D), norm weights (C) or undefined;
 //  - dtypes: either every floating input is f64 or none is; norm weights and rope
 //    are f32 (f64 with f64 inputs); qkv, beta, decay any of f32/bf16 (f64 with f64);

@@ -149,7 +149,8 @@ GradcheckResult gradcheck(const std::function<std::vector<Tensor>(const std::vec
       idx.resize(static_cast<size_t>(max_elems));
     }
     const Tensor g = leaves[i].grad();
-    const std::vector<double> analytic_all = g.defined() ? g.to_vector() : std::vector<double>(static_cast<size_t>(n), 0.0);
+    const std::vector<double> analytic_all =
+        g.defined() ? g.to_vector() : std::vector<double>(static_cast<size_t>(n), 0.0);
     std::vector<double> analytic, numeric;
     for (int64_t e : idx) {
       std::vector<Tensor> plus = inputs, minus = inputs;

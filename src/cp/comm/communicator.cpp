@@ -53,8 +53,8 @@ void Communicator::exchange_record(void* out, const void* in, size_t bytes) {
 }
 
 void Communicator::set_timeout_seconds(double s) {
-  GDNCP_CHECK(std::isfinite(s) && s > 0, "Communicator::set_timeout_seconds: timeout_seconds: must be finite and > 0, got ",
-              s);
+  GDNCP_CHECK(std::isfinite(s) && s > 0,
+              "Communicator::set_timeout_seconds: timeout_seconds: must be finite and > 0, got ", s);
   timeout_seconds_ = s;
 }
 

@@ -6,9 +6,9 @@
 #include <map>
 #include <numeric>
 
-#include "kernels/cp_kernels.h"
 #include "cp/scan/scan_engine.h"
 #include "gdncp/error.h"
+#include "kernels/cp_kernels.h"
 #include "kernels/prep/norm_w_frames.h"
 
 namespace gdncp {

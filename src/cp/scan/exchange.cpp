@@ -6,8 +6,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "kernels/cp_kernels.h"
 #include "gdncp/error.h"
+#include "kernels/cp_kernels.h"
 
 namespace gdncp {
 namespace cp {

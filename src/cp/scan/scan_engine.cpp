@@ -7,8 +7,8 @@
 
 #include <algorithm>
 
-#include "cp/scan/exchange.h"
 #include "cp/scan/deterministic.h"
+#include "cp/scan/exchange.h"
 #include "gdncp/error.h"
 
 namespace gdncp {

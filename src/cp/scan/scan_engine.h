@@ -41,9 +41,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/cp_kernels.h"
 #include "gdncp/cp.h"
 #include "gdncp/tensor.h"
+#include "kernels/cp_kernels.h"
 
 namespace gdncp {
 namespace cp {
@@ -72,10 +72,10 @@ struct ScanJob {
 struct ScanContext {
   Communicator* comm = nullptr;
   int64_t BH = 0, F = 0, D = 0;  // F: this rank's frames (≥ 0)
-  Tensor decay;     // (B, H, F), any float dtype
-  Tensor gathered;  // (P · per-rank) composites; kept from the forward (set: no all-gather)
-  Tensor cuts;      // clip mask (B, F) f32 or undefined (Note [clip cuts])
-  int64_t H = 1;    // heads: row bh / H of cuts
+  Tensor decay;                  // (B, H, F), any float dtype
+  Tensor gathered;               // (P · per-rank) composites; kept from the forward (set: no all-gather)
+  Tensor cuts;                   // clip mask (B, F) f32 or undefined (Note [clip cuts])
+  int64_t H = 1;                 // heads: row bh / H of cuts
   // The deterministic mode (Note [deterministic scan], deterministic.h): every
   // rank's F in rank order (empty: the default mode) and truncate_to_active.
   std::vector<int64_t> frames;

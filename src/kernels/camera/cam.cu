@@ -8,8 +8,8 @@
 //   dm_kernel        dM = Σ_s q_s dout_sᵀ per (b·h, frame) (Note [outer tiles]).
 // Gradient rule: every output overwritten. No atomics.
 #include "kernels/common/cp_cuda.cuh"
-#include "kernels/cp_kernels.h"
 #include "kernels/common/cuda_common.cuh"
+#include "kernels/cp_kernels.h"
 
 namespace gdncp {
 namespace cp {
@@ -83,8 +83,8 @@ struct TokArgs {
   Geo g;
   const float* M = nullptr;   // out / dq: the state (BH, F, D, D); pa_bwd: dPc
   const float* M2 = nullptr;  // pa_bwd: dAc
-  InPlain x;                       // out: q; dq: dout; pa_bwd: k
-  InPlain x2;                      // pa_bwd: v
+  InPlain x;                  // out: q; dq: dout; pa_bwd: k
+  InPlain x2;                 // pa_bwd: v
   InPlain beta;
   Out o;                      // out: out; dq: dq; pa_bwd: dk
   Out o2;                     // pa_bwd: dv
@@ -238,8 +238,8 @@ void cam_out_bwd(Tensor& dq, Tensor& dM, const Tensor& dout, const Tensor& q, co
   a.o = out_of(dq, "dq");
   tok_kernel<TokMode::dq><<<tok_grid(d), kRowThreads, 0, stream()>>>(a);
   GDNCP_CUDA_CHECK_LAUNCH("tok_kernel(dq)");
-  dm_kernel<<<static_cast<unsigned>(d.BH() * d.F), kOuterThreads, 0, stream()>>>(f32_out_or_null(dM, "dM"), in_of<InPlain>(q, "q"),
-                                                                                 in_of<InPlain>(dout, "dout"), a.g);
+  dm_kernel<<<static_cast<unsigned>(d.BH() * d.F), kOuterThreads, 0, stream()>>>(
+      f32_out_or_null(dM, "dM"), in_of<InPlain>(q, "q"), in_of<InPlain>(dout, "dout"), a.g);
   GDNCP_CUDA_CHECK_LAUNCH("dm_kernel");
 }
 

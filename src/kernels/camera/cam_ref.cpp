@@ -6,8 +6,8 @@
 // Gradient rule: every output is overwritten (activation gradients).
 #include <vector>
 
-#include "kernels/cp_kernels.h"
 #include "gdncp/error.h"
+#include "kernels/cp_kernels.h"
 
 namespace gdncp {
 namespace cp {

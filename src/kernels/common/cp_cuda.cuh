@@ -25,7 +25,7 @@ using namespace ::gdncp::cuda::detail;  // the device helpers, seen by `using na
 
 constexpr int kRowThreads = 128;  // Note [row threads]
 static_assert(kRowThreads >= kMaxHeadDim, "one thread per row of a D×D state (Note [head dims])");
-constexpr int kChunk = 32;        // columns of A per shared-memory chunk
+constexpr int kChunk = 32;  // columns of A per shared-memory chunk
 constexpr int kPitch = kChunk + 1;
 
 // acc[c] = Σ_k op(A)[i][k] · Ys[k][c] for this thread's row i (Note [row threads]).

@@ -52,8 +52,7 @@ constexpr int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // covers the rest).
 constexpr int kGridThreads = 256;
 inline unsigned blocks_for(int64_t n) {
-  return static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>((n + kGridThreads - 1) / kGridThreads, 65535)));
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + kGridThreads - 1) / kGridThreads, 65535)));
 }
 #define GDNCP_GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
@@ -102,9 +101,15 @@ inline int wave_splits(int64_t units, int64_t slots, int max_splits) {
 template <int DP, typename Fn>
 void with_mode(MathMode mode, Fn&& fn) {
   switch (mode) {
-    case MathMode::bf16: fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, MathMode::bf16>{}); return;
-    case MathMode::tf32: fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, MathMode::tf32>{}); return;
-    case MathMode::ieee: fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, MathMode::ieee>{}); return;
+    case MathMode::bf16:
+      fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, MathMode::bf16>{});
+      return;
+    case MathMode::tf32:
+      fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, MathMode::tf32>{});
+      return;
+    case MathMode::ieee:
+      fn(std::integral_constant<int, DP>{}, std::integral_constant<MathMode, MathMode::ieee>{});
+      return;
   }
   GDNCP_FAIL("unknown MathMode ", static_cast<int>(mode));
 }
@@ -162,17 +167,21 @@ struct InView {
   bool bf = false;
   __device__ __forceinline__ float operator[](int64_t i) const {
     if constexpr (kReadOnly)
-      return bf ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(p) + i)) : __ldg(static_cast<const float*>(p) + i);
+      return bf ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(p) + i))
+                : __ldg(static_cast<const float*>(p) + i);
     else
       return bf ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]) : static_cast<const float*>(p)[i];
   }
   // Elements i, i+1 (i even).
   __device__ __forceinline__ float2 pair(int64_t i) const {
     if constexpr (kReadOnly) {
-      if (bf) return __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(p) + i)));
+      if (bf)
+        return __bfloat1622float2(
+            __ldg(reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(p) + i)));
       return __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(p) + i));
     } else {
-      if (bf) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(p) + i));
+      if (bf)
+        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(p) + i));
       return *reinterpret_cast<const float2*>(static_cast<const float*>(p) + i);
     }
   }
@@ -436,7 +445,9 @@ struct OpKM {  // element (mn, k) at p[k·ld + mn]
   const float* p;
   int ld;
   __device__ __forceinline__ float at(int mn, int k) const { return p[k * ld + mn]; }
-  __device__ __forceinline__ float2 pair(int mn, int k) const { return make_float2(p[k * ld + mn], p[(k + 1) * ld + mn]); }
+  __device__ __forceinline__ float2 pair(int mn, int k) const {
+    return make_float2(p[k * ld + mn], p[(k + 1) * ld + mn]);
+  }
   __device__ __forceinline__ float4 quad(int mn, int k) const {
     return make_float4(p[k * ld + mn], p[(k + 1) * ld + mn], p[(k + 2) * ld + mn], p[(k + 3) * ld + mn]);
   }
@@ -588,7 +599,9 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
                : "r"(smem_addr(p)));
 }
 __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(p)));
 }
 __device__ __forceinline__ void ldsm_x2_t(uint32_t (&r)[2], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"

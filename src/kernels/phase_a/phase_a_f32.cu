@@ -24,12 +24,11 @@ using namespace phase_a;
 // the k pairs, the v pairs (when want_v), the RoPE pairs (when want_rope), k's rstd and β; zeros
 // for s ≥ S, for channels ≥ D and for the loads not wanted.
 template <int PPL>
-__device__ __forceinline__ void load_k_row(float2 (&xk)[PPL], float2 (&xv)[PPL], float2 (&xc)[PPL],
-                                           float2 (&xs)[PPL], float& rk, float& bt, const In& qkv,
-                                           const float* __restrict__ rstd, const float* __restrict__ rope_cos,
-                                           const float* __restrict__ rope_sin, const In& beta, int b, int h, int f,
-                                           int s, int bhf, int lane, int H, int D, int S, int64_t N, bool want_v,
-                                           bool want_rope) {
+__device__ __forceinline__ void load_k_row(float2 (&xk)[PPL], float2 (&xv)[PPL], float2 (&xc)[PPL], float2 (&xs)[PPL],
+                                           float& rk, float& bt, const In& qkv, const float* __restrict__ rstd,
+                                           const float* __restrict__ rope_cos, const float* __restrict__ rope_sin,
+                                           const In& beta, int b, int h, int f, int s, int bhf, int lane, int H, int D,
+                                           int S, int64_t N, bool want_v, bool want_rope) {
   const bool valid = s < S;
   const int64_t n = static_cast<int64_t>(f) * S + s;
   rk = valid ? __ldg(rstd + (b * N + n) * 2 + 1) : 0.f;

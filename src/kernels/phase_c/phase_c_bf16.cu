@@ -59,7 +59,8 @@ __device__ __forceinline__ void ld8(float (&x)[8], const In& src, int64_t i, int
 }
 __device__ __forceinline__ void ld8(float (&x)[8], const float* __restrict__ src, int64_t i, int left, bool vec) {
   if (vec && left >= 8) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(src + i)), c = __ldg(reinterpret_cast<const float4*>(src + i) + 1);
+    const float4 a = __ldg(reinterpret_cast<const float4*>(src + i)),
+                 c = __ldg(reinterpret_cast<const float4*>(src + i) + 1);
     x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = c.x, x[5] = c.y, x[6] = c.z, x[7] = c.w;
   } else {
 #pragma unroll
@@ -189,7 +190,7 @@ struct FwdLd {  // 2 × 4 warps over a KS×DP output tile
   static constexpr int KS = 64, WM = 2, WN = 4, TM = KS / (16 * WM), TN = DP / (8 * WN);
   static_assert(is_padded_dim(DP) && TN * 8 * WN == DP, "FwdLd: the warps cover the DP columns");
   static constexpr int LDH = pitch_ld(DP), NP = KS / RowMap<DP, kThreads>::RPB;  // NP row passes per tile
-  static constexpr int BATCH = DP == 128 ? 2 : 1;                        // rows whose loads go out together
+  static constexpr int BATCH = DP == 128 ? 2 : 1;                                // rows whose loads go out together
 };
 template <int DP, bool kStaged>
 constexpr size_t fwd_ld_smem_bytes() {  // M_f, 2 × qʳ (bf16); z_f, w, 2 × den (f32); 2 × raw q rows (bf16, kStaged)
@@ -201,18 +202,17 @@ template <int DP, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 2)
     phase_c_fwd_ld_kernel(Out out, float* __restrict__ den, In qkv, const float* __restrict__ rstd,
                           const float* __restrict__ qw, const float* __restrict__ rope_cos,
-                          const float* __restrict__ rope_sin, const float* __restrict__ M,
-                          const float* __restrict__ z, int H, int D, int F, int S, int64_t items, float eps,
-                          bool divide, bool vec, bool vec4) {
+                          const float* __restrict__ rope_sin, const float* __restrict__ M, const float* __restrict__ z,
+                          int H, int D, int F, int S, int64_t items, float eps, bool divide, bool vec, bool vec4) {
   using Tl = FwdLd<DP>;
   using RM = RowMap<DP, kThreads>;
   constexpr int KS = Tl::KS, LDH = Tl::LDH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* Mk = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // M_f [i][j]: B of qʳ M as (n = j, k = i), LdCol
-  __nv_bfloat16* Qh = Mk + DP * LDH;                                // 2 × qʳ [s][d]: A as (m = s, k = d), LdRow
-  float* zs = reinterpret_cast<float*>(Qh + 2 * KS * LDH);          // z_f [DP]
-  float* ws = zs + DP;                                               // q norm weights of head h [DP]
-  float* dens = ws + DP;                                             // 2 × den [KS]
+  __nv_bfloat16* Qh = Mk + DP * LDH;                               // 2 × qʳ [s][d]: A as (m = s, k = d), LdRow
+  float* zs = reinterpret_cast<float*>(Qh + 2 * KS * LDH);         // z_f [DP]
+  float* ws = zs + DP;                                             // q norm weights of head h [DP]
+  float* dens = ws + DP;                                           // 2 × den [KS]
   __nv_bfloat16* Xs = reinterpret_cast<__nv_bfloat16*>(dens + 2 * KS);  // 2 × raw q rows [KS][DP] (kStaged)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -270,8 +270,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int p = 0; p < Tl::NP; ++p)
         if (sx + p * RM::RPB < S)
-          prefetch_l2(element(qkv, qkv_index(nx.b, static_cast<int64_t>(nx.f) * S + sx + p * RM::RPB, 0, nx.h, c0, N,
-                                             H, D)));
+          prefetch_l2(
+              element(qkv, qkv_index(nx.b, static_cast<int64_t>(nx.f) * S + sx + p * RM::RPB, 0, nx.h, c0, N, H, D)));
     }
     float w8[8], z8[8];
     ld8f(w8, ws + c0);
@@ -329,8 +329,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int j = 0; j < Tl::TN; ++j) {
           const int col = n0 + 8 * j + 2 * t;
           if (col < D)
-            out.set_pair(((b * N + n) * H + h) * D + col, acc[i][j][2 * half] * scale,
-                         acc[i][j][2 * half + 1] * scale);
+            out.set_pair(((b * N + n) * H + h) * D + col, acc[i][j][2 * half] * scale, acc[i][j][2 * half + 1] * scale);
         }
       }
   }
@@ -373,7 +372,7 @@ constexpr int kBwdThreads = 512;
 template <int DP>
 struct BwdLd {
   static constexpr int KS = RowMap<DP, kBwdThreads>::RPB;
-  static constexpr int WN1 = DP / 16, TN1 = 2;                              // dqʳ (KS × DP): 16 × 16 per warp
+  static constexpr int WN1 = DP / 16, TN1 = 2;                                // dqʳ (KS × DP): 16 × 16 per warp
   static constexpr int WN2 = 4, TM2 = DP >= 64 ? DP / 64 : 1, TN2 = DP / 32;  // dM (DP × DP): 4 × 4 warps
   static_assert(is_padded_dim(DP) && WN1 * TN1 * 8 == DP && TN2 * 8 * WN2 == DP, "BwdLd: the warps cover DP");
   static constexpr int LDH = pitch_ld(DP), LDG = DP + 8;  // LDG ≡ 8 (mod 32): conflict-free float2 stores
@@ -401,8 +400,8 @@ struct BwdStage {
 template <int DP, bool kStaged>
 constexpr size_t bwd_ld_smem_bytes() {  // M_f, 2 × qʳ, 2 × dnum (bf16); dqʳ, z_f, w (f32); 2 staged buffers
   constexpr int KS = BwdLd<DP>::KS;
-  return static_cast<size_t>(DP + 4 * KS) * BwdLd<DP>::LDH * 2 + (static_cast<size_t>(KS) * BwdLd<DP>::LDG + 2 * DP) * 4 +
-         (kStaged ? 2 * BwdStage<DP>::kBytes : 0);
+  return static_cast<size_t>(DP + 4 * KS) * BwdLd<DP>::LDH * 2 +
+         (static_cast<size_t>(KS) * BwdLd<DP>::LDG + 2 * DP) * 4 + (kStaged ? 2 * BwdStage<DP>::kBytes : 0);
 }
 
 template <int DP, bool kStaged>
@@ -421,11 +420,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   __nv_bfloat16* Mh = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // M_f [i][j]: B of dnum Mᵀ as (n = i, k = j), LdRow
   __nv_bfloat16* Qh = Mh + DP * LDH;      // 2 × qʳ [s][d]: A of qʳᵀ dnum as (m = d, k = s), LdCol
   __nv_bfloat16* Dh = Qh + 2 * KS * LDH;  // 2 × dnum [s][d]: A of dnum Mᵀ (LdRow), B of qʳᵀ dnum (LdCol)
-  float* G = reinterpret_cast<float*>(Dh + 2 * KS * LDH);  // dqʳ [s][d]; at the end the dz shares
-  float* zs = G + KS * LDG;                                // z_f [DP]
-  float* ws = zs + DP;                                     // q norm weights of head h [DP]
+  float* G = reinterpret_cast<float*>(Dh + 2 * KS * LDH);             // dqʳ [s][d]; at the end the dz shares
+  float* zs = G + KS * LDG;                                           // z_f [DP]
+  float* ws = zs + DP;                                                // q norm weights of head h [DP]
   unsigned char* staged = reinterpret_cast<unsigned char*>(ws + DP);  // 2 × St (kStaged)
-  if constexpr (kStaged) vec = true;  // the staged path is taken only for vec rows
+  if constexpr (kStaged) vec = true;                                  // the staged path is taken only for vec rows
 
   // Blocks [0, whole) own frame blockIdx.x. The others run part p of a frame of the last
   // BHF − whole, with their dM and dz shares going to the workspace as [p][frame − whole].
@@ -470,7 +469,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
     }
     cp_async_commit();
   };
-  if constexpr (kStaged) {  // the first tile's copies run under the M_f conversion
+  if constexpr (kStaged) {                    // the first tile's copies run under the M_f conversion
     const int first = part * tiles_per_part;  // tile0 below (part = 0 when unsplit)
     if (first * KS < S) stage(first, 0);
   }
@@ -520,8 +519,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
       prefetch_l1(element(qkv, qkv_index(b, nx, 0, h, c0, N, H, D)));
       prefetch_l1(rope_cos + nx * D + c0);
       prefetch_l1(rope_sin + nx * D + c0);
-      if (dout.p)
-        prefetch_l1(element(dout, row + static_cast<int64_t>(KS) * H * D));
+      if (dout.p) prefetch_l1(element(dout, row + static_cast<int64_t>(KS) * H * D));
     }
     float w8[8], z8[8], qp[8], qr[8];
     ld8f(w8, ws + c0);
@@ -642,7 +640,6 @@ int bwd_parts(int64_t frames, int64_t slots, int ntiles) {
   }
   return best;
 }
-
 
 template <int DP, bool kStaged>
 void fwd(const FwdArgs& a, bool vec, bool vec4) {

@@ -385,9 +385,8 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
   float* dqw = (q && q_norm_w.defined() && dq_norm_w.defined()) ? f32_out(dq_norm_w, "dq_norm_w") : nullptr;
   float* dkw = (k && k_norm_w.defined() && dk_norm_w.defined()) ? f32_out(dk_norm_w, "dk_norm_w") : nullptr;
   if (dqw || dkw) {
-    rms_dw_sum_kernel<<<dim3(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(streams)), 32 * kSumWarps,
-                        0, stream()>>>(dqw, dkw, static_cast<const float*>(part.data()), static_cast<int>(used), C,
-                                       c0);
+    rms_dw_sum_kernel<<<dim3(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(streams)), 32 * kSumWarps, 0,
+                        stream()>>>(dqw, dkw, static_cast<const float*>(part.data()), static_cast<int>(used), C, c0);
     GDNCP_CUDA_CHECK_LAUNCH("rms_dw_sum_kernel");
   }
 }

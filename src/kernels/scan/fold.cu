@@ -35,9 +35,9 @@
 
 #include "autograd/device.h"
 #include "kernels/common/cp_cuda.cuh"
-#include "kernels/cp_kernels.h"
 #include "kernels/common/cublas_handle.h"
 #include "kernels/common/cuda_common.cuh"
+#include "kernels/cp_kernels.h"
 
 namespace gdncp {
 namespace cp {
@@ -228,7 +228,7 @@ struct Ring {
     zero<RA>(acc);
     for (int j = 0; j < nch; ++j, ++q) {
       cp_async_wait<kStages - 2>();  // chunk q has landed (this thread's copies)
-      __syncthreads();       // everyone's copies visible; everyone done with chunk q − 1
+      __syncthreads();               // everyone's copies visible; everyone done with chunk q − 1
       issue(q + kStages - 1);
       if (compute) mma_chunk<RA>(acc, buf + (q % kStages) * stage_floats(RA), ys, j * kKC);
     }

@@ -20,13 +20,14 @@
 // The clip mask of this layer ignores column 0 (frame 0 has no transition from
 // an earlier frame); the sweeps read it there too, with the same result: the
 // state they would cut is zero or unused.
+#include "kernels/scan/scan_bidi.h"
+
 #include <initializer_list>
 #include <vector>
 
-#include "kernels/cp_kernels.h"
 #include "kernels/common/cpu_common.h"
+#include "kernels/cp_kernels.h"
 #include "kernels/kernels.h"
-#include "kernels/scan/scan_bidi.h"
 
 namespace gdncp {
 namespace scan_core {

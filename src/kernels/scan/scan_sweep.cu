@@ -45,9 +45,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/cp_kernels.h"
 #include "kernels/common/cublas_handle.h"
 #include "kernels/common/cuda_common.cuh"
+#include "kernels/cp_kernels.h"
 #include "kernels/kernels.h"
 #include "kernels/scan/scan_bidi.h"
 

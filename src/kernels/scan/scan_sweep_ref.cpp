@@ -11,9 +11,9 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels/cp_kernels.h"
 #include "gdncp/error.h"
 #include "kernels/common/cpu_common.h"
+#include "kernels/cp_kernels.h"
 
 namespace gdncp {
 namespace cp {
@@ -305,8 +305,7 @@ void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int6
       s.E = g.E;
       s.active = src.active;
       s.H = g.H;
-      scan_grad_outer(g.dP, g.dg, src.L, src.R, src.R0, g.P, decay, s, src.shifted, i > 0 || g.accumulate_dP,
-                      g.cuts);
+      scan_grad_outer(g.dP, g.dg, src.L, src.R, src.R0, g.P, decay, s, src.shifted, i > 0 || g.accumulate_dP, g.cuts);
     }
   }
 }
