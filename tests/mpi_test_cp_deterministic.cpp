@@ -26,16 +26,11 @@ namespace {
 // inside and last.
 std::vector<std::vector<int64_t>> splits_for(int P) {
   switch (P) {
-    case 1:
-      return {{11}, {21}, {3}};
-    case 2:
-      return {{6, 5}, {11, 10}, {0, 3}, {2, 9}};
-    case 3:
-      return {{4, 4, 3}, {7, 7, 7}, {5, 0, 6}, {1, 1, 0}};
-    case 4:
-      return {{3, 3, 3, 2}, {6, 5, 5, 5}, {1, 1, 1, 0}, {0, 4, 0, 7}};
-    case 8:
-      return {{3, 3, 3, 3, 3, 2, 2, 2}, {2, 2, 2, 1, 1, 1, 1, 1}, {1, 1, 1, 0, 0, 0, 0, 0}};
+    case 1: return {{11}, {21}, {3}};
+    case 2: return {{6, 5}, {11, 10}, {0, 3}, {2, 9}};
+    case 3: return {{4, 4, 3}, {7, 7, 7}, {5, 0, 6}, {1, 1, 0}};
+    case 4: return {{3, 3, 3, 2}, {6, 5, 5, 5}, {1, 1, 1, 0}, {0, 4, 0, 7}};
+    case 8: return {{3, 3, 3, 3, 3, 2, 2, 2}, {2, 2, 2, 1, 1, 1, 1, 1}, {1, 1, 1, 0, 0, 0, 0, 0}};
     default: {
       std::vector<std::vector<int64_t>> s(1);
       for (int r = 0; r < P; ++r) s[0].push_back(cp::balanced_split(11, P, r).frames);

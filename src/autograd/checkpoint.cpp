@@ -21,12 +21,9 @@ namespace autograd {
 
 const char* checkpoint_name(Checkpoint mode) {
   switch (mode) {
-    case Checkpoint::off:
-      return "off";
-    case Checkpoint::on:
-      return "on";
-    case Checkpoint::automatic:
-      return "auto";
+    case Checkpoint::off: return "off";
+    case Checkpoint::on: return "on";
+    case Checkpoint::automatic: return "auto";
   }
   return "?";
 }

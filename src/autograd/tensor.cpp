@@ -19,24 +19,18 @@ namespace gdncp {
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::f32:
-      return 4;
-    case DType::bf16:
-      return 2;
-    case DType::f64:
-      return 8;
+    case DType::f32: return 4;
+    case DType::bf16: return 2;
+    case DType::f64: return 8;
   }
   return 0;
 }
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::f32:
-      return "f32";
-    case DType::bf16:
-      return "bf16";
-    case DType::f64:
-      return "f64";
+    case DType::f32: return "f32";
+    case DType::bf16: return "bf16";
+    case DType::f64: return "f64";
   }
   return "?";
 }
@@ -107,28 +101,19 @@ size_t checked_nbytes(const Shape& shape, DType dtype, const char* what) {
 
 double host_load(const void* p, DType t, int64_t i) {
   switch (t) {
-    case DType::f32:
-      return static_cast<const float*>(p)[i];
-    case DType::f64:
-      return static_cast<const double*>(p)[i];
-    case DType::bf16:
-      return bf16_to_float(static_cast<const bf16*>(p)[i]);
+    case DType::f32: return static_cast<const float*>(p)[i];
+    case DType::f64: return static_cast<const double*>(p)[i];
+    case DType::bf16: return bf16_to_float(static_cast<const bf16*>(p)[i]);
   }
   return 0;
 }
 
 void host_store(void* p, DType t, int64_t i, double v) {
   switch (t) {
-    case DType::f32:
-      static_cast<float*>(p)[i] = static_cast<float>(v);
-      break;
-    case DType::f64:
-      static_cast<double*>(p)[i] = v;
-      break;
+    case DType::f32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case DType::f64: static_cast<double*>(p)[i] = v; break;
     // Through float first, like the device cast, so both round identically.
-    case DType::bf16:
-      static_cast<bf16*>(p)[i] = float_to_bf16(static_cast<float>(v));
-      break;
+    case DType::bf16: static_cast<bf16*>(p)[i] = float_to_bf16(static_cast<float>(v)); break;
   }
 }
 

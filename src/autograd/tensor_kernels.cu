@@ -14,26 +14,17 @@ using ::gdncp::cuda::detail::stream;
 
 __device__ __forceinline__ double load_as_double(const void* p, DType t, int64_t i) {
   switch (t) {
-    case DType::f32:
-      return static_cast<const float*>(p)[i];
-    case DType::f64:
-      return static_cast<const double*>(p)[i];
-    default:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::f32: return static_cast<const float*>(p)[i];
+    case DType::f64: return static_cast<const double*>(p)[i];
+    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
   }
 }
 
 __device__ __forceinline__ void store_from_double(void* p, DType t, int64_t i, double v) {
   switch (t) {
-    case DType::f32:
-      static_cast<float*>(p)[i] = static_cast<float>(v);
-      break;
-    case DType::f64:
-      static_cast<double*>(p)[i] = v;
-      break;
-    default:
-      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(static_cast<float>(v));
-      break;
+    case DType::f32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case DType::f64: static_cast<double*>(p)[i] = v; break;
+    default: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(static_cast<float>(v)); break;
   }
 }
 

@@ -239,33 +239,17 @@ gdncp::BigdnOptions layer_options(const gdncp_layer_options* o, const char* fn) 
   opt.norm_eps = o->norm_eps;
   opt.eps = o->eps;
   switch (o->precision) {
-    case GDNCP_PRECISION_AUTO:
-      opt.precision = gdncp::Precision::automatic;
-      break;
-    case GDNCP_PRECISION_BF16:
-      opt.precision = gdncp::Precision::bf16;
-      break;
-    case GDNCP_PRECISION_TF32:
-      opt.precision = gdncp::Precision::tf32;
-      break;
-    case GDNCP_PRECISION_IEEE:
-      opt.precision = gdncp::Precision::ieee;
-      break;
-    default:
-      argument_error(fn, ": options->precision ", o->precision, " is not a gdncp_precision");
+    case GDNCP_PRECISION_AUTO: opt.precision = gdncp::Precision::automatic; break;
+    case GDNCP_PRECISION_BF16: opt.precision = gdncp::Precision::bf16; break;
+    case GDNCP_PRECISION_TF32: opt.precision = gdncp::Precision::tf32; break;
+    case GDNCP_PRECISION_IEEE: opt.precision = gdncp::Precision::ieee; break;
+    default: argument_error(fn, ": options->precision ", o->precision, " is not a gdncp_precision");
   }
   switch (o->checkpoint) {
-    case GDNCP_CHECKPOINT_OFF:
-      opt.checkpoint = gdncp::Checkpoint::off;
-      break;
-    case GDNCP_CHECKPOINT_ON:
-      opt.checkpoint = gdncp::Checkpoint::on;
-      break;
-    case GDNCP_CHECKPOINT_AUTO:
-      opt.checkpoint = gdncp::Checkpoint::automatic;
-      break;
-    default:
-      argument_error(fn, ": options->checkpoint ", o->checkpoint, " is not a gdncp_checkpoint");
+    case GDNCP_CHECKPOINT_OFF: opt.checkpoint = gdncp::Checkpoint::off; break;
+    case GDNCP_CHECKPOINT_ON: opt.checkpoint = gdncp::Checkpoint::on; break;
+    case GDNCP_CHECKPOINT_AUTO: opt.checkpoint = gdncp::Checkpoint::automatic; break;
+    default: argument_error(fn, ": options->checkpoint ", o->checkpoint, " is not a gdncp_checkpoint");
   }
   return opt;
 }
@@ -427,16 +411,11 @@ const char* gdncp_last_error(void) { return t_last_error.c_str(); }
 
 const char* gdncp_status_name(gdncp_status status) {
   switch (status) {
-    case GDNCP_OK:
-      return "ok";
-    case GDNCP_ERROR_ARGUMENT:
-      return "argument";
-    case GDNCP_ERROR:
-      return "error";
-    case GDNCP_ERROR_OUT_OF_MEMORY:
-      return "out of memory";
-    case GDNCP_ERROR_INTERNAL:
-      return "internal";
+    case GDNCP_OK: return "ok";
+    case GDNCP_ERROR_ARGUMENT: return "argument";
+    case GDNCP_ERROR: return "error";
+    case GDNCP_ERROR_OUT_OF_MEMORY: return "out of memory";
+    case GDNCP_ERROR_INTERNAL: return "internal";
   }
   return "unknown status";
 }

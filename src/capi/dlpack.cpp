@@ -39,12 +39,9 @@ DType dtype_of(const DLDataType& t, const char* what) {
 
 DLDataType dl_dtype(DType t) {
   switch (t) {
-    case DType::f32:
-      return DLDataType{kDLFloat, 32, 1};
-    case DType::f64:
-      return DLDataType{kDLFloat, 64, 1};
-    case DType::bf16:
-      return DLDataType{kDLBfloat, 16, 1};
+    case DType::f32: return DLDataType{kDLFloat, 32, 1};
+    case DType::f64: return DLDataType{kDLFloat, 64, 1};
+    case DType::bf16: return DLDataType{kDLBfloat, 16, 1};
   }
   GDNCP_FAIL("to_dlpack: unknown dtype");
 }

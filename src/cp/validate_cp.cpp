@@ -85,12 +85,9 @@ struct ValidationMemory {
 bool exchange_needed(Communicator& comm, const char* entry, const void* rec, size_t bytes, bool ok) {
   if (!ok) return true;
   switch (comm.validation()) {
-    case Validation::off:
-      return false;
-    case Validation::on_change:
-      return !ValidationMemory::same(comm, hash_of(entry), rec, bytes);
-    case Validation::every_call:
-      return true;
+    case Validation::off: return false;
+    case Validation::on_change: return !ValidationMemory::same(comm, hash_of(entry), rec, bytes);
+    case Validation::every_call: return true;
   }
   return true;
 }

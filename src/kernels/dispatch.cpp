@@ -8,14 +8,10 @@ namespace gdncp {
 MathMode resolve_math_mode(Precision p, DType qkv_dtype) {
   if (qkv_dtype == DType::f64) return MathMode::ieee;  // the f64 oracle is exact whatever was asked
   switch (p) {
-    case Precision::automatic:
-      return qkv_dtype == DType::bf16 ? MathMode::bf16 : MathMode::ieee;
-    case Precision::bf16:
-      return MathMode::bf16;
-    case Precision::tf32:
-      return MathMode::tf32;
-    case Precision::ieee:
-      return MathMode::ieee;
+    case Precision::automatic: return qkv_dtype == DType::bf16 ? MathMode::bf16 : MathMode::ieee;
+    case Precision::bf16: return MathMode::bf16;
+    case Precision::tf32: return MathMode::tf32;
+    case Precision::ieee: return MathMode::ieee;
   }
   GDNCP_FAIL("precision: unknown value ", static_cast<int>(p));
 }

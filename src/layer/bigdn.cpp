@@ -31,14 +31,10 @@ namespace gdncp {
 
 const char* precision_name(Precision p) {
   switch (p) {
-    case Precision::automatic:
-      return "automatic";
-    case Precision::bf16:
-      return "bf16";
-    case Precision::tf32:
-      return "tf32";
-    case Precision::ieee:
-      return "ieee";
+    case Precision::automatic: return "automatic";
+    case Precision::bf16: return "bf16";
+    case Precision::tf32: return "tf32";
+    case Precision::ieee: return "ieee";
   }
   return "unknown";
 }

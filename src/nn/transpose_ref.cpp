@@ -20,12 +20,9 @@ void swap_last2(T* y, const T* x, int64_t A, int64_t M, int64_t N) {
 
 void transpose_last2(Tensor& y, const Tensor& x, int64_t A, int64_t M, int64_t N) {
   switch (x.dtype()) {
-    case DType::f64:
-      return swap_last2(y.data_ptr<double>(), x.data_ptr<double>(), A, M, N);
-    case DType::f32:
-      return swap_last2(y.data_ptr<float>(), x.data_ptr<float>(), A, M, N);
-    case DType::bf16:
-      return swap_last2(y.data_ptr<bf16>(), x.data_ptr<bf16>(), A, M, N);
+    case DType::f64: return swap_last2(y.data_ptr<double>(), x.data_ptr<double>(), A, M, N);
+    case DType::f32: return swap_last2(y.data_ptr<float>(), x.data_ptr<float>(), A, M, N);
+    case DType::bf16: return swap_last2(y.data_ptr<bf16>(), x.data_ptr<bf16>(), A, M, N);
   }
 }
 

@@ -126,20 +126,13 @@ enum class Kind : int64_t { all_gather = 1, all_reduce_sum, broadcast, barrier, 
 
 const char* kind_name(int64_t k) {
   switch (static_cast<Kind>(k)) {
-    case Kind::all_gather:
-      return "all_gather";
-    case Kind::all_reduce_sum:
-      return "all_reduce_sum";
-    case Kind::broadcast:
-      return "broadcast";
-    case Kind::barrier:
-      return "barrier";
-    case Kind::host_gather:
-      return "all_gather_host";
-    case Kind::record:
-      return "the validation exchange of a CP entry";
-    case Kind::send_recv:
-      return "send_recv";
+    case Kind::all_gather: return "all_gather";
+    case Kind::all_reduce_sum: return "all_reduce_sum";
+    case Kind::broadcast: return "broadcast";
+    case Kind::barrier: return "barrier";
+    case Kind::host_gather: return "all_gather_host";
+    case Kind::record: return "the validation exchange of a CP entry";
+    case Kind::send_recv: return "send_recv";
   }
   return "an unknown collective";
 }

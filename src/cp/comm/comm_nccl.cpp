@@ -72,12 +72,9 @@ void pause(int spins) {
 
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
-    case DType::f32:
-      return ncclFloat32;
-    case DType::f64:
-      return ncclFloat64;
-    case DType::bf16:
-      return ncclBfloat16;
+    case DType::f32: return ncclFloat32;
+    case DType::f64: return ncclFloat64;
+    case DType::bf16: return ncclBfloat16;
   }
   GDNCP_FAIL("nccl: unknown dtype");
 }

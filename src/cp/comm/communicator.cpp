@@ -22,12 +22,9 @@ bool any_communicator_aborted() { return g_any_aborted; }
 
 const char* validation_name(Validation v) {
   switch (v) {
-    case Validation::every_call:
-      return "every_call";
-    case Validation::on_change:
-      return "on_change";
-    case Validation::off:
-      return "off";
+    case Validation::every_call: return "every_call";
+    case Validation::on_change: return "on_change";
+    case Validation::off: return "off";
   }
   return "?";
 }

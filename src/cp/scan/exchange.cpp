@@ -14,14 +14,10 @@ namespace cp {
 
 const char* exchange_name(Exchange e) {
   switch (e) {
-    case Exchange::automatic:
-      return "auto";
-    case Exchange::all_gather:
-      return "allgather";
-    case Exchange::log:
-      return "log";
-    case Exchange::hierarchical:
-      return "hierarchical";
+    case Exchange::automatic: return "auto";
+    case Exchange::all_gather: return "allgather";
+    case Exchange::log: return "log";
+    case Exchange::hierarchical: return "hierarchical";
   }
   return "unknown";
 }

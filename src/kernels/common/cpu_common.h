@@ -51,30 +51,18 @@ inline void from_compute(bf16* p, int64_t i, T v) {
 template <typename Fn>
 void visit(const Tensor& t, Fn&& fn) {
   switch (t.dtype()) {
-    case DType::f32:
-      fn(static_cast<const float*>(t.data()));
-      return;
-    case DType::f64:
-      fn(static_cast<const double*>(t.data()));
-      return;
-    case DType::bf16:
-      fn(static_cast<const bf16*>(t.data()));
-      return;
+    case DType::f32: fn(static_cast<const float*>(t.data())); return;
+    case DType::f64: fn(static_cast<const double*>(t.data())); return;
+    case DType::bf16: fn(static_cast<const bf16*>(t.data())); return;
   }
   GDNCP_FAIL("unknown dtype");
 }
 template <typename Fn>
 void visit_mut(Tensor& t, Fn&& fn) {
   switch (t.dtype()) {
-    case DType::f32:
-      fn(static_cast<float*>(t.data()));
-      return;
-    case DType::f64:
-      fn(static_cast<double*>(t.data()));
-      return;
-    case DType::bf16:
-      fn(static_cast<bf16*>(t.data()));
-      return;
+    case DType::f32: fn(static_cast<float*>(t.data())); return;
+    case DType::f64: fn(static_cast<double*>(t.data())); return;
+    case DType::bf16: fn(static_cast<bf16*>(t.data())); return;
   }
   GDNCP_FAIL("unknown dtype");
 }
