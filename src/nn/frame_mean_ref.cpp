@@ -23,22 +23,25 @@ void spread_rows(T* dx, const T* dy, int64_t R, int64_t S) {
   }
 }
 
+// Runs rows(out, in) on out's and in's data: as they are when f64 is true,
+// otherwise on f32 copies (as_f32 / f32_out) with the result stored back into out.
+template <typename Rows>
+void run_rows(bool f64, Tensor& out, const Tensor& in, Rows&& rows) {
+  if (f64) return rows(out.data_ptr<double>(), in.data_ptr<double>());
+  const Tensor in32 = as_f32(in);
+  Tensor out32 = f32_out(out);
+  rows(out32.data_ptr<float>(), in32.data_ptr<float>());
+  store_out(out, out32);
+}
+
 }  // namespace
 
 void frame_mean_fwd(Tensor& y, const Tensor& x, int64_t R, int64_t S) {
-  if (x.dtype() == DType::f64) return mean_rows(y.data_ptr<double>(), x.data_ptr<double>(), R, S);
-  const Tensor x32 = as_f32(x);
-  Tensor y32 = f32_out(y);
-  mean_rows(y32.data_ptr<float>(), x32.data_ptr<float>(), R, S);
-  store_out(y, y32);
+  run_rows(x.dtype() == DType::f64, y, x, [&](auto* yp, const auto* xp) { mean_rows(yp, xp, R, S); });
 }
 
 void frame_mean_bwd(Tensor& dx, const Tensor& dy, int64_t R, int64_t S) {
-  if (dx.dtype() == DType::f64) return spread_rows(dx.data_ptr<double>(), dy.data_ptr<double>(), R, S);
-  const Tensor dy32 = as_f32(dy);
-  Tensor dx32 = f32_out(dx);
-  spread_rows(dx32.data_ptr<float>(), dy32.data_ptr<float>(), R, S);
-  store_out(dx, dx32);
+  run_rows(dx.dtype() == DType::f64, dx, dy, [&](auto* dxp, const auto* dyp) { spread_rows(dxp, dyp, R, S); });
 }
 
 }  // namespace cpu

@@ -11,18 +11,16 @@
 // A clip start f (docs/design.md §4a) drops T_f from X_f and the whole step Y_{f−1} (= 0),
 // so neither T_f nor anything across the boundary gets a gradient.
 // Gradient rule: fresh gradients for P, A, Pz, b (their dtype) and decay (its dtype).
-#include <memory>
 #include <utility>
 
-#include "gdncp/autograd.h"
-#include "gdncp/ops.h"
-#include "kernels/common/cpu_common.h"
+#include "reference/ops_common.h"
 
 namespace gdncp {
 namespace ops {
 namespace {
 
 using namespace cpu::detail;
+using namespace ops::detail;
 
 struct Geometry {
   int64_t BH, F, D;
@@ -30,11 +28,7 @@ struct Geometry {
 
 Geometry geometry(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& b, const Tensor& decay) {
   const char* op = "ops::bidi_scan";
-  require_cpu(P, op, "P");
-  require_cpu(A, op, "A");
-  require_cpu(Pz, op, "Pz");
-  require_cpu(b, op, "b");
-  require_cpu(decay, op, "decay");
+  require_cpu_inputs(op, {{P, "P"}, {A, "A"}, {Pz, "Pz"}, {b, "b"}, {decay, "decay"}});
   GDNCP_CHECK(P.dim() == 4 && P.size(2) == P.size(3), op, ": P must be (B·H, F, D, D), got ", P.str());
   const Geometry g{P.size(0), P.size(1), P.size(2)};
   GDNCP_CHECK(A.shape() == P.shape() && Pz.shape() == P.shape(), op, ": A and Pz must have P's shape, got ", A.str(),
@@ -187,15 +181,10 @@ std::vector<Tensor> bidi_scan_forward(const Tensor& P_t, const Tensor& A_t, cons
   return {tensor_from(M, P_t.shape(), ct), tensor_from(z, b_t.shape(), ct)};
 }
 
-class BidiScanNode : public autograd::Node {
+class BidiScanNode : public RefNode<BidiScanNode> {
  public:
-  explicit BidiScanNode(Tensor clip_starts) : clip_starts_(std::move(clip_starts)) {}
-  const char* name() const override { return "ops::bidi_scan"; }
-  std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
-    return saved(0).dtype() == DType::f64 ? run<double>(grads) : run<float>(grads);
-  }
+  explicit BidiScanNode(Tensor clip_starts) : RefNode("ops::bidi_scan"), clip_starts_(std::move(clip_starts)) {}
 
- private:
   template <typename T>
   std::vector<Tensor> run(const std::vector<Tensor>& grads) {
     const Tensor &P_t = saved(0), &A_t = saved(1), &Pz_t = saved(2), &b_t = saved(3), &decay = saved(4);
@@ -215,15 +204,10 @@ class BidiScanNode : public autograd::Node {
       kv.backward(&dM[m0], &P[m0], &gd[g0], &dP[m0], &dA[m0], &dg[g0]);
       zc.backward(&dz[v0], &Pz[m0], &gd[g0], &dPz[m0], &db[v0], &dg[g0]);
     }
-    std::vector<Tensor> out(5);
-    if (needs_input_grad(0)) out[0] = tensor_from(dP, P_t.shape(), P_t.dtype());
-    if (needs_input_grad(1)) out[1] = tensor_from(dA, A_t.shape(), A_t.dtype());
-    if (needs_input_grad(2)) out[2] = tensor_from(dPz, Pz_t.shape(), Pz_t.dtype());
-    if (needs_input_grad(3)) out[3] = tensor_from(db, b_t.shape(), b_t.dtype());
-    if (needs_input_grad(4)) out[4] = tensor_from(dg, decay.shape(), decay.dtype());
-    return out;
+    return grads_like_saved<T>({&dP, &dA, &dPz, &db, &dg});
   }
 
+ private:
   Tensor clip_starts_;
 };
 
@@ -231,15 +215,8 @@ class BidiScanNode : public autograd::Node {
 
 std::vector<Tensor> bidi_scan(const Tensor& P, const Tensor& A, const Tensor& Pz, const Tensor& b, const Tensor& decay,
                               const Tensor& clip_starts) {
-  std::vector<Tensor> out = P.dtype() == DType::f64 ? bidi_scan_forward<double>(P, A, Pz, b, decay, clip_starts)
-                                                    : bidi_scan_forward<float>(P, A, Pz, b, decay, clip_starts);
-  const std::vector<Tensor> inputs = {P, A, Pz, b, decay};
-  if (autograd::should_record(inputs)) {
-    auto node = std::make_shared<BidiScanNode>(clip_starts);
-    for (const Tensor& t : inputs) node->save(t);
-    autograd::record(node, inputs, out);
-  }
-  return out;
+  const auto fwd = [&](auto t) { return bidi_scan_forward<decltype(t)>(P, A, Pz, b, decay, clip_starts); };
+  return run_and_record<BidiScanNode>({P, A, Pz, b, decay}, fwd, clip_starts);
 }
 
 }  // namespace ops

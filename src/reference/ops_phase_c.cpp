@@ -6,24 +6,18 @@
 //   dqʳ_s[i] = Σ_j M_f[i][j] dnum_s[j],  dq⁺_s = dden_s z_f,
 //   dM_f[i][j] = Σ_s qʳ_s[i] dnum_s[j],   dz_f = Σ_s dden_s q⁺_s
 // Gradient rule: fresh gradients for qr, qp, M, z in their dtypes.
-#include <memory>
-
-#include "gdncp/autograd.h"
-#include "gdncp/ops.h"
-#include "kernels/common/cpu_common.h"
+#include "reference/ops_common.h"
 
 namespace gdncp {
 namespace ops {
 namespace {
 
 using namespace cpu::detail;
+using namespace ops::detail;
 
 TokenGeometry geometry(const Tensor& qr, const Tensor& qp, const Tensor& M, const Tensor& z, int64_t F, int64_t S) {
   const char* op = "ops::phase_c";
-  require_cpu(qr, op, "qr");
-  require_cpu(qp, op, "qp");
-  require_cpu(M, op, "M");
-  require_cpu(z, op, "z");
+  require_cpu_inputs(op, {{qr, "qr"}, {qp, "qp"}, {M, "M"}, {z, "z"}});
   const TokenGeometry g = token_pair_geometry(op, qr, "qr", qp, "qp", F, S);
   GDNCP_CHECK(M.shape() == Shape({g.B * g.H, F, g.D, g.D}), op, ": M must be (B·H, F, D, D), got ", M.str());
   GDNCP_CHECK(z.shape() == Shape({g.B * g.H, F, g.D}), op, ": z must be (B·H, F, D), got ", z.str());
@@ -55,15 +49,10 @@ std::vector<Tensor> phase_c_forward(const Tensor& qr_t, const Tensor& qp_t, cons
   return {tensor_from(num, qr_t.shape(), ct), tensor_from(den, {g.B, g.H, g.N}, ct)};
 }
 
-class PhaseCNode : public autograd::Node {
+class PhaseCNode : public FramesNode<PhaseCNode> {
  public:
-  PhaseCNode(int64_t F, int64_t S) : F_(F), S_(S) {}
-  const char* name() const override { return "ops::phase_c"; }
-  std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
-    return saved(0).dtype() == DType::f64 ? run<double>(grads) : run<float>(grads);
-  }
+  PhaseCNode(int64_t F, int64_t S) : FramesNode("ops::phase_c", F, S) {}
 
- private:
   template <typename T>
   std::vector<Tensor> run(const std::vector<Tensor>& grads) {
     const Tensor &qr_t = saved(0), &qp_t = saved(1), &M_t = saved(2), &z_t = saved(3);
@@ -89,29 +78,16 @@ class PhaseCNode : public autograd::Node {
             dz[static_cast<size_t>(bhf * D + i)] += gd * qp[r + static_cast<size_t>(i)];
           }
         }
-    std::vector<Tensor> out(4);
-    if (needs_input_grad(0)) out[0] = tensor_from(dqr, qr_t.shape(), qr_t.dtype());
-    if (needs_input_grad(1)) out[1] = tensor_from(dqp, qp_t.shape(), qp_t.dtype());
-    if (needs_input_grad(2)) out[2] = tensor_from(dM, M_t.shape(), M_t.dtype());
-    if (needs_input_grad(3)) out[3] = tensor_from(dz, z_t.shape(), z_t.dtype());
-    return out;
+    return grads_like_saved<T>({&dqr, &dqp, &dM, &dz});
   }
-  int64_t F_, S_;
 };
 
 }  // namespace
 
 std::vector<Tensor> phase_c(const Tensor& qr, const Tensor& qp, const Tensor& M, const Tensor& z, int64_t F,
                             int64_t S) {
-  std::vector<Tensor> out = qr.dtype() == DType::f64 ? phase_c_forward<double>(qr, qp, M, z, F, S)
-                                                     : phase_c_forward<float>(qr, qp, M, z, F, S);
-  const std::vector<Tensor> inputs = {qr, qp, M, z};
-  if (autograd::should_record(inputs)) {
-    auto node = std::make_shared<PhaseCNode>(F, S);
-    for (const Tensor& t : inputs) node->save(t);
-    autograd::record(node, inputs, out);
-  }
-  return out;
+  const auto fwd = [&](auto t) { return phase_c_forward<decltype(t)>(qr, qp, M, z, F, S); };
+  return run_and_record<PhaseCNode>({qr, qp, M, z}, fwd, F, S);
 }
 
 }  // namespace ops

@@ -7,47 +7,34 @@
 //   dq̂ = dq⁺·[q̂ > 0],  dk̂ = dk⁺·k_scale·[k̂ > 0],  the v channel gets 0
 //   dcos[n][d] = Σ_{b,h} gʳ[d]·x⁺[d],  dsin[n][d] = Σ_{b,h} gʳ[d]·x⁺[d^1]   (q and k summed)
 // Gradient rule: fresh gradients for qkv_hat and (when asked) the rope tables.
-#include <memory>
-
-#include "gdncp/autograd.h"
-#include "gdncp/ops.h"
-#include "kernels/common/cpu_common.h"
+#include "reference/ops_common.h"
 
 namespace gdncp {
 namespace ops {
 namespace {
 
 using namespace cpu::detail;
+using namespace ops::detail;
 
-struct Geometry {
-  int64_t B, N, H, D;
-  int64_t rows() const { return B * N * H; }
-};
-
-Geometry geometry(const Tensor& qkv_hat, const Tensor& cos, const Tensor& sin) {
+TokenRows geometry(const Tensor& qkv_hat, const Tensor& cos, const Tensor& sin) {
   const char* op = "ops::relu_rope";
-  require_cpu(qkv_hat, op, "qkv_hat");
-  require_cpu(cos, op, "rope_cos");
-  require_cpu(sin, op, "rope_sin");
+  require_cpu_inputs(op, {{qkv_hat, "qkv_hat"}, {cos, "rope_cos"}, {sin, "rope_sin"}});
   GDNCP_CHECK(qkv_hat.dim() == 5 && qkv_hat.size(2) == 3, op, ": qkv_hat must be (B, N, 3, H, D), got ", qkv_hat.str());
-  const Geometry g{qkv_hat.size(0), qkv_hat.size(1), qkv_hat.size(3), qkv_hat.size(4)};
+  const TokenRows g{qkv_hat.size(0), qkv_hat.size(1), qkv_hat.size(3), qkv_hat.size(4)};
   GDNCP_CHECK(g.D % 2 == 0, op, ": qkv_hat: D must be even, got ", g.D);
   GDNCP_CHECK(cos.shape() == Shape({g.N, g.D}), op, ": rope_cos must be (N, D), got ", cos.str());
   GDNCP_CHECK(sin.shape() == Shape({g.N, g.D}), op, ": rope_sin must be (N, D), got ", sin.str());
   return g;
 }
 
-// Row (b, n, h) of channel c in qkv_hat, and of a (B, N, H, D) tensor.
-inline size_t hat_at(const Geometry& g, int64_t b, int64_t n, int64_t c, int64_t h) {
+// Row (b, n, h) of channel c in qkv_hat.
+inline size_t hat_at(const TokenRows& g, int64_t b, int64_t n, int64_t c, int64_t h) {
   return static_cast<size_t>((((b * g.N + n) * 3 + c) * g.H + h) * g.D);
-}
-inline size_t row_at(const Geometry& g, int64_t b, int64_t n, int64_t h) {
-  return static_cast<size_t>(((b * g.N + n) * g.H + h) * g.D);
 }
 
 template <typename T>
 std::vector<Tensor> relu_rope_forward(const Tensor& qkv_hat, const Tensor& cos_t, const Tensor& sin_t, double k_scale) {
-  const Geometry g = geometry(qkv_hat, cos_t, sin_t);
+  const TokenRows g = geometry(qkv_hat, cos_t, sin_t);
   const std::vector<T> x = values<T>(qkv_hat, qkv_hat.numel());
   const std::vector<T> cs = values<T>(cos_t, g.N * g.D), sn = values<T>(sin_t, g.N * g.D);
   const size_t n_out = static_cast<size_t>(g.rows() * g.D);
@@ -58,7 +45,7 @@ std::vector<Tensor> relu_rope_forward(const Tensor& qkv_hat, const Tensor& cos_t
     for (int64_t n = 0; n < g.N; ++n)
       for (int64_t h = 0; h < g.H; ++h)
         for (int c = 0; c < 2; ++c) {
-          const size_t in = hat_at(g, b, n, c, h), o = row_at(g, b, n, h);
+          const size_t in = hat_at(g, b, n, c, h), o = g.row(b, n, h);
           for (int64_t d = 0; d < g.D; ++d) {
             const T v = x[in + static_cast<size_t>(d)];
             plus[c][o + static_cast<size_t>(d)] = v > T(0) ? v * scale[c] : T(0);
@@ -75,19 +62,14 @@ std::vector<Tensor> relu_rope_forward(const Tensor& qkv_hat, const Tensor& cos_t
           tensor_from(rot[1], shape, ct)};
 }
 
-class ReluRopeNode : public autograd::Node {
+class ReluRopeNode : public RefNode<ReluRopeNode> {
  public:
-  explicit ReluRopeNode(double k_scale) : k_scale_(k_scale) {}
-  const char* name() const override { return "ops::relu_rope"; }
-  std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
-    return saved(0).dtype() == DType::f64 ? run<double>(grads) : run<float>(grads);
-  }
+  explicit ReluRopeNode(double k_scale) : RefNode("ops::relu_rope"), k_scale_(k_scale) {}
 
- private:
   template <typename T>
   std::vector<Tensor> run(const std::vector<Tensor>& grads) {
     const Tensor &qkv_hat = saved(0), &cos_t = saved(1), &sin_t = saved(2);
-    const Geometry g = geometry(qkv_hat, cos_t, sin_t);
+    const TokenRows g = geometry(qkv_hat, cos_t, sin_t);
     const int64_t n_out = g.rows() * g.D;
     const std::vector<T> x = values<T>(qkv_hat, qkv_hat.numel());
     const std::vector<T> cs = values<T>(cos_t, g.N * g.D), sn = values<T>(sin_t, g.N * g.D);
@@ -99,7 +81,7 @@ class ReluRopeNode : public autograd::Node {
       for (int64_t n = 0; n < g.N; ++n)
         for (int64_t h = 0; h < g.H; ++h)
           for (int c = 0; c < 2; ++c) {
-            const size_t in = hat_at(g, b, n, c, h), o = row_at(g, b, n, h);
+            const size_t in = hat_at(g, b, n, c, h), o = g.row(b, n, h);
             const auto plus = [&](int64_t d) {
               const T v = x[in + static_cast<size_t>(d)];
               return v > T(0) ? v * scale[c] : T(0);
@@ -114,30 +96,18 @@ class ReluRopeNode : public autograd::Node {
               dsin[t] += gr * plus(d ^ 1);
             }
           }
-    std::vector<Tensor> out(3);
-    if (needs_input_grad(0)) out[0] = tensor_from(dx, qkv_hat.shape(), qkv_hat.dtype());
-    if (needs_input_grad(1)) out[1] = tensor_from(dcos, cos_t.shape(), cos_t.dtype());
-    if (needs_input_grad(2)) out[2] = tensor_from(dsin, sin_t.shape(), sin_t.dtype());
-    return out;
+    return grads_like_saved<T>({&dx, &dcos, &dsin});
   }
+
+ private:
   double k_scale_;
 };
 
 }  // namespace
 
 std::vector<Tensor> relu_rope(const Tensor& qkv_hat, const Tensor& rope_cos, const Tensor& rope_sin, double k_scale) {
-  std::vector<Tensor> out = qkv_hat.dtype() == DType::f64
-                                ? relu_rope_forward<double>(qkv_hat, rope_cos, rope_sin, k_scale)
-                                : relu_rope_forward<float>(qkv_hat, rope_cos, rope_sin, k_scale);
-  const std::vector<Tensor> inputs = {qkv_hat, rope_cos, rope_sin};
-  if (autograd::should_record(inputs)) {
-    auto node = std::make_shared<ReluRopeNode>(k_scale);
-    node->save(qkv_hat);
-    node->save(rope_cos);
-    node->save(rope_sin);
-    autograd::record(node, inputs, out);
-  }
-  return out;
+  const auto fwd = [&](auto t) { return relu_rope_forward<decltype(t)>(qkv_hat, rope_cos, rope_sin, k_scale); };
+  return run_and_record<ReluRopeNode>({qkv_hat, rope_cos, rope_sin}, fwd, k_scale);
 }
 
 }  // namespace ops

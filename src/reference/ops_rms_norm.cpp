@@ -9,17 +9,15 @@
 // unnormalised (x̂ = x). Gradient rule: the node returns fresh gradients for
 // qkv (its dtype) and the present weights (their dtype).
 #include <cmath>
-#include <memory>
 
-#include "gdncp/autograd.h"
-#include "gdncp/ops.h"
-#include "kernels/common/cpu_common.h"
+#include "reference/ops_common.h"
 
 namespace gdncp {
 namespace ops {
 namespace {
 
 using namespace cpu::detail;
+using namespace ops::detail;
 
 struct QkvDims {
   int64_t tokens, C;
@@ -59,18 +57,14 @@ Tensor rms_norm_forward(const Tensor& qkv, const Tensor& qw, const Tensor& kw, d
   return tensor_from(y, qkv.shape(), dtype_of<T>::value);
 }
 
-class RmsNormNode : public autograd::Node {
+class RmsNormNode : public RefNode<RmsNormNode> {
  public:
-  explicit RmsNormNode(double eps) : eps_(eps) {}
-  const char* name() const override { return "ops::rms_norm"; }
-  std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
-    return saved(0).dtype() == DType::f64 ? run<double>(grads[0]) : run<float>(grads[0]);
-  }
+  explicit RmsNormNode(double eps) : RefNode("ops::rms_norm"), eps_(eps) {}
   bool has_w[2] = {false, false};
 
- private:
   template <typename T>
-  std::vector<Tensor> run(const Tensor& gy) {
+  std::vector<Tensor> run(const std::vector<Tensor>& grads) {
+    const Tensor& gy = grads[0];
     const Tensor& qkv = saved(0);
     const QkvDims q = qkv_dims(qkv, "ops::rms_norm backward");
     const std::vector<T> x = values<T>(qkv, qkv.numel());
@@ -100,6 +94,8 @@ class RmsNormNode : public autograd::Node {
     if (needs_input_grad(0)) out[0] = tensor_from(dx, qkv.shape(), qkv.dtype());
     return out;
   }
+
+ private:
   double eps_;
 };
 
