@@ -177,13 +177,19 @@ std::vector<std::vector<double>> losses_by_color(const train::Config& base, int 
   return out;
 }
 
+// small() for 5 steps over videos of 5 frames (3 + 2 on CP=2).
+train::Config five_steps_of_five_frames() {
+  train::Config c = small();
+  c.steps = 5;
+  c.frames = 5;
+  return c;
+}
+
 TEST_F(TrainTest, UnevenSplitMatchesOneRank) {
   NEEDS_FOUR_RANKS();
   // Ranks {0,1}: CP=2 over 5 frames (3 + 2); rank 2: the same videos on one rank; rank 3 idles.
   const int r = world_rank();
-  train::Config base = small();
-  base.steps = 5;
-  base.frames = 5;
+  train::Config base = five_steps_of_five_frames();
   const auto l = losses_by_color(base,
                                  r < 2    ? 0
                                  : r == 2 ? 1
@@ -213,9 +219,7 @@ TEST_F(TrainTest, PackedClipsCpMatchesCpOne) {
   // Ranks {0,1}: CP=2 over clips 2,2,1 (a clip spans the ranks); rank 2: the same on one rank;
   // rank 3: the same videos as one clip, which must train differently.
   const int r = world_rank();
-  train::Config base = small();
-  base.steps = 5;
-  base.frames = 5;
+  train::Config base = five_steps_of_five_frames();
   const auto l = losses_by_color(base, r < 2 ? 0 : r, {0, 2, 3}, [](train::Config& c, int color) {
     c.cp = color == 0 ? 2 : 1;
     if (color != 3) c.clips = {2, 2, 1};
