@@ -11,20 +11,11 @@
 #include <vector>
 
 #include "mpi_cp_fixtures.h"
+#include "mpi_gpu_fixtures.h"
 
 namespace gdncp {
 namespace test {
 namespace {
-
-std::shared_ptr<cp::Communicator>& nccl_world() {
-  static std::shared_ptr<cp::Communicator> c;
-  return c;
-}
-
-#define REQUIRE_GPUS()                                                                   \
-  do {                                                                                   \
-    if (!nccl_world()) GTEST_SKIP() << "needs CUDA and " << nranks() << " visible GPUs"; \
-  } while (0)
 
 struct Outcome {
   std::vector<Tensor> values;  // out, then dqkv, dbeta, ddecay, dq_norm_w, dk_norm_w; on the CPU

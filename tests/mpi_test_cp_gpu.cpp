@@ -18,6 +18,7 @@
 #include "bigdn_fixtures.h"
 #include "kernels/cp_kernels.h"
 #include "mpi_cp_fixtures.h"
+#include "mpi_gpu_fixtures.h"
 
 #if GDNCP_WITH_CUDA
 #include "gdncp/cp_nccl.h"
@@ -27,20 +28,11 @@ namespace gdncp {
 namespace test {
 namespace {
 
-// NCCL over all ranks, and a one-rank NCCL group per process (null without GPUs).
-std::shared_ptr<cp::Communicator>& nccl_world() {
-  static std::shared_ptr<cp::Communicator> c;
-  return c;
-}
+// A one-rank NCCL group per process (null without GPUs); nccl_world: mpi_gpu_fixtures.h.
 std::shared_ptr<cp::Communicator>& nccl_self() {
   static std::shared_ptr<cp::Communicator> c;
   return c;
 }
-
-#define REQUIRE_GPUS()                                                                   \
-  do {                                                                                   \
-    if (!nccl_world()) GTEST_SKIP() << "needs CUDA and " << nranks() << " visible GPUs"; \
-  } while (0)
 
 Tensor gpu(const Tensor& t) { return t.defined() ? t.to(Device::cuda) : Tensor(); }
 Tensor cpu(const Tensor& t) { return t.defined() ? t.to(Device::cpu) : Tensor(); }
