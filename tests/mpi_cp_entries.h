@@ -16,6 +16,26 @@
 namespace gdncp {
 namespace test {
 
+// --- splits ------------------------------------------------------------------------
+
+// Frames of each logical block, per group size: 11 and 21 frames, 3 frames
+// on 4 and 8 ranks (empty ranks), and unbalanced splits with empty ranks first,
+// inside and last.
+inline std::vector<std::vector<int64_t>> splits_for(int P) {
+  switch (P) {
+    case 1: return {{11}, {21}, {3}};
+    case 2: return {{6, 5}, {11, 10}, {0, 3}, {2, 9}};
+    case 3: return {{4, 4, 3}, {7, 7, 7}, {5, 0, 6}, {1, 1, 0}};
+    case 4: return {{3, 3, 3, 2}, {6, 5, 5, 5}, {1, 1, 1, 0}, {0, 4, 0, 7}};
+    case 8: return {{3, 3, 3, 3, 3, 2, 2, 2}, {2, 2, 2, 1, 1, 1, 1, 1}, {1, 1, 1, 0, 0, 0, 0, 0}};
+    default: {
+      std::vector<std::vector<int64_t>> s(1);
+      for (int r = 0; r < P; ++r) s[0].push_back(cp::balanced_split(11, P, r).frames);
+      return s;
+    }
+  }
+}
+
 inline std::string split_str(const std::vector<int64_t>& s) {
   std::string out;
   for (int64_t f : s) out += (out.empty() ? "" : "+") + std::to_string(f);
@@ -120,6 +140,13 @@ struct Run {
   std::vector<Tensor> outs, grads;
 };
 
+// The entry's global inputs cut to frames [lo, hi) (unsplit inputs whole).
+inline std::vector<Tensor> local_inputs(const Entry& e, int64_t lo, int64_t hi) {
+  std::vector<Tensor> local;
+  for (size_t k = 0; k < e.in.size(); ++k) local.push_back(frames(e.in[k], e.in_ax[k], lo, hi));
+  return local;
+}
+
 // Forward on comm, then backward of Σ⟨w_k, out_k⟩ with w = weights(outs).
 inline Run run(const Entry& e, cp::Communicator& comm, const std::vector<Tensor>& in, int64_t F, const Tensor& mask,
                const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& weights, bool reduce) {
@@ -156,12 +183,21 @@ inline Tensor scaled(const Tensor& t, double s) {
 // rank in f32 is already 1e-3 off f64, so f32 rounding order alone exceeds tol::f32.
 constexpr int64_t kB = 2, kH = 2, kD = 8, kS = 4;
 
-inline Entry scan_entry(bool bidi, const cp::CpOptions& o, int64_t Ft, DType dt, uint64_t seed) {
+// The head size D, the tokens per frame S and the deterministic mode (docs/design.md §12)
+// of the entries: by default kD, kS, off.
+struct EntryMode {
+  int64_t D = kD, S = kS;
+  bool deterministic = false;
+};
+
+inline Entry scan_entry(bool bidi, const cp::CpOptions& o, int64_t Ft, DType dt, uint64_t seed,
+                        const EntryMode& m = {}) {
+  const int64_t D = m.D;
   Entry e;
   e.name = bidi ? "cp_bidi_scan" : "cp_scan";
   const int64_t BH = kB * kH;
-  e.in = {make_P(BH, Ft, kD, dt, seed + 1), Tensor::randn({BH, Ft, kD, kD}, dt, Device::cpu, seed + 2),
-          make_P(BH, Ft, kD, dt, seed + 3), Tensor::randn({BH, Ft, kD}, dt, Device::cpu, seed + 4),
+  e.in = {make_P(BH, Ft, D, dt, seed + 1), Tensor::randn({BH, Ft, D, D}, dt, Device::cpu, seed + 2),
+          make_P(BH, Ft, D, dt, seed + 3), Tensor::randn({BH, Ft, D}, dt, Device::cpu, seed + 4),
           Tensor::uniform({kB, kH, Ft}, dt, Device::cpu, seed + 5, 0.5, 0.99)};
   const Ax st{0, kH, 1, 1}, dc{0, 1, 2, 1}, whole{};
   e.in_ax = {st, st, st, st, dc};
@@ -173,28 +209,32 @@ inline Entry scan_entry(bool bidi, const cp::CpOptions& o, int64_t Ft, DType dt,
     e.out_ax = {st, st, whole, whole};
     e.copies = {false, false, true, true};
   }
-  e.call = [bidi, o](cp::Communicator& c, const std::vector<Tensor>& x, int64_t, const Tensor& mask) {
-    if (bidi) return cp::cp_bidi_scan(c, x[0], x[1], x[2], x[3], x[4], mask, o);
-    return scan_outputs(cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], o, mask));
+  cp::CpOptions od = o;
+  if (m.deterministic) od.deterministic = true;
+  e.call = [bidi, od](cp::Communicator& c, const std::vector<Tensor>& x, int64_t, const Tensor& mask) {
+    if (bidi) return cp::cp_bidi_scan(c, x[0], x[1], x[2], x[3], x[4], mask, od);
+    return scan_outputs(cp::cp_scan(c, x[0], x[1], x[2], x[3], x[4], od, mask));
   };
   return e;
 }
 
-inline Entry layer_entry(bool bidi, const cp::CpOptions& o, int64_t Ft, DType dt, uint64_t seed, Checkpoint ck) {
+inline Entry layer_entry(bool bidi, const cp::CpOptions& o, int64_t Ft, DType dt, uint64_t seed, Checkpoint ck,
+                         const EntryMode& m = {}) {
+  const int64_t D = m.D, S = m.S;
   Entry e;
   e.name = bidi ? "bigdn_cp" : "cp_gdn_raw";
   const DType table = dt == DType::f64 ? DType::f64 : DType::f32;
-  const int64_t N = Ft * kS, C = kH * kD;
-  const auto rope = N > 0 ? rope_tables(N, kD, table, Device::cpu, /*offset=*/3)
-                          : std::make_pair(Tensor::empty({0, kD}, table), Tensor::empty({0, kD}, table));
-  e.in = {Tensor::randn({kB, N, 3, kH, kD}, dt, Device::cpu, seed + 1),
-          Tensor::uniform({kB, kH, Ft, kS}, dt, Device::cpu, seed + 2, 0.1, 0.9),
+  const int64_t N = Ft * S, C = kH * D;
+  const auto rope = N > 0 ? rope_tables(N, D, table, Device::cpu, /*offset=*/3)
+                          : std::make_pair(Tensor::empty({0, D}, table), Tensor::empty({0, D}, table));
+  e.in = {Tensor::randn({kB, N, 3, kH, D}, dt, Device::cpu, seed + 1),
+          Tensor::uniform({kB, kH, Ft, S}, dt, Device::cpu, seed + 2, 0.1, 0.9),
           Tensor::uniform({kB, kH, Ft}, dt, Device::cpu, seed + 3, 0.5, 0.99),
           Tensor::uniform({C}, table, Device::cpu, seed + 4, 0.5, 1.5),
           Tensor::uniform({C}, table, Device::cpu, seed + 5, 0.5, 1.5),
           rope.first,
           rope.second};
-  const Ax tok{0, 1, 1, kS}, fr{0, 1, 2, 1}, whole{}, table_rows{-1, 1, 0, kS}, den{0, 1, 2, kS};
+  const Ax tok{0, 1, 1, S}, fr{0, 1, 2, 1}, whole{}, table_rows{-1, 1, 0, S}, den{0, 1, 2, S};
   e.in_ax = {tok, fr, fr, whole, whole, table_rows, table_rows};
   e.diff = {true, true, true, true, true, false, false};
   e.reduced = {false, false, false, true, true, false, false};
@@ -210,27 +250,30 @@ inline Entry layer_entry(bool bidi, const cp::CpOptions& o, int64_t Ft, DType dt
     }
   }
   BigdnOptions opt;
-  opt.k_scale = 1.0 / std::sqrt(static_cast<double>(kD * kS));
+  opt.k_scale = 1.0 / std::sqrt(static_cast<double>(D * S));
   opt.checkpoint = ck;
-  e.call = [bidi, o, opt](cp::Communicator& c, const std::vector<Tensor>& x, int64_t F, const Tensor& mask) {
+  opt.deterministic = m.deterministic;
+  e.call = [bidi, o, opt, S](cp::Communicator& c, const std::vector<Tensor>& x, int64_t F, const Tensor& mask) {
     if (bidi)
       return std::vector<Tensor>{
-          cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, kS, opt, mask, Tensor(), Tensor(), o)};
-    return raw_outputs(cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, kS, opt, o, mask));
+          cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, mask, Tensor(), Tensor(), o)};
+    return raw_outputs(cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, o, mask));
   };
   return e;
 }
 
-inline Entry cam_entry(const cp::CpOptions& o, int64_t Ft, DType dt, uint64_t seed, Checkpoint ck) {
+inline Entry cam_entry(const cp::CpOptions& o, int64_t Ft, DType dt, uint64_t seed, Checkpoint ck,
+                       const EntryMode& m = {}) {
+  const int64_t D = m.D, S = m.S;
   Entry e;
   e.name = "cp_cam_gdn_num";
-  const int64_t N = Ft * kS;
-  e.in = {Tensor::randn({kB, kH, kD, N}, dt, Device::cpu, seed + 1),
-          Tensor::randn({kB, kH, kD, N}, dt, Device::cpu, seed + 2, 1.0 / std::sqrt(double(kS * kD))),
-          Tensor::randn({kB, kH, kD, N}, dt, Device::cpu, seed + 3),
-          Tensor::uniform({kB, kH, Ft, kS}, dt, Device::cpu, seed + 4, 0.1, 0.9),
+  const int64_t N = Ft * S;
+  e.in = {Tensor::randn({kB, kH, D, N}, dt, Device::cpu, seed + 1),
+          Tensor::randn({kB, kH, D, N}, dt, Device::cpu, seed + 2, 1.0 / std::sqrt(double(S * D))),
+          Tensor::randn({kB, kH, D, N}, dt, Device::cpu, seed + 3),
+          Tensor::uniform({kB, kH, Ft, S}, dt, Device::cpu, seed + 4, 0.1, 0.9),
           Tensor::uniform({kB, kH, Ft}, dt, Device::cpu, seed + 5, 0.5, 0.99)};
-  const Ax tok{0, 1, 3, kS}, fr{0, 1, 2, 1}, whole{};
+  const Ax tok{0, 1, 3, S}, fr{0, 1, 2, 1}, whole{};
   e.in_ax = {tok, tok, tok, fr, fr};
   e.diff = {true, true, true, true, true};
   e.reduced = {false, false, false, false, false};
@@ -240,8 +283,10 @@ inline Entry cam_entry(const cp::CpOptions& o, int64_t Ft, DType dt, uint64_t se
     e.out_ax = {tok, whole};
     e.copies = {false, true};
   }
-  e.call = [o, ck](cp::Communicator& c, const std::vector<Tensor>& x, int64_t F, const Tensor&) {
-    const cp::CamResult r = cp::cp_cam_gdn_num(c, x[0], x[1], x[2], x[3], x[4], F, kS, o, ck);
+  cp::CpOptions od = o;
+  if (m.deterministic) od.deterministic = true;
+  e.call = [od, ck, S](cp::Communicator& c, const std::vector<Tensor>& x, int64_t F, const Tensor&) {
+    const cp::CamResult r = cp::cp_cam_gdn_num(c, x[0], x[1], x[2], x[3], x[4], F, S, od, ck);
     std::vector<Tensor> out = {r.out};
     if (r.terminal_M.defined()) out.push_back(r.terminal_M);
     return out;
@@ -263,21 +308,33 @@ inline void expect_close(const Tensor& got, const Tensor& want, double tol, cons
 
 // --- P ranks == one rank -----------------------------------------------------------
 
+// This rank's block of `split` (in logical order; reversed: physical rank r holds
+// logical block P−1−r): frames [off, off + F) of Ft, and the clip mask of all Ft
+// frames (undefined: no clips).
+struct RankBlock {
+  int64_t Ft, off, F;
+  Tensor mask;
+  Tensor local_mask() const { return mask.defined() ? frames(mask, Ax{0, 1, 1, 1}, off, off + F) : Tensor(); }
+};
+
+inline RankBlock rank_block(const std::vector<int64_t>& split, const cp::CpOptions& o, bool clips) {
+  const int P = nranks(), r = rank();
+  const auto [off, F] = block_of(split, o.reverse_rank_order ? P - 1 - r : r);
+  return {std::accumulate(split.begin(), split.end(), int64_t{0}), off, F, clips ? clip_mask(kB, split) : Tensor()};
+}
+
 // The entry on P ranks holding `split` (in logical order; reversed: physical
 // rank r holds logical block P−1−r) against one rank over the global sequence.
 inline void check_against_one_rank(const Entry& e, const std::vector<int64_t>& split, const cp::CpOptions& o,
                                    bool clips, DType dt, uint64_t seed) {
-  const int P = nranks(), r = rank();
+  const int P = nranks();
   ASSERT_EQ(split.size(), static_cast<size_t>(P));
-  const int64_t Ft = std::accumulate(split.begin(), split.end(), int64_t{0});
-  const int b = o.reverse_rank_order ? P - 1 - r : r;
-  const auto [off, F] = block_of(split, b);
-  const Tensor mask = clips ? clip_mask(kB, split) : Tensor();
-  const Ax mask_ax{0, 1, 1, 1};
+  const RankBlock rb = rank_block(split, o, clips);
+  const int64_t off = rb.off, F = rb.F;
 
   std::vector<Tensor> wg;
   const Run ref = run(
-      e, *self(), e.in, Ft, mask,
+      e, *self(), e.in, rb.Ft, rb.mask,
       [&](const std::vector<Tensor>& outs) {
         wg = global_weights(outs, seed);
         std::vector<Tensor> w = wg;  // every rank holds a copy: the P-rank loss counts it P times
@@ -287,10 +344,8 @@ inline void check_against_one_rank(const Entry& e, const std::vector<int64_t>& s
       },
       false);
 
-  std::vector<Tensor> local;
-  for (size_t k = 0; k < e.in.size(); ++k) local.push_back(frames(e.in[k], e.in_ax[k], off, off + F));
   const Run got = run(
-      e, *world(), local, F, clips ? frames(mask, mask_ax, off, off + F) : Tensor(),
+      e, *world(), local_inputs(e, off, off + F), F, rb.local_mask(),
       [&](const std::vector<Tensor>&) {
         std::vector<Tensor> w;
         for (size_t k = 0; k < wg.size(); ++k) w.push_back(frames(wg[k], e.out_ax[k], off, off + F));
@@ -310,6 +365,54 @@ inline void check_against_one_rank(const Entry& e, const std::vector<int64_t>& s
   }
 }
 
+// --- every split ---------------------------------------------------------------------
+
+// A check of an entry on a split: (entry, split, options, clips, dtype, seed).
+using SplitCheck =
+    std::function<void(const Entry&, const std::vector<int64_t>&, const cp::CpOptions&, bool, DType, uint64_t)>;
+
+// check on every split of this group size, f64 and f32, with and without clips.
+inline void check_each_split(const SplitCheck& check,
+                             const std::function<Entry(int64_t Ft, DType dt, uint64_t seed)>& make,
+                             const cp::CpOptions& o, bool with_clips, uint64_t seed) {
+  for (const auto& split : splits_for(nranks()))
+    for (DType dt : {DType::f64, DType::f32})
+      for (bool clips : {false, true}) {
+        if (clips && !with_clips) continue;
+        const int64_t Ft = std::accumulate(split.begin(), split.end(), int64_t{0});
+        SCOPED_TRACE("split " + split_str(split) + ", " + dtype_name(dt) + (clips ? ", clips" : ""));
+        check(make(Ft, dt, seed), split, o, clips, dt, seed);
+        seed += 17;
+      }
+}
+
+// Truncation at a K inside the shortest non-empty rank (K − 1 its first frame).
+inline cp::CpOptions truncated_inside_short_rank(const std::vector<int64_t>& split) {
+  size_t pick = 0;
+  for (size_t k = 0; k < split.size(); ++k)
+    if (split[k] > 0 && (split[pick] == 0 || split[k] <= split[pick])) pick = k;
+  cp::CpOptions o;
+  o.truncate_to_active = block_of(split, static_cast<int>(pick)).first + 1;
+  return o;
+}
+
+// check on every split truncated inside its short rank, f64 and f32, with clips too
+// when asked (clip starts at frames ≥ K are ignored).
+inline void check_each_truncated(const SplitCheck& check,
+                                 const std::function<Entry(const cp::CpOptions&, int64_t, DType, uint64_t)>& make,
+                                 bool clips, uint64_t seed) {
+  for (const auto& split : splits_for(nranks()))
+    for (DType dt : {DType::f64, DType::f32}) {
+      const cp::CpOptions o = truncated_inside_short_rank(split);
+      const int64_t Ft = std::accumulate(split.begin(), split.end(), int64_t{0});
+      SCOPED_TRACE("split " + split_str(split) + ", K = " + std::to_string(o.truncate_to_active) + ", " +
+                   dtype_name(dt));
+      check(make(o, Ft, dt, seed), split, o, false, dt, seed);
+      if (clips) check(make(o, Ft, dt, seed + 1), split, o, true, dt, seed + 1);
+      seed += 17;
+    }
+}
+
 // --- checkpointing on == off, bitwise -----------------------------------------------
 
 inline void check_checkpoint_bitwise(const std::function<Entry(Checkpoint)>& make, const std::vector<int64_t>& split,
@@ -320,10 +423,9 @@ inline void check_checkpoint_bitwise(const std::function<Entry(Checkpoint)>& mak
   Run runs[2];
   for (int on = 0; on < 2; ++on) {
     const Entry e = make(on ? Checkpoint::on : Checkpoint::off);
-    std::vector<Tensor> local;
-    for (size_t k = 0; k < e.in.size(); ++k) local.push_back(frames(e.in[k], e.in_ax[k], off, off + F));
     runs[on] = run(
-        e, *world(), local, F, mask, [&](const std::vector<Tensor>& outs) { return global_weights(outs, 77); }, true);
+        e, *world(), local_inputs(e, off, off + F), F, mask,
+        [&](const std::vector<Tensor>& outs) { return global_weights(outs, 77); }, true);
   }
   ASSERT_EQ(runs[0].outs.size(), runs[1].outs.size());
   for (size_t k = 0; k < runs[0].outs.size(); ++k)

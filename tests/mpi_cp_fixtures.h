@@ -26,7 +26,8 @@
 namespace gdncp {
 namespace test {
 
-// The CP group (MPI_COMM_WORLD) and a one-rank group (MPI_COMM_SELF) for the references.
+// The CP group (MPI_COMM_WORLD) and a one-rank group (MPI_COMM_SELF) for the
+// references; the multi-GPU tests' NCCL group over all ranks (null without GPUs).
 inline std::shared_ptr<cp::Communicator>& world() {
   static std::shared_ptr<cp::Communicator> c;
   return c;
@@ -35,6 +36,15 @@ inline std::shared_ptr<cp::Communicator>& self() {
   static std::shared_ptr<cp::Communicator> c;
   return c;
 }
+inline std::shared_ptr<cp::Communicator>& nccl_world() {
+  static std::shared_ptr<cp::Communicator> c;
+  return c;
+}
+// Skips a multi-GPU test where the NCCL group was not made.
+#define REQUIRE_NCCL_WORLD()                                                             \
+  do {                                                                                   \
+    if (!nccl_world()) GTEST_SKIP() << "needs CUDA and " << nranks() << " visible GPUs"; \
+  } while (0)
 inline int rank() { return world()->rank(); }
 inline int nranks() { return world()->size(); }
 

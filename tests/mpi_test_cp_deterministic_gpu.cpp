@@ -16,16 +16,6 @@ namespace gdncp {
 namespace test {
 namespace {
 
-std::shared_ptr<cp::Communicator>& nccl_world() {
-  static std::shared_ptr<cp::Communicator> c;
-  return c;
-}
-
-#define REQUIRE_GPUS()                                                                   \
-  do {                                                                                   \
-    if (!nccl_world()) GTEST_SKIP() << "needs CUDA and " << nranks() << " visible GPUs"; \
-  } while (0)
-
 struct Outcome {
   std::vector<Tensor> values;  // out, then dqkv, dbeta, ddecay, dq_norm_w, dk_norm_w; on the CPU
 };
@@ -84,7 +74,7 @@ std::vector<std::vector<int64_t>> gpu_splits(int P) {
 }
 
 void check_against_one_gpu(DType dt, Checkpoint ck, uint64_t seed) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   const int P = nranks(), r = rank();
   for (const auto& split : gpu_splits(P)) {
     const int64_t Ft = std::accumulate(split.begin(), split.end(), int64_t{0}), S = 37;
@@ -109,7 +99,7 @@ TEST(CpDeterministicGpu, BigdnCpEqualsOneGpuBf16) { check_against_one_gpu(DType:
 TEST(CpDeterministicGpu, BigdnCpEqualsOneGpuCheckpointed) { check_against_one_gpu(DType::bf16, Checkpoint::on, 300); }
 
 TEST(CpDeterministicGpu, TenRunsGiveTheSameBits) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   const int P = nranks(), r = rank();
   const int64_t F = 3, S = 37;
   for (DType dt : {DType::f32, DType::bf16}) {

@@ -172,8 +172,7 @@ TEST(CpExchange, LogSendsOnlyWhatIsRead) {
   o.exchange = cp::Exchange::log;
   const int64_t F = 2, Ft = F * P;
   const Entry e = scan_entry(false, o, Ft, DType::f64, 1000);
-  std::vector<Tensor> local;
-  for (size_t k = 0; k < e.in.size(); ++k) local.push_back(frames(e.in[k], e.in_ax[k], r * F, (r + 1) * F));
+  const std::vector<Tensor> local = local_inputs(e, r * F, (r + 1) * F);
   autograd::NoGradGuard ng;
   world()->set_validation(cp::Validation::off);
   e.call(*world(), local, F, Tensor());  // the record of this call, once
@@ -184,6 +183,14 @@ TEST(CpExchange, LogSendsOnlyWhatIsRead) {
   EXPECT_EQ(bytes, log_scan_bytes(P, r, kB * kH, kD)) << "rank " << r;
 }
 
+// The scan entry (bidi: both directions) with options o on one frame per rank: an
+// error on every rank containing what.
+void expect_one_frame_scan_error(bool bidi, const cp::CpOptions& o, uint64_t seed, const std::string& what) {
+  const Entry e = scan_entry(bidi, o, nranks(), DType::f64, seed);
+  const std::vector<Tensor> local = local_inputs(e, rank(), rank() + 1);
+  expect_all_throw([&] { e.call(*world(), local, 1, Tensor()); }, what);
+}
+
 // Node sizes and options that cannot work: an error on every rank, naming them.
 TEST(CpExchangeErrors, NodeSizeNotDividingRanks) {
   const int P = nranks();
@@ -191,30 +198,20 @@ TEST(CpExchangeErrors, NodeSizeNotDividingRanks) {
   cp::CpOptions o;
   o.exchange = cp::Exchange::hierarchical;
   o.node_size = P - 1;
-  const int64_t Ft = P;
-  const Entry e = scan_entry(false, o, Ft, DType::f64, 1100);
-  std::vector<Tensor> local;
-  for (size_t k = 0; k < e.in.size(); ++k) local.push_back(frames(e.in[k], e.in_ax[k], rank(), rank() + 1));
-  expect_all_throw([&] { e.call(*world(), local, 1, Tensor()); }, "node_size");
+  expect_one_frame_scan_error(false, o, 1100, "node_size");
 }
 TEST(CpExchangeErrors, ExchangeOutOfRange) {
   if (nranks() < 2) GTEST_SKIP() << "one rank exchanges nothing";
   cp::CpOptions o;
   o.exchange = static_cast<cp::Exchange>(7);
-  const Entry e = scan_entry(false, o, nranks(), DType::f64, 1200);
-  std::vector<Tensor> local;
-  for (size_t k = 0; k < e.in.size(); ++k) local.push_back(frames(e.in[k], e.in_ax[k], rank(), rank() + 1));
-  expect_all_throw([&] { e.call(*world(), local, 1, Tensor()); }, "exchange: 7 is not an Exchange");
+  expect_one_frame_scan_error(false, o, 1200, "exchange: 7 is not an Exchange");
 }
 TEST(CpExchangeErrors, BadNodeSizeVariable) {
   if (nranks() < 3) GTEST_SKIP() << "auto needs no node size at P <= 2";
   cp::CpOptions o;
   o.exchange = cp::Exchange::hierarchical;
-  const Entry e = scan_entry(false, o, nranks(), DType::f64, 1300);
-  std::vector<Tensor> local;
-  for (size_t k = 0; k < e.in.size(); ++k) local.push_back(frames(e.in[k], e.in_ax[k], rank(), rank() + 1));
   ASSERT_EQ(setenv("GDNCP_CP_NODE_SIZE", "two", 1), 0);
-  expect_all_throw([&] { e.call(*world(), local, 1, Tensor()); }, "GDNCP_CP_NODE_SIZE");
+  expect_one_frame_scan_error(false, o, 1300, "GDNCP_CP_NODE_SIZE");
   unsetenv("GDNCP_CP_NODE_SIZE");
 }
 // The environment variable declares nodes on one machine: hierarchical over them == one rank.
@@ -233,11 +230,8 @@ TEST(CpExchangeErrors, OneDirectionOptionsOnBidirectionalEntries) {
     cp::CpOptions o;
     o.reverse_rank_order = reverse;
     o.truncate_to_active = reverse ? 0 : 1;
-    const Entry e = scan_entry(true, o, nranks(), DType::f64, 1500);
-    std::vector<Tensor> local;
-    for (size_t k = 0; k < e.in.size(); ++k) local.push_back(frames(e.in[k], e.in_ax[k], rank(), rank() + 1));
-    expect_all_throw([&] { e.call(*world(), local, 1, Tensor()); },
-                     reverse ? "cp_bidi_scan: cp_options.reverse_rank_order" : "cp_bidi_scan: cp_options.truncate");
+    expect_one_frame_scan_error(
+        true, o, 1500, reverse ? "cp_bidi_scan: cp_options.reverse_rank_order" : "cp_bidi_scan: cp_options.truncate");
   }
 }
 

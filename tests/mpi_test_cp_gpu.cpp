@@ -27,20 +27,11 @@ namespace gdncp {
 namespace test {
 namespace {
 
-// NCCL over all ranks, and a one-rank NCCL group per process (null without GPUs).
-std::shared_ptr<cp::Communicator>& nccl_world() {
-  static std::shared_ptr<cp::Communicator> c;
-  return c;
-}
+// A one-rank NCCL group per process (null without GPUs); nccl_world: mpi_cp_fixtures.h.
 std::shared_ptr<cp::Communicator>& nccl_self() {
   static std::shared_ptr<cp::Communicator> c;
   return c;
 }
-
-#define REQUIRE_GPUS()                                                                   \
-  do {                                                                                   \
-    if (!nccl_world()) GTEST_SKIP() << "needs CUDA and " << nranks() << " visible GPUs"; \
-  } while (0)
 
 Tensor gpu(const Tensor& t) { return t.defined() ? t.to(Device::cuda) : Tensor(); }
 Tensor cpu(const Tensor& t) { return t.defined() ? t.to(Device::cpu) : Tensor(); }
@@ -68,7 +59,7 @@ Tensor poisoned(const Shape& s, Device dev) {
 }
 
 TEST(CudaTwins, ScanSweepMatchesCpu) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   struct Case {
     int64_t D, E;
   };
@@ -117,7 +108,7 @@ TEST(CudaTwins, ScanSweepMatchesCpu) {
 // (src/kernels/scan/scan_sweep.cu; an offset that is not 8-byte aligned either, which moves the
 // state accesses from float2 to scalar, is in CudaTwins.ScanCoreSweepVariants).
 TEST(CudaTwins, ScanSweepUnalignedPackOffset) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   const int64_t BH = 3, F = 3, D = 16, E = 16, off = 2, n = BH * D * E;
   const Tensor P = rnd({BH, F, D, D}, 80, 0.5 / D), U = rnd({BH, F, D, E}, 81);
   const Tensor decay = Tensor::uniform({1, BH, F}, DType::f32, Device::cpu, 82, 0.5, 0.99);
@@ -155,7 +146,7 @@ TEST(CudaTwins, ScanSweepUnalignedPackOffset) {
 // 2 and 4 state slices (warps) in one block, sharing the staged transitions, with idle warps
 // where D/8 slices do not divide (src/kernels/scan/fold.cu, Note [fold slices]).
 TEST(CudaTwins, ScanKernelsManySlicesMatchCpu) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   const int64_t D = 112, F = 3;
   for (const int64_t BH : {int64_t(80), int64_t(160)}) {
     const Tensor P = rnd({BH, F, D, D}, 60, 0.5 / D), U = rnd({BH, F, D, D}, 61), u = rnd({BH, F, D, 1}, 62);
@@ -246,7 +237,7 @@ void expect_grad_outer_twins(const Tensor& dP0, const Tensor& dg0, const Tensor&
 }
 
 TEST(CudaTwins, GradOuterAndFoldMatchCpu) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   for (const int64_t D : {int64_t(7), int64_t(112)})
     for (const int64_t E : {int64_t(1), D}) {
       const int64_t BH = 2, F = 3;
@@ -282,7 +273,7 @@ TEST(CudaTwins, GradOuterAndFoldMatchCpu) {
 }
 
 TEST(CudaTwins, CorrectionMatchesCpu) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   for (const int64_t D : {int64_t(9), int64_t(112), int64_t(128)}) {
     const int64_t BH = 3, F = 5;
     std::vector<Tensor> X0, C, v;
@@ -310,7 +301,7 @@ TEST(CudaTwins, CorrectionMatchesCpu) {
 }
 
 TEST(CudaTwins, CameraKernelsMatchCpu) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   for (const bool per_frame : {false, true})
     for (const DType dt : {DType::f32, DType::bf16}) {
       cp::CamDims d;
@@ -364,7 +355,7 @@ TEST(CudaTwins, CameraKernelsMatchCpu) {
 // after the step, rows with different masks (B = 2, H = 2), and the sweep of a
 // rank with no frame (F = 0: the final state is the initial one).
 TEST(CudaTwins, ScanSweepClipCutsMatchCpu) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   const int64_t B = 2, H = 2, BH = B * H;
   for (const int64_t D : {int64_t(5), int64_t(16), int64_t(112)})
     for (const int64_t E : {D, int64_t(1)})
@@ -423,7 +414,7 @@ TEST(CudaTwins, ScanSweepClipCutsMatchCpu) {
 
 // Frames cut by the mask get no transition gradient (dP = 0 or unchanged, dg unchanged).
 TEST(CudaTwins, GradOuterClipCutsMatchCpu) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   const int64_t B = 2, H = 2, BH = B * H, F = 4;
   const std::vector<double> c = {0, 1, 0, 1, 1, 0, 0, 1};
   const Tensor cuts = Tensor::from_vector(c, {B, F}, DType::f32);
@@ -448,7 +439,7 @@ TEST(CudaTwins, GradOuterClipCutsMatchCpu) {
 // --- the NCCL communicator -------------------------------------------------------------------
 
 TEST(NcclComm, Collectives) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   cp::Communicator& c = *nccl_world();
   const int P = c.size(), r = c.rank();
   EXPECT_EQ(c.device(), Device::cuda);
@@ -487,7 +478,7 @@ TEST(NcclComm, Collectives) {
 // (no host wait of any kind is counted); the results are those of the data
 // once the stream has run, and the watchdog counts the completed collectives.
 TEST(NcclCommAsync, CollectivesReturnOnceEnqueued) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   cp::Communicator& c = *nccl_world();
   const int P = c.size(), r = c.rank();
   auto contribution = [](int rr) { return Tensor::randn({9}, DType::f32, Device::cpu, 200 + rr); };
@@ -543,7 +534,7 @@ LayerInputs global_layer_inputs(const Dims& d, DType dt, uint64_t seed) {
 }
 
 void check_layer_gpu(DType dt, uint64_t seed) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   const int P = nranks(), r = rank();
   const int64_t F = 3, S = 37, D = 112, H = 2;
   const LayerInputs g = global_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
@@ -589,7 +580,7 @@ TEST(BigdnCpGpu, MatchesOneGpuAndOracleF32) { check_layer_gpu(DType::f32, 300); 
 TEST(BigdnCpGpu, MatchesOneGpuAndOracleBf16) { check_layer_gpu(DType::bf16, 310); }
 
 TEST(BigdnCpGpu, CheckpointOnEqualsOffBitwise) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   const int r = rank();
   const LayerInputs l = local_block(make_layer_inputs(dims(1, 2, 112, 2 * nranks(), 37), DType::bf16, 320), 2, r);
   Result res[2];
@@ -608,7 +599,7 @@ TEST(BigdnCpGpu, CheckpointOnEqualsOffBitwise) {
 
 // Raw single direction (truncated) and the camera branch: P GPUs vs one GPU (NCCL, one rank).
 void check_raw_gpu(DType dt, uint64_t seed) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   const int P = nranks(), r = rank();
   const int64_t F = 2, S = 21, D = 64, H = 2;
   const LayerInputs g = global_layer_inputs(dims(1, H, D, F * P, S), dt, seed);
@@ -665,7 +656,7 @@ std::vector<Tensor> run_cam_gpu(cp::Communicator& comm, const std::vector<Tensor
 }
 
 void check_cam_gpu(DType dt, uint64_t seed) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   const int P = nranks(), r = rank();
   const int64_t F = 2, S = 19, D = 48, H = 2, N = F * P * S;
   const Tensor q = Tensor::randn({1, H, D, N}, dt, Device::cpu, seed + 1);
@@ -721,7 +712,7 @@ Tensor gpu_clip_mask(int64_t B, int64_t Ft) {
 // bigdn_cp and cp_gdn_raw (truncated inside the last non-empty block) over an
 // uneven split with a clip mask, P GPUs vs one GPU running the same code.
 void check_layers_uneven_gpu(bool bidi, uint64_t seed) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   const int P = nranks(), r = rank();
   const int64_t S = 9, D = 32, H = 2, B = 2;
   for (const auto& split : gpu_splits(P)) {
@@ -808,7 +799,7 @@ TEST(CpUnevenGpu, RawTruncatedClipsMatchOneGpu) { check_layers_uneven_gpu(false,
 
 // The camera branch over an uneven split (empty ranks included), P GPUs vs one GPU.
 TEST(CpUnevenGpu, CamMatchesOneGpu) {
-  REQUIRE_GPUS();
+  REQUIRE_NCCL_WORLD();
   const int P = nranks(), r = rank();
   const int64_t S = 7, D = 24, H = 2;
   for (const auto& split : gpu_splits(P)) {

@@ -23,38 +23,10 @@ namespace gdncp {
 namespace test {
 namespace {
 
-// --- splits ------------------------------------------------------------------------
-
-// Frames of each logical block, per group size: 11 and 21 frames, 3 frames
-// on 4 and 8 ranks (empty ranks), and unbalanced splits with empty ranks first,
-// inside and last.
-std::vector<std::vector<int64_t>> splits_for(int P) {
-  switch (P) {
-    case 1: return {{11}, {21}, {3}};
-    case 2: return {{6, 5}, {11, 10}, {0, 3}, {2, 9}};
-    case 3: return {{4, 4, 3}, {7, 7, 7}, {5, 0, 6}, {1, 1, 0}};
-    case 4: return {{3, 3, 3, 2}, {6, 5, 5, 5}, {1, 1, 1, 0}, {0, 4, 0, 7}};
-    case 8: return {{3, 3, 3, 3, 3, 2, 2, 2}, {2, 2, 2, 1, 1, 1, 1, 1}, {1, 1, 1, 0, 0, 0, 0, 0}};
-    default: {
-      std::vector<std::vector<int64_t>> s(1);
-      for (int r = 0; r < P; ++r) s[0].push_back(cp::balanced_split(11, P, r).frames);
-      return s;
-    }
-  }
-}
-
-// Every split of this group size, f64 and f32, with and without clips.
+// Every split of this group size against one rank (check_each_split).
 void check_entry_splits(const std::function<Entry(int64_t Ft, DType dt, uint64_t seed)>& make, const cp::CpOptions& o,
                         bool with_clips, uint64_t seed) {
-  for (const auto& split : splits_for(nranks()))
-    for (DType dt : {DType::f64, DType::f32})
-      for (bool clips : {false, true}) {
-        if (clips && !with_clips) continue;
-        const int64_t Ft = std::accumulate(split.begin(), split.end(), int64_t{0});
-        SCOPED_TRACE("split " + split_str(split) + ", " + dtype_name(dt) + (clips ? ", clips" : ""));
-        check_against_one_rank(make(Ft, dt, seed), split, o, clips, dt, seed);
-        seed += 17;
-      }
+  check_each_split(check_against_one_rank, make, o, with_clips, seed);
 }
 
 TEST(CpUneven, ScanMatchesOneRank) {
@@ -95,29 +67,10 @@ TEST(CpUneven, CamReversedMatchesOneRank) {
                      false, 800);
 }
 
-// Truncation at a K inside the shortest non-empty rank (K − 1 its first frame),
-// with and without clips (clip starts at frames ≥ K are ignored).
-cp::CpOptions truncated_inside_short_rank(const std::vector<int64_t>& split) {
-  size_t pick = 0;
-  for (size_t k = 0; k < split.size(); ++k)
-    if (split[k] > 0 && (split[pick] == 0 || split[k] <= split[pick])) pick = k;
-  cp::CpOptions o;
-  o.truncate_to_active = block_of(split, static_cast<int>(pick)).first + 1;
-  return o;
-}
-
+// Truncated inside a short rank against one rank (check_each_truncated).
 void check_truncated(const std::function<Entry(const cp::CpOptions&, int64_t, DType, uint64_t)>& make, bool clips,
                      uint64_t seed) {
-  for (const auto& split : splits_for(nranks()))
-    for (DType dt : {DType::f64, DType::f32}) {
-      const cp::CpOptions o = truncated_inside_short_rank(split);
-      const int64_t Ft = std::accumulate(split.begin(), split.end(), int64_t{0});
-      SCOPED_TRACE("split " + split_str(split) + ", K = " + std::to_string(o.truncate_to_active) + ", " +
-                   dtype_name(dt));
-      check_against_one_rank(make(o, Ft, dt, seed), split, o, false, dt, seed);
-      if (clips) check_against_one_rank(make(o, Ft, dt, seed + 1), split, o, true, dt, seed + 1);
-      seed += 17;
-    }
+  check_each_truncated(check_against_one_rank, make, clips, seed);
 }
 
 TEST(CpUneven, ScanTruncatedInShortRank) {
@@ -216,8 +169,7 @@ void check_packed_equals_separate(const Entry& e, const std::vector<int64_t>& sp
     }
   ASSERT_GT(clips, kB) << "the mask must pack several clips";
 
-  std::vector<Tensor> local;
-  for (size_t k = 0; k < e.in.size(); ++k) local.push_back(frames(e.in[k], e.in_ax[k], off, off + F));
+  const std::vector<Tensor> local = local_inputs(e, off, off + F);
   const Run got = run(
       e, *world(), local, F, frames(mask, Ax{0, 1, 1, 1}, off, off + F),
       [&](const std::vector<Tensor>&) {
@@ -296,8 +248,7 @@ TEST(CpClipErrors, MaskShapeOrDtypeOnOneRank) {
   const auto [off, F] = block_of(split, r);
   const Entry e =
       layer_entry(true, {}, std::accumulate(split.begin(), split.end(), int64_t{0}), DType::f64, 3000, Checkpoint::off);
-  std::vector<Tensor> local;
-  for (size_t k = 0; k < e.in.size(); ++k) local.push_back(frames(e.in[k], e.in_ax[k], off, off + F));
+  const std::vector<Tensor> local = local_inputs(e, off, off + F);
   const Tensor good = Tensor::zeros({kB, F}, DType::f32, Device::cpu);
   const Tensor wrong_shape = r == last ? Tensor::zeros({kB, F + 1}, DType::f32, Device::cpu) : good;
   expect_all_throw([&] { e.call(*world(), local, F, wrong_shape); }, "clip_starts: must be (B, F)", others);

@@ -68,20 +68,21 @@ std::vector<double> from_rank(int root, std::vector<double> v) {
 // A scratch directory of this binary (not created).
 std::string scratch_dir(const std::string& name) { return gdncp::test::scratch_dir("gdncp_train_test", name); }
 
-train::Config small() {
-  train::Config c;
-  c.layers = 2;
-  c.heads = 2;
-  c.head_dim = 16;
-  c.frames = 4;
-  c.tokens = 16;
-  c.batch = 4;
-  c.pool = 8;
-  c.log_path = "";  // no files unless a test asks
-  c.print_every = 0;
-  c.check_every = 1;  // the bitwise parameter check runs every step
-  return c;
-}
+train::Config small() { return gdncp::test::small_config(2, 16, 16, 4, 8); }
+
+// Two sub-groups of two ranks, {0,1} (color 0) and {2,3} (color 1), each with
+// small() at its CP degree (cp0, cp1) and, given a scratch name, a scratch
+// directory of its own (dir; none when empty).
+struct RankPairs {
+  int color = world_rank() / 2;
+  SubGroup g{color};
+  train::Config c = small();
+  std::string dir;
+  RankPairs(int64_t cp0, int64_t cp1, const std::string& scratch = "") {
+    c.cp = color == 0 ? cp0 : cp1;
+    if (!scratch.empty()) dir = scratch_dir(scratch + std::to_string(color));
+  }
+};
 
 int world_size() {
   int n = 0;
@@ -110,12 +111,10 @@ class TrainTest : public gdncp::test::AllRanksTest {};
 TEST_F(TrainTest, TwoRankTrainingHalvesTheLossIn30Steps) {
   NEEDS_FOUR_RANKS();
   // Ranks {0,1}: DP=2 × CP=1; ranks {2,3}: DP=1 × CP=2. Both are 2-rank CPU trainings.
-  const int color = world_rank() / 2;
-  SubGroup g(color);
-  train::Config c = small();
+  RankPairs pairs(1, 2);
+  train::Config& c = pairs.c;
   c.steps = 30;
-  c.cp = color == 0 ? 1 : 2;
-  const train::Result r = run(c, g.comm());
+  const train::Result r = run(c, pairs.g.comm());
   ASSERT_EQ(r.losses.size(), 30u);
   double tail = 0;
   for (size_t i = 25; i < 30; ++i) tail += r.losses[i] / 5;  // mean of steps 26..30: batch-to-batch noise averaged
@@ -148,18 +147,17 @@ TEST_F(TrainTest, UnevenFramesAndPackedClipsTrainOnTwoRanks) {
   NEEDS_FOUR_RANKS();
   // Ranks {0,1}: CP=2 over 5 frames (3 + 2); ranks {2,3}: the same videos as clips 2,2,1
   // (the clip of frames 2..3 spans the two ranks). Both are 2-rank CPU trainings.
-  const int color = world_rank() / 2;
-  SubGroup g(color);
-  train::Config c = small();
+  RankPairs pairs(2, 2);
+  train::Config& c = pairs.c;
   c.steps = 30;
-  c.cp = 2;
   c.frames = 5;
-  if (color == 1) c.clips = {2, 2, 1};
-  const train::Result r = run(c, g.comm());
+  if (pairs.color == 1) c.clips = {2, 2, 1};
+  const train::Result r = run(c, pairs.g.comm());
   ASSERT_EQ(r.losses.size(), 30u);
   double tail = 0;
   for (size_t i = 25; i < 30; ++i) tail += r.losses[i] / 5;
-  EXPECT_LE(tail, 0.5 * r.losses[0]) << (color ? "clips" : "uneven") << ": loss " << r.losses[0] << " -> " << tail;
+  EXPECT_LE(tail, 0.5 * r.losses[0]) << (pairs.color ? "clips" : "uneven") << ": loss " << r.losses[0] << " -> "
+                                     << tail;
   for (double l : r.losses) EXPECT_TRUE(std::isfinite(l));
 }
 
@@ -179,13 +177,19 @@ std::vector<std::vector<double>> losses_by_color(const train::Config& base, int 
   return out;
 }
 
+// small() for 5 steps over videos of 5 frames (3 + 2 on CP=2).
+train::Config five_steps_of_five_frames() {
+  train::Config c = small();
+  c.steps = 5;
+  c.frames = 5;
+  return c;
+}
+
 TEST_F(TrainTest, UnevenSplitMatchesOneRank) {
   NEEDS_FOUR_RANKS();
   // Ranks {0,1}: CP=2 over 5 frames (3 + 2); rank 2: the same videos on one rank; rank 3 idles.
   const int r = world_rank();
-  train::Config base = small();
-  base.steps = 5;
-  base.frames = 5;
+  train::Config base = five_steps_of_five_frames();
   const auto l = losses_by_color(base,
                                  r < 2    ? 0
                                  : r == 2 ? 1
@@ -215,9 +219,7 @@ TEST_F(TrainTest, PackedClipsCpMatchesCpOne) {
   // Ranks {0,1}: CP=2 over clips 2,2,1 (a clip spans the ranks); rank 2: the same on one rank;
   // rank 3: the same videos as one clip, which must train differently.
   const int r = world_rank();
-  train::Config base = small();
-  base.steps = 5;
-  base.frames = 5;
+  train::Config base = five_steps_of_five_frames();
   const auto l = losses_by_color(base, r < 2 ? 0 : r, {0, 2, 3}, [](train::Config& c, int color) {
     c.cp = color == 0 ? 2 : 1;
     if (color != 3) c.clips = {2, 2, 1};
@@ -261,30 +263,27 @@ TEST_F(TrainTest, DataTimesContextParallelMatchesOneRankAndKeepsParametersIdenti
 TEST_F(TrainTest, ResumeFromStep10EqualsTwentyUninterruptedStepsBitwise) {
   NEEDS_FOUR_RANKS();
   // Ranks {0,1}: CP=2; ranks {2,3}: DP=2 — both layouts are resumed.
-  const int color = world_rank() / 2;
-  SubGroup g(color);
-  const std::string dir = scratch_dir("resume" + std::to_string(color));
-  train::Config c = small();
-  c.cp = color == 0 ? 2 : 1;
+  RankPairs pairs(2, 1, "resume");  // CP=2 and DP=2
+  train::Config c = pairs.c;
   c.check_every = 5;
   c.steps = 20;
-  const train::Result full = run(c, g.comm());
+  const train::Result full = run(c, pairs.g.comm());
 
   train::Config first = c;
   first.steps = 10;
-  first.save_dir = dir;
+  first.save_dir = pairs.dir;
   first.save_every = 10;
-  first.log_path = dir + "/log.jsonl";
-  const train::Result a = run(first, g.comm());
-  EXPECT_TRUE(std::filesystem::exists(dir + "/step_00000010.ckpt"));
-  EXPECT_FALSE(std::filesystem::exists(dir + "/step_00000010.ckpt.tmp"));
+  first.log_path = pairs.dir + "/log.jsonl";
+  const train::Result a = run(first, pairs.g.comm());
+  EXPECT_TRUE(std::filesystem::exists(pairs.dir + "/step_00000010.ckpt"));
+  EXPECT_FALSE(std::filesystem::exists(pairs.dir + "/step_00000010.ckpt.tmp"));
 
   train::Config second = c;
-  second.resume = dir;  // a directory: its latest checkpoint
-  second.log_path = dir + "/log.jsonl";
-  const train::Result b = run(second, g.comm());
+  second.resume = pairs.dir;  // a directory: its latest checkpoint
+  second.log_path = pairs.dir + "/log.jsonl";
+  const train::Result b = run(second, pairs.g.comm());
   MPI_Barrier(MPI_COMM_WORLD);  // the last collective: asserts may return early after it
-  if (world_rank() % 2 == 0) std::filesystem::remove_all(dir);
+  if (world_rank() % 2 == 0) std::filesystem::remove_all(pairs.dir);
   ASSERT_EQ(full.losses.size(), 20u);
   ASSERT_EQ(a.losses.size(), 10u);
   ASSERT_EQ(b.losses.size(), 10u);
@@ -369,39 +368,35 @@ TEST_F(TrainTest, DeterministicResumeOnAnotherCpDegreeIsBitwise) {
 
 TEST_F(TrainTest, ResumeLeavesLogAndPlotOfTheWholeRun) {
   NEEDS_FOUR_RANKS();
-  const int color = world_rank() / 2;
-  SubGroup g(color);
-  const std::string dir = scratch_dir("logplot" + std::to_string(color));
-  train::Config c = small();
-  c.cp = color == 0 ? 2 : 1;
+  RankPairs pairs(2, 1, "logplot");  // CP=2 and DP=2
+  train::Config c = pairs.c;
   c.steps = 6;
-  c.save_dir = dir;
+  c.save_dir = pairs.dir;
   c.save_every = 3;
-  c.log_path = dir + "/log.jsonl";
+  c.log_path = pairs.dir + "/log.jsonl";
   train::Config first = c;
   first.steps = 3;
-  run(first, g.comm());
-  c.resume = dir;
-  run(c, g.comm());
+  run(first, pairs.g.comm());
+  c.resume = pairs.dir;
+  run(c, pairs.g.comm());
   // The log has both halves and the plot exists.
   int log_steps = 0;
-  std::ifstream log(dir + "/log.jsonl");
+  std::ifstream log(pairs.dir + "/log.jsonl");
   for (std::string line; std::getline(log, line);) log_steps += line.find("\"loss\"") != std::string::npos;
-  if (g.member() && world_rank() % 2 == 0) {
+  if (pairs.g.member() && world_rank() % 2 == 0) {
     EXPECT_EQ(log_steps, 6);
-    EXPECT_TRUE(std::filesystem::exists(dir + "/loss.svg"));
+    EXPECT_TRUE(std::filesystem::exists(pairs.dir + "/loss.svg"));
   }
   MPI_Barrier(MPI_COMM_WORLD);
-  if (world_rank() % 2 == 0) std::filesystem::remove_all(dir);
+  if (world_rank() % 2 == 0) std::filesystem::remove_all(pairs.dir);
 }
 
 TEST_F(TrainTest, ActivationCheckpointingGivesBitwiseTheSameTraining) {
   NEEDS_FOUR_RANKS();
   // Ranks {0,1}: CP=2 (the recompute re-enters the CP layer); ranks {2,3}: DP=2.
-  const int color = world_rank() / 2;
-  SubGroup g(color);
-  train::Config c = small();
-  c.cp = color == 0 ? 2 : 1;
+  RankPairs pairs(2, 1);
+  train::Config& c = pairs.c;
+  SubGroup& g = pairs.g;
   c.steps = 4;
   c.checkpointing = "off";
   const train::Result off = run(c, g.comm());
@@ -530,12 +525,4 @@ TEST(TrainTest, SkippedWithoutExamples) { GTEST_SKIP() << "built with GDNCP_BUIL
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return gdncp::test::mpi_main(argc, argv, {}, [] {
-#if GDNCP_HAVE_TRAINER
-    const std::string scratch = std::filesystem::path(scratch_dir("x")).parent_path().string();
-    MPI_Barrier(MPI_COMM_WORLD);
-    if (world_rank() == 0) std::filesystem::remove_all(scratch);
-#endif
-  });
-}
+int main(int argc, char** argv) { return gdncp::test::train_test_main(argc, argv, "gdncp_train_test"); }

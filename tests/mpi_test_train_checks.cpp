@@ -19,46 +19,18 @@
 
 #include "mpi_train_fixtures.h"
 
-#if __has_include("trainer.h")  // examples/ built (GDNCP_BUILD_EXAMPLES): it links the trainer in
-#include "trainer.h"
-#define GDNCP_HAVE_TRAINER 1
-#endif
-
 namespace {
 
 namespace fs = std::filesystem;
 
-using gdncp::test::scratch_dir;
 using gdncp::test::world_rank;
 
 #if GDNCP_HAVE_TRAINER
 
 // A scratch directory of this binary (scratch_dir), made empty.
-std::string scratch(const std::string& name) {
-  const fs::path p = scratch_dir("gdncp_train_checks", name);
-  if (world_rank() == 0) {
-    fs::remove_all(p);
-    fs::create_directories(p);
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-  return p.string();
-}
+std::string scratch(const std::string& name) { return gdncp::test::empty_scratch_dir("gdncp_train_checks", name); }
 
-train::Config small() {
-  train::Config c;
-  c.layers = 1;
-  c.heads = 2;
-  c.head_dim = 8;
-  c.frames = 4;
-  c.tokens = 4;
-  c.batch = 2;
-  c.pool = 4;
-  c.cp = 2;
-  c.log_path = "";
-  c.print_every = 0;
-  c.check_every = 1;
-  return c;
-}
+train::Config small() { return gdncp::test::small_cp2_config(); }
 
 // train() must throw a UsageError containing every one of parts (on every rank).
 void expect_usage(const train::Config& c, const std::vector<std::string>& parts) {
@@ -106,39 +78,35 @@ TEST_F(TrainChecks, SaveDirThatCannotBeCreatedIsFoundBeforeAnyStep) {
   EXPECT_FALSE(fs::exists(c.log_path)) << "the run started before the error";
 }
 
-TEST_F(TrainChecks, SaveDirThatIsAFile) {
-  const std::string dir = scratch("savefile");
+// small() with one path flag set to value: a UsageError containing every one of parts.
+void expect_bad_path(std::string train::Config::*flag, const std::string& value,
+                     const std::vector<std::string>& parts) {
   train::Config c = small();
-  c.save_dir = plain_file(dir);
-  expect_usage(c, {"--save-dir", "not a directory"});
+  c.*flag = value;
+  expect_usage(c, parts);
+}
+
+TEST_F(TrainChecks, SaveDirThatIsAFile) {
+  expect_bad_path(&train::Config::save_dir, plain_file(scratch("savefile")), {"--save-dir", "not a directory"});
 }
 
 TEST_F(TrainChecks, LogThatCannotBeWritten) {
-  const std::string dir = scratch("log");
-  train::Config c = small();
-  c.log_path = plain_file(dir) + "/log.jsonl";
-  expect_usage(c, {"--log " + c.log_path});
+  const std::string log = plain_file(scratch("log")) + "/log.jsonl";
+  expect_bad_path(&train::Config::log_path, log, {"--log " + log});
 }
 
 TEST_F(TrainChecks, LogThatIsADirectory) {
-  const std::string dir = scratch("logdir");
-  train::Config c = small();
-  c.log_path = dir;
-  expect_usage(c, {"--log", "is a directory"});
+  expect_bad_path(&train::Config::log_path, scratch("logdir"), {"--log", "is a directory"});
 }
 
 TEST_F(TrainChecks, PlotThatCannotBeWritten) {
-  const std::string dir = scratch("plot");
-  train::Config c = small();
-  c.plot_path = plain_file(dir) + "/loss.svg";
-  expect_usage(c, {"--plot " + c.plot_path});
+  const std::string plot = plain_file(scratch("plot")) + "/loss.svg";
+  expect_bad_path(&train::Config::plot_path, plot, {"--plot " + plot});
 }
 
 TEST_F(TrainChecks, ResumeDirectoryWithoutCheckpoints) {
   const std::string dir = scratch("noresume");
-  train::Config c = small();
-  c.resume = dir;
-  expect_usage(c, {"--resume " + dir, "no step_*.ckpt"});
+  expect_bad_path(&train::Config::resume, dir, {"--resume " + dir, "no step_*.ckpt"});
 }
 
 TEST_F(TrainChecks, SizesThatOverflowNameTheFlags) {
@@ -237,12 +205,4 @@ TEST(TrainChecks, SkippedWithoutExamples) { GTEST_SKIP() << "built with GDNCP_BU
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return gdncp::test::mpi_main(argc, argv, {}, [] {
-#if GDNCP_HAVE_TRAINER
-    const std::string root = fs::path(scratch("x")).parent_path().string();
-    MPI_Barrier(MPI_COMM_WORLD);
-    if (world_rank() == 0) fs::remove_all(root);
-#endif
-  });
-}
+int main(int argc, char** argv) { return gdncp::test::train_test_main(argc, argv, "gdncp_train_checks"); }

@@ -16,44 +16,19 @@
 
 #include "mpi_train_fixtures.h"
 
-#if __has_include("trainer.h")  // examples/ built (GDNCP_BUILD_EXAMPLES): it links the trainer in
-#include "trainer.h"
-#define GDNCP_HAVE_TRAINER 1
-#endif
-
 namespace {
 
 namespace fs = std::filesystem;
 
-using gdncp::test::scratch_dir;
 using gdncp::test::world_rank;
 
 #if GDNCP_HAVE_TRAINER
 
-std::string scratch(const std::string& name) {
-  const fs::path p = scratch_dir("gdncp_train_harden", name);
-  if (world_rank() == 0) {
-    fs::remove_all(p);
-    fs::create_directories(p);
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-  return p.string();
-}
+std::string scratch(const std::string& name) { return gdncp::test::empty_scratch_dir("gdncp_train_harden", name); }
 
 train::Config small() {
-  train::Config c;
-  c.layers = 1;
-  c.heads = 2;
-  c.head_dim = 8;
-  c.frames = 4;
-  c.tokens = 4;
-  c.batch = 2;
-  c.pool = 4;
-  c.cp = 2;
+  train::Config c = gdncp::test::small_cp2_config();
   c.steps = 2;
-  c.log_path = "";
-  c.print_every = 0;
-  c.check_every = 1;
   return c;
 }
 
@@ -125,12 +100,4 @@ TEST(TrainHarden, SkippedWithoutExamples) { GTEST_SKIP() << "built with GDNCP_BU
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return gdncp::test::mpi_main(argc, argv, {}, [] {
-#if GDNCP_HAVE_TRAINER
-    const std::string root = fs::path(scratch("x")).parent_path().string();
-    MPI_Barrier(MPI_COMM_WORLD);
-    if (world_rank() == 0) fs::remove_all(root);
-#endif
-  });
-}
+int main(int argc, char** argv) { return gdncp::test::train_test_main(argc, argv, "gdncp_train_harden"); }

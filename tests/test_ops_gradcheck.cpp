@@ -36,6 +36,9 @@ void expect_gradcheck(const std::string& what, const Fn& fn, const std::vector<T
   EXPECT_LE(r.max_rel_error, kTol) << what << "\n" << r.report;
 }
 
+// An op of four inputs and the frames F and tokens per frame S (ops::phase_a, ops::phase_c).
+using FrameOp = std::vector<Tensor> (*)(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
+
 // The shapes every op is checked on: D ∈ {12, 24, 112}, S = 1, F = 1, B·H > 1.
 std::vector<Dims> op_shapes() {
   return {dims(2, 1, 12, 2, 3), dims(1, 2, 24, 1, 2), dims(1, 1, 112, 2, 1), dims(2, 2, 12, 3, 1)};
@@ -79,6 +82,14 @@ TEST(OpsGradcheck, ReluRope) {
   }
 }
 
+// Gradcheck of op at the F and S of the shape d.
+void expect_frame_op_gradcheck(const std::string& name, FrameOp op, const Dims& d, const std::vector<Tensor>& inputs) {
+  const int64_t F = d.F, S = d.S;
+  expect_gradcheck(
+      name + " " + dims_str(d), [op, F, S](const std::vector<Tensor>& x) { return op(x[0], x[1], x[2], x[3], F, S); },
+      inputs);
+}
+
 TEST(OpsGradcheck, PhaseA) {
   uint64_t seed = 300;
   for (const Dims& d : op_shapes()) {
@@ -86,10 +97,7 @@ TEST(OpsGradcheck, PhaseA) {
     const Tensor kp = randn({d.B, d.N(), d.H, d.D}, ++seed, 0.3);
     const Tensor qkv_hat = randn({d.B, d.N(), 3, d.H, d.D}, ++seed);
     const Tensor beta = uniform({d.B, d.H, d.F, d.S}, ++seed, 0.1, 0.9);
-    const int64_t F = d.F, S = d.S;
-    expect_gradcheck("ops::phase_a " + dims_str(d),
-                     [F, S](const std::vector<Tensor>& x) { return ops::phase_a(x[0], x[1], x[2], x[3], F, S); },
-                     {kr, kp, qkv_hat, beta});
+    expect_frame_op_gradcheck("ops::phase_a", ops::phase_a, d, {kr, kp, qkv_hat, beta});
   }
 }
 
@@ -112,10 +120,7 @@ TEST(OpsGradcheck, PhaseC) {
   for (const Dims& d : op_shapes()) {
     const Tensor qr = randn({d.B, d.N(), d.H, d.D}, ++seed), qp = randn({d.B, d.N(), d.H, d.D}, ++seed);
     const Tensor M = randn({d.BH(), d.F, d.D, d.D}, ++seed), z = randn({d.BH(), d.F, d.D}, ++seed);
-    const int64_t F = d.F, S = d.S;
-    expect_gradcheck("ops::phase_c " + dims_str(d),
-                     [F, S](const std::vector<Tensor>& x) { return ops::phase_c(x[0], x[1], x[2], x[3], F, S); },
-                     {qr, qp, M, z});
+    expect_frame_op_gradcheck("ops::phase_c", ops::phase_c, d, {qr, qp, M, z});
   }
 }
 
