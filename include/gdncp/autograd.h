@@ -83,25 +83,26 @@ class Node {
 // --- grad mode ------------------------------------------------------------
 bool grad_enabled();
 void set_grad_enabled(bool enabled);
-class NoGradGuard {
+// Sets grad mode for its lifetime and restores the previous mode on exit.
+class GradModeGuard {
  public:
-  NoGradGuard() : prev_(grad_enabled()) { set_grad_enabled(false); }
-  ~NoGradGuard() { set_grad_enabled(prev_); }
-  NoGradGuard(const NoGradGuard&) = delete;
-  NoGradGuard& operator=(const NoGradGuard&) = delete;
+  ~GradModeGuard() { set_grad_enabled(prev_); }
+  GradModeGuard(const GradModeGuard&) = delete;
+  GradModeGuard& operator=(const GradModeGuard&) = delete;
+
+ protected:
+  explicit GradModeGuard(bool enabled) : prev_(grad_enabled()) { set_grad_enabled(enabled); }
 
  private:
   bool prev_;
 };
-class EnableGradGuard {
+class NoGradGuard : public GradModeGuard {
  public:
-  EnableGradGuard() : prev_(grad_enabled()) { set_grad_enabled(true); }
-  ~EnableGradGuard() { set_grad_enabled(prev_); }
-  EnableGradGuard(const EnableGradGuard&) = delete;
-  EnableGradGuard& operator=(const EnableGradGuard&) = delete;
-
- private:
-  bool prev_;
+  NoGradGuard() : GradModeGuard(false) {}
+};
+class EnableGradGuard : public GradModeGuard {
+ public:
+  EnableGradGuard() : GradModeGuard(true) {}
 };
 
 // True when grad mode is on and some defined input requires grad: an op then

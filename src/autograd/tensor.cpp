@@ -17,22 +17,30 @@
 
 namespace gdncp {
 
+namespace {
+// Every dtype's element size and name: the one table dtype_size and dtype_name read.
+struct DTypeInfo {
+  DType dtype;
+  size_t size;
+  const char* name;
+};
+constexpr DTypeInfo kDTypes[] = {{DType::f32, 4, "f32"}, {DType::bf16, 2, "bf16"}, {DType::f64, 8, "f64"}};
+
+const DTypeInfo* dtype_info(DType dtype) {
+  for (const DTypeInfo& info : kDTypes)
+    if (info.dtype == dtype) return &info;
+  return nullptr;
+}
+}  // namespace
+
 size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::f32: return 4;
-    case DType::bf16: return 2;
-    case DType::f64: return 8;
-  }
-  return 0;
+  const DTypeInfo* info = dtype_info(dtype);
+  return info ? info->size : 0;
 }
 
 const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::f32: return "f32";
-    case DType::bf16: return "bf16";
-    case DType::f64: return "f64";
-  }
-  return "?";
+  const DTypeInfo* info = dtype_info(dtype);
+  return info ? info->name : "?";
 }
 
 const char* device_name(Device device) { return device == Device::cpu ? "cpu" : "cuda"; }

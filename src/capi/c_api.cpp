@@ -281,6 +281,15 @@ gdncp::cp::Communicator& comm_of(gdncp_comm* comm, const char* fn) {
   return *comm->c;
 }
 
+// A communicator getter: checks out and comm, then writes get(comm) to *out.
+template <typename T, typename Get>
+gdncp_status comm_get(const gdncp_comm* comm, T* out, const char* fn, const char* what, Get get) {
+  return guarded([&] {
+    not_null(out, fn, what);
+    *out = get(comm_of(const_cast<gdncp_comm*>(comm), fn));
+  });
+}
+
 const gdncp_graph* graph_of(const gdncp_graph* graph, const char* fn) {
   not_null(graph, fn, "graph");
   if (!is_live(graph)) argument_error(fn, ": graph is not a live gdncp_graph (destroyed, or not made by gdncp)");
@@ -400,6 +409,34 @@ constexpr size_t kLayerInputs = sizeof kLayerNames / sizeof kLayerNames[0];
 constexpr size_t kLayerDiff = 5;
 
 std::vector<const char*> layer_names() { return std::vector<const char*>(kLayerNames, kLayerNames + kLayerInputs); }
+
+// What the CP layer entries share: the layer's inputs and options checked under
+// collective_call (Note [refused before the entry]), then run_layer; layer makes
+// the outputs from the imported inputs once the C++ entry is entered.
+using CpLayer = std::function<std::vector<Tensor>(gdncp::cp::Communicator&, std::vector<Tensor>&,
+                                                  const gdncp::BigdnOptions&, const gdncp::cp::CpOptions&)>;
+
+void cp_layer_call(const char* fn, const char* entry, gdncp_comm* comm, std::vector<DLManagedTensor*> tensors,
+                   const gdncp_layer_options* options, const gdncp_cp_options* cp_options, void* stream,
+                   uint32_t requires_grad, DLManagedTensor** outs, const char* outs_name, size_t n_outs,
+                   gdncp_graph** graph, const CpLayer& layer) {
+  Inputs in(fn, std::move(tensors), layer_names());
+  auto& c = comm_of(comm, fn);
+  bool entered = false;
+  collective_call(c, entry, entered, [&] {
+    for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
+    not_null(outs, fn, outs_name);
+    const gdncp::BigdnOptions opt = layer_options(options, fn);
+    const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
+    run_layer(
+        fn, in, kLayerDiff, kLayerInputs, requires_grad, stream, comm->c,
+        [&](std::vector<Tensor>& x) {
+          entered = true;
+          return layer(c, x, opt, cp_opt);
+        },
+        outs, n_outs, graph);
+  });
+}
 
 }  // namespace
 
@@ -562,24 +599,16 @@ gdncp_status gdncp_comm_destroy(gdncp_comm* comm) {
 }
 
 gdncp_status gdncp_comm_rank(const gdncp_comm* comm, int* rank) {
-  return guarded([&] {
-    not_null(rank, "gdncp_comm_rank", "rank");
-    *rank = comm_of(const_cast<gdncp_comm*>(comm), "gdncp_comm_rank").rank();
-  });
+  return comm_get(comm, rank, "gdncp_comm_rank", "rank", [](gdncp::cp::Communicator& c) { return c.rank(); });
 }
 
 gdncp_status gdncp_comm_size(const gdncp_comm* comm, int* size) {
-  return guarded([&] {
-    not_null(size, "gdncp_comm_size", "size");
-    *size = comm_of(const_cast<gdncp_comm*>(comm), "gdncp_comm_size").size();
-  });
+  return comm_get(comm, size, "gdncp_comm_size", "size", [](gdncp::cp::Communicator& c) { return c.size(); });
 }
 
 gdncp_status gdncp_comm_backend(const gdncp_comm* comm, const char** backend) {
-  return guarded([&] {
-    not_null(backend, "gdncp_comm_backend", "backend");
-    *backend = comm_of(const_cast<gdncp_comm*>(comm), "gdncp_comm_backend").backend();
-  });
+  return comm_get(comm, backend, "gdncp_comm_backend", "backend",
+                  [](gdncp::cp::Communicator& c) { return c.backend(); });
 }
 
 gdncp_status gdncp_comm_set_timeout(gdncp_comm* comm, double seconds) {
@@ -592,17 +621,13 @@ gdncp_status gdncp_comm_set_timeout(gdncp_comm* comm, double seconds) {
 }
 
 gdncp_status gdncp_comm_timeout(const gdncp_comm* comm, double* seconds) {
-  return guarded([&] {
-    not_null(seconds, "gdncp_comm_timeout", "seconds");
-    *seconds = comm_of(const_cast<gdncp_comm*>(comm), "gdncp_comm_timeout").timeout_seconds();
-  });
+  return comm_get(comm, seconds, "gdncp_comm_timeout", "seconds",
+                  [](gdncp::cp::Communicator& c) { return c.timeout_seconds(); });
 }
 
 gdncp_status gdncp_comm_aborted(const gdncp_comm* comm, int* aborted) {
-  return guarded([&] {
-    not_null(aborted, "gdncp_comm_aborted", "aborted");
-    *aborted = comm_of(const_cast<gdncp_comm*>(comm), "gdncp_comm_aborted").aborted() ? 1 : 0;
-  });
+  return comm_get(comm, aborted, "gdncp_comm_aborted", "aborted",
+                  [](gdncp::cp::Communicator& c) { return c.aborted() ? 1 : 0; });
 }
 
 gdncp_status gdncp_comm_all_reduce_sum(gdncp_comm* comm, DLManagedTensor* t, void* stream) {
@@ -764,24 +789,14 @@ gdncp_status gdncp_bigdn_cp_ex(gdncp_comm* comm, DLManagedTensor* qkv, DLManaged
                                DLManagedTensor** out, gdncp_graph** graph) {
   const char* fn = "gdncp_bigdn_cp";
   return guarded([&] {
-    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts},
-              layer_names());
-    auto& c = comm_of(comm, fn);
-    bool entered = false;
-    collective_call(c, "bigdn_cp", entered, [&] {
-      for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
-      not_null(out, fn, "out");
-      const gdncp::BigdnOptions opt = layer_options(options, fn);
-      const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
-      run_layer(
-          fn, in, kLayerDiff, kLayerInputs, requires_grad, stream, comm->c,
-          [&](std::vector<Tensor>& x) {
-            entered = true;
-            return std::vector<Tensor>{
-                gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, x[9], x[7], x[8], cp_opt)};
-          },
-          out, 1, graph);
-    });
+    cp_layer_call(fn, "bigdn_cp", comm,
+                  {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts},
+                  options, cp_options, stream, requires_grad, out, "out", 1, graph,
+                  [&](gdncp::cp::Communicator& c, std::vector<Tensor>& x, const gdncp::BigdnOptions& opt,
+                      const gdncp::cp::CpOptions& cp_opt) {
+                    return std::vector<Tensor>{gdncp::cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S,
+                                                                   opt, x[9], x[7], x[8], cp_opt)};
+                  });
   });
 }
 
@@ -793,25 +808,15 @@ gdncp_status gdncp_cp_gdn_raw(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedT
                               DLManagedTensor* outputs[4], gdncp_graph** graph) {
   const char* fn = "gdncp_cp_gdn_raw";
   return guarded([&] {
-    Inputs in(fn, {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts},
-              layer_names());
-    auto& c = comm_of(comm, fn);
-    bool entered = false;
-    collective_call(c, "cp_gdn_raw", entered, [&] {
-      for (size_t i : {0, 1, 2, 5, 6}) in.require(i);
-      not_null(outputs, fn, "outputs");
-      const gdncp::BigdnOptions opt = layer_options(options, fn);
-      const gdncp::cp::CpOptions cp_opt = cp_options_of(cp_options, fn);
-      run_layer(
-          fn, in, kLayerDiff, kLayerInputs, requires_grad, stream, comm->c,
-          [&](std::vector<Tensor>& x) {
-            entered = true;
-            gdncp::cp::RawResult r =
-                gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S, opt, cp_opt, x[9], x[7], x[8]);
-            return std::vector<Tensor>{r.num, r.den, r.terminal_M, r.terminal_z};
-          },
-          outputs, 4, graph);
-    });
+    cp_layer_call(fn, "cp_gdn_raw", comm,
+                  {qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q, clip_starts},
+                  options, cp_options, stream, requires_grad, outputs, "outputs", 4, graph,
+                  [&](gdncp::cp::Communicator& c, std::vector<Tensor>& x, const gdncp::BigdnOptions& opt,
+                      const gdncp::cp::CpOptions& cp_opt) {
+                    gdncp::cp::RawResult r = gdncp::cp::cp_gdn_raw(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], F, S,
+                                                                   opt, cp_opt, x[9], x[7], x[8]);
+                    return std::vector<Tensor>{r.num, r.den, r.terminal_M, r.terminal_z};
+                  });
   });
 }
 

@@ -9,6 +9,7 @@
 // Gradients: q, k, v, beta, decay in their dtypes, fresh tensors.
 #include <memory>
 
+#include "cp/cp_node.h"
 #include "cp/scan/deterministic.h"
 #include "cp/scan/scan_engine.h"
 #include "cp/validate_cp.h"
@@ -37,11 +38,11 @@ ScanJob cam_job(const Tensor& Pc, const Tensor& Ac, const CamDims& d, const CpOp
   return j;
 }
 
-class CamNode : public autograd::Node {
+class CamNode : public detail::CpNode {
  public:
   CamNode(std::shared_ptr<Communicator> comm, const CamDims& d, const CpOptions& o, int64_t offset,
           std::vector<int64_t> frames)
-      : owner_(std::move(comm)), comm_(*owner_), d_(d), opt_(o), offset_(offset), frames_(std::move(frames)) {}
+      : CpNode(std::move(comm), offset, std::move(frames)), d_(d), opt_(o) {}
   const char* name() const override { return "cp_cam_gdn_num"; }
 
   // Saved after the inputs: Pc, gathered, Y, X0.
@@ -89,12 +90,8 @@ class CamNode : public autograd::Node {
   }
 
  private:
-  std::shared_ptr<Communicator> owner_;  // shares the communicator's ownership: it outlives this node
-  Communicator& comm_;
   CamDims d_;
   CpOptions opt_;
-  int64_t offset_;               // this rank's first global frame
-  std::vector<int64_t> frames_;  // the deterministic mode: every rank's F (ScanContext::frames)
 };
 
 std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& in, const CamDims& d, const CpOptions& o,

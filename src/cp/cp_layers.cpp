@@ -27,6 +27,7 @@
 #include <utility>
 
 #include "autograd/tensor_internals.h"
+#include "cp/cp_node.h"
 #include "cp/scan/deterministic.h"
 #include "cp/scan/exchange.h"
 #include "cp/scan/kv_z_scan.h"
@@ -48,20 +49,17 @@ using detail::ScanJob;
 // The q tables are undefined when q is rotated with the k tables.
 enum Input { kQkv, kBeta, kDecay, kQNormW, kKNormW, kRopeCos, kRopeSin, kRopeCosQ, kRopeSinQ, kNumInputs };
 
-class CpLayerNode : public autograd::Node {
+class CpLayerNode : public detail::CpNode {
  public:
   CpLayerNode(std::shared_ptr<Communicator> comm, const Dims& d, const BigdnOptions& opt, const CpOptions& cpo,
               MathMode mode, bool bidi, int64_t offset, const Tensor& cuts, std::vector<int64_t> frames)
-      : owner_(std::move(comm)),
-        comm_(*owner_),
+      : CpNode(std::move(comm), offset, std::move(frames)),
         d_(d),
         opt_(opt),
         cpo_(cpo),
         mode_(mode),
         bidi_(bidi),
-        offset_(offset),
-        cuts_(cuts),
-        frames_(std::move(frames)) {}
+        cuts_(cuts) {}
   const char* name() const override { return bidi_ ? "bigdn_cp" : "cp_gdn_raw"; }
 
   // Saved after the inputs: rstd, P, Pz, gathered, M, z (what phase C read), then Y, X0 per job.
@@ -175,16 +173,12 @@ class CpLayerNode : public autograd::Node {
                                  terminal ? grads[3] : Tensor());
   }
 
-  std::shared_ptr<Communicator> owner_;  // shares the communicator's ownership: it outlives this node
-  Communicator& comm_;
   Dims d_;
   BigdnOptions opt_;
   CpOptions cpo_;
   MathMode mode_;
   bool bidi_;
-  int64_t offset_;               // this rank's first global frame
-  Tensor cuts_;                  // the clip mask (B, F) or undefined (not differentiable)
-  std::vector<int64_t> frames_;  // the deterministic mode: every rank's F (ScanContext::frames)
+  Tensor cuts_;  // the clip mask (B, F) or undefined (not differentiable)
 };
 
 // The fused forward on validated inputs; records one CpLayerNode when needed.

@@ -7,6 +7,7 @@
 // fresh tensors (activation gradients), summed into the leaves by the engine.
 #include <memory>
 
+#include "cp/cp_node.h"
 #include "cp/scan/deterministic.h"
 #include "cp/scan/exchange.h"
 #include "cp/scan/kv_z_scan.h"
@@ -62,17 +63,11 @@ void check_scan_inputs(const char* entry, const Tensor& P, const Tensor& A, cons
   rec.device = static_cast<int64_t>(P.device());
 }
 
-class CpScanNode : public autograd::Node {
+class CpScanNode : public detail::CpNode {
  public:
   CpScanNode(std::shared_ptr<Communicator> comm, bool bidi, const CpOptions& o, int64_t offset, const Tensor& cuts,
              std::vector<int64_t> frames)
-      : owner_(std::move(comm)),
-        comm_(*owner_),
-        bidi_(bidi),
-        opt_(o),
-        offset_(offset),
-        cuts_(cuts),
-        frames_(std::move(frames)) {}
+      : CpNode(std::move(comm), offset, std::move(frames)), bidi_(bidi), opt_(o), cuts_(cuts) {}
   const char* name() const override { return bidi_ ? "cp_bidi_scan" : "cp_scan"; }
 
   void save_state(const std::vector<Tensor>& in, const std::vector<ScanJob>& jobs, const ScanContext& ctx) {
@@ -108,14 +103,10 @@ class CpScanNode : public autograd::Node {
   }
 
  private:
-  std::shared_ptr<Communicator> owner_;  // shares the communicator's ownership: it outlives this node
-  Communicator& comm_;
   bool bidi_;
   CpOptions opt_;
-  int64_t offset_;  // this rank's first global frame
-  Tensor cuts_;     // the clip mask (not differentiable)
+  Tensor cuts_;  // the clip mask (not differentiable)
   size_t n_jobs_ = 0;
-  std::vector<int64_t> frames_;  // the deterministic mode: every rank's F (ScanContext::frames)
 };
 
 std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor& P, const Tensor& A, const Tensor& Pz,

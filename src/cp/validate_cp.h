@@ -10,9 +10,11 @@
 // mistake on one rank never leaves the others waiting in a collective.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -77,6 +79,13 @@ void check_cp_options_global(const char* entry, const CpOptions& o, const FrameL
 
 // Records that a communicator of this process was aborted (any_communicator_aborted()).
 void note_abort();
+
+// The backends' shared all_gather argument checks: out holds size copies of in's dtype and numel.
+void check_all_gather_args(const Tensor& out, const Tensor& in, int size);
+
+// Counts one data collective of bytes begun at start in stats, under mu.
+void count_collective(std::mutex& mu, Communicator::Stats& stats, size_t bytes,
+                      std::chrono::steady_clock::time_point start, bool host_wait);
 
 // The shared owner of comm, taken by a node (or a checkpoint's recompute)
 // that uses comm after the entry returns, so that the communicator lives as

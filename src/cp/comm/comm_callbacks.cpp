@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "autograd/tensor_math.h"
+#include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
 
@@ -54,10 +55,7 @@ class CallbackCommunicator final : public Communicator {
     check_usable("all_gather");
     check_tensor(in, "all_gather: in");
     check_tensor(out, "all_gather: out");
-    GDNCP_CHECK(out.dtype() == in.dtype(), "all_gather: out dtype ", dtype_name(out.dtype()), " != in dtype ",
-                dtype_name(in.dtype()));
-    GDNCP_CHECK(out.numel() == in.numel() * size_, "all_gather: out has ", out.numel(), " elements, expected size()·",
-                in.numel(), " = ", in.numel() * size_);
+    detail::check_all_gather_args(out, in, size_);
     gather(out.data(), in.data(), in.nbytes(), Kind::all_gather, false);
   }
 
@@ -202,11 +200,7 @@ class CallbackCommunicator final : public Communicator {
       abort_with(std::string(what) + " failed in the caller's callback: " + err);
       GDNCP_FAIL(what, ": the callback communicator's collective failed on rank ", rank_, " of ", size_, ": ", err);
     }
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    stats_.calls += 1;
-    stats_.bytes += static_cast<int64_t>(bytes);
-    stats_.seconds += std::chrono::duration<double>(Clock::now() - start).count();
-    if (host_wait) stats_.host_waits += 1;
+    detail::count_collective(stats_mu_, stats_, bytes, start, host_wait);
   }
 
   CollectiveCallbacks cb_;

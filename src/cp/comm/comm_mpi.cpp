@@ -206,10 +206,7 @@ class MpiCommunicator final : public Communicator {
     const std::string bad = argument_error([&] {
       check_cpu(in, "all_gather: in");
       check_cpu(out, "all_gather: out");
-      GDNCP_CHECK(out.dtype() == in.dtype(), "all_gather: out dtype ", dtype_name(out.dtype()), " != in dtype ",
-                  dtype_name(in.dtype()));
-      GDNCP_CHECK(out.numel() == in.numel() * size_, "all_gather: out has ", out.numel(), " elements, expected size()·",
-                  in.numel(), " = ", in.numel() * size_);
+      detail::check_all_gather_args(out, in, size_);
     });
     if (!bad.empty()) return gather(nullptr, nullptr, 0, Kind::all_gather, false, bad);
     gather(out.data(), in.data(), in.nbytes(), Kind::all_gather, false);
@@ -447,11 +444,7 @@ class MpiCommunicator final : public Communicator {
       else
         std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 20 : 200));
     }
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    stats_.calls += 1;
-    stats_.bytes += static_cast<int64_t>(bytes);
-    stats_.seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-    if (host_wait) stats_.host_waits += 1;
+    detail::count_collective(stats_mu_, stats_, bytes, t0, host_wait);
     return got;
   }
 

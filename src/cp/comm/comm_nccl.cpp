@@ -191,10 +191,7 @@ class NcclCommunicator final : public Communicator {
     check("all_gather");
     check_cuda(in, "all_gather: in");
     check_cuda(out, "all_gather: out");
-    GDNCP_CHECK(out.dtype() == in.dtype(), "all_gather: out dtype ", dtype_name(out.dtype()), " != in dtype ",
-                dtype_name(in.dtype()));
-    GDNCP_CHECK(out.numel() == in.numel() * size_, "all_gather: out has ", out.numel(), " elements, expected size()·",
-                in.numel(), " = ", in.numel() * size_);
+    detail::check_all_gather_args(out, in, size_);
     run("ncclAllGather", in.nbytes(),
         [&](cudaStream_t s) { return ncclAllGather(in.data(), out.data(), in.nbytes(), ncclUint8, comm_, s); });
   }

@@ -35,6 +35,26 @@ void Communicator::check_usable(const char* what) const {
              ") was aborted: ", abort_reason());
 }
 
+namespace detail {
+
+void check_all_gather_args(const Tensor& out, const Tensor& in, int size) {
+  GDNCP_CHECK(out.dtype() == in.dtype(), "all_gather: out dtype ", dtype_name(out.dtype()), " != in dtype ",
+              dtype_name(in.dtype()));
+  GDNCP_CHECK(out.numel() == in.numel() * size, "all_gather: out has ", out.numel(), " elements, expected size()·",
+              in.numel(), " = ", in.numel() * size);
+}
+
+void count_collective(std::mutex& mu, Communicator::Stats& stats, size_t bytes,
+                      std::chrono::steady_clock::time_point start, bool host_wait) {
+  std::lock_guard<std::mutex> lock(mu);
+  stats.calls += 1;
+  stats.bytes += static_cast<int64_t>(bytes);
+  stats.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (host_wait) stats.host_waits += 1;
+}
+
+}  // namespace detail
+
 // Padded to kRecordBytes: the exchanges of different entries have one size,
 // so ranks in different entries see each other's records instead of a
 // truncated message.

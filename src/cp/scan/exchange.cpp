@@ -290,6 +290,24 @@ Ops ops_of(const Tensor& like, int64_t BH, int64_t D, bool transpose) {
   return o;
 }
 
+// This node's own map in an item (its lanes' maps folded in the item's order; transpose:
+// the adjoint maps, M from Mbuf, addends from hbuf), when it travels or is the total, and its
+// N when it is needed. The item's init and want_total are set.
+void fill_own(Item& it, const ExchangeJob& j, bool reverse, const Ops& ops, int n, int g, int G, const Tensor& Mbuf,
+              int64_t fwd_total, bool transpose, const Tensor& hbuf, int64_t h_off, int64_t h_total, int64_t BH,
+              int64_t D) {
+  it.E = j.E;
+  it.reverse = reverse;
+  const int pos = pos_of(g, G, it.reverse);
+  if (G > 1 || it.want_total) {  // the node's own map travels (or is the total)
+    GDNCP_CHECK(j.M_off >= 0 || n == 1, "cp exchange: the node's transitions were not packed");
+    it.own.h = ops.flat(j.E);
+    kern::fold(it.own.h, Tensor(), j.M_off >= 0 ? Mbuf : Tensor(), std::max<int64_t>(j.M_off, 0), fwd_total, transpose,
+               hbuf, h_off, h_total, lanes_in_order(n, it.reverse), BH, D, j.E);
+  }
+  if (own_needs_N(pos, G, it.init.defined(), it.want_total)) it.own.N = node_product(ops, Mbuf, fwd_total, j, n);
+}
+
 }  // namespace
 
 void check_exchange_only(const char* entry, const CpOptions& o) {
@@ -348,18 +366,8 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
   std::vector<Item> items(jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i) {
     const ExchangeJob& j = jobs[i];
-    Item& it = items[i];
-    it.E = j.E;
-    it.reverse = j.reverse;
-    it.want_total = j.terminal;
-    const int pos = pos_of(g, G, j.reverse);
-    if (G > 1 || j.terminal) {  // the node's own map travels (or is the total)
-      GDNCP_CHECK(j.M_off >= 0 || n == 1, "cp exchange: the node's transitions were not packed");
-      it.own.h = ops.flat(j.E);
-      kern::fold(it.own.h, Tensor(), j.M_off >= 0 ? nodebuf : Tensor(), std::max<int64_t>(j.M_off, 0), fwd_total, false,
-                 nodebuf, j.h_off, fwd_total, lanes_in_order(n, j.reverse), BH, D, j.E);
-    }
-    if (own_needs_N(pos, G, false, j.terminal)) it.own.N = node_product(ops, nodebuf, fwd_total, j, n);
+    items[i].want_total = j.terminal;
+    fill_own(items[i], j, j.reverse, ops, n, g, G, nodebuf, fwd_total, false, nodebuf, j.h_off, fwd_total, BH, D);
   }
   log_scan(comm, ops, n, items);
   for (size_t i = 0; i < jobs.size(); ++i) {
@@ -425,18 +433,8 @@ void exchange_backward(Communicator& comm, const ExchangePlan& plan, const std::
   std::vector<Item> items(jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i) {
     const ExchangeJob& j = jobs[i];
-    Item& it = items[i];
-    it.E = j.E;
-    it.reverse = !j.reverse;
-    it.init = a0[i];
-    const int pos = pos_of(g, G, it.reverse);
-    if (G > 1) {
-      GDNCP_CHECK(j.M_off >= 0 || n == 1, "cp exchange: the node's transitions were not packed");
-      it.own.h = ops.flat(j.E);
-      kern::fold(it.own.h, Tensor(), j.M_off >= 0 ? kept : Tensor(), std::max<int64_t>(j.M_off, 0), fwd_total, true,
-                 nbuf, j.dX0_off, bwd_total, lanes_in_order(n, it.reverse), BH, D, j.E);
-    }
-    if (own_needs_N(pos, G, it.init.defined(), false)) it.own.N = node_product(ops, kept, fwd_total, j, n);
+    items[i].init = a0[i];
+    fill_own(items[i], j, !j.reverse, ops, n, g, G, kept, fwd_total, true, nbuf, j.dX0_off, bwd_total, BH, D);
   }
   log_scan(comm, ops, n, items);
   for (size_t i = 0; i < jobs.size(); ++i) {
