@@ -64,8 +64,7 @@ class CamNode : public detail::CpNode {
     Tensor dM = Tensor::empty({BH, F, D, D}, ct, dev);
     kern::cam_out_bwd(dq, dM, grads[0], q, Y, d);
 
-    ScanContext ctx{&comm_, BH, F, D, decay, gathered, Tensor(), d.H, frames_, opt_.truncate_to_active};
-    detail::set_exchange(ctx, opt_);
+    ScanContext ctx = detail::scan_context(comm_, BH, F, D, decay, gathered, Tensor(), d.H, frames_, opt_);
     std::vector<ScanJob> jobs = {cam_job(Pc, Tensor(), d, opt_, offset_)};
     jobs[0].Y = Y;
     jobs[0].X0 = X0;
@@ -102,8 +101,7 @@ std::vector<Tensor> cam_forward(Communicator& comm, const std::vector<Tensor>& i
   const int64_t BH = d.BH(), F = d.F, D = d.D;
   Tensor Pc = Tensor::empty({BH, F, D, D}, ct, dev), Ac = Tensor::empty({BH, F, D, D}, ct, dev);
   kern::cam_phase_a_fwd(Pc, Ac, k, v, beta, d);
-  ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor(), Tensor(), d.H, frames, o.truncate_to_active};
-  detail::set_exchange(ctx, o);
+  ScanContext ctx = detail::scan_context(comm, BH, F, D, decay, keep ? *keep : Tensor(), Tensor(), d.H, frames, o);
   std::vector<ScanJob> jobs = {cam_job(Pc, Ac, d, o, offset)};
   detail::scan_forward(ctx, jobs);
   if (keep) *keep = ctx.gathered;

@@ -159,9 +159,8 @@ class CpLayerNode : public detail::CpNode {
   // with their adjoints and handles, go on return.
   detail::KvZGrads scan_backward(const std::vector<Tensor>& grads, const Tensor& dM, const Tensor& dz) const {
     const Dims& d = d_;
-    ScanContext ctx{&comm_,           d.BH(), d.F, d.D,     saved(kDecay),
-                    saved(kGathered), cuts_,  d.H, frames_, cpo_.truncate_to_active};
-    detail::set_exchange(ctx, cpo_);
+    ScanContext ctx =
+        detail::scan_context(comm_, d.BH(), d.F, d.D, saved(kDecay), saved(kGathered), cuts_, d.H, frames_, cpo_);
     std::vector<ScanJob> jobs =
         detail::kv_z_jobs(saved(kP), Tensor(), saved(kPz), Tensor(), d.D, d.F, bidi_, cpo_, offset_);
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -213,8 +212,7 @@ std::vector<Tensor> layer_forward(Communicator& comm, const std::vector<Tensor>&
   const Tensor &rstd = prep.rstd, &P = prep.P, &A = prep.A, &Pz = prep.Pz, &bz = prep.bz;
 
   // The CP scans: every direction's composites in one all-gather.
-  ScanContext ctx{&comm, BH, F, D, decay, keep ? *keep : Tensor(), cuts, H, frames, cpo.truncate_to_active};
-  detail::set_exchange(ctx, cpo);
+  ScanContext ctx = detail::scan_context(comm, BH, F, D, decay, keep ? *keep : Tensor(), cuts, H, frames, cpo);
   std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi, cpo, offset);
   detail::scan_forward(ctx, jobs);
   if (keep) *keep = ctx.gathered;

@@ -83,8 +83,8 @@ class CpScanNode : public detail::CpNode {
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
     const Tensor &P = saved(kP), &A = saved(kA), &Pz = saved(kPz), &bz = saved(kBz), &decay = saved(kDecay);
     const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
-    ScanContext ctx{&comm_, BH, F, D, decay, saved(kNumInputs), cuts_, decay.size(1), frames_, opt_.truncate_to_active};
-    detail::set_exchange(ctx, opt_);
+    ScanContext ctx =
+        detail::scan_context(comm_, BH, F, D, decay, saved(kNumInputs), cuts_, decay.size(1), frames_, opt_);
     std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi_, opt_, offset_);
     for (size_t i = 0; i < n_jobs_; ++i) {
       jobs[i].Y = saved(kNumInputs + 1 + 2 * i);
@@ -123,8 +123,7 @@ std::vector<Tensor> run_scan(Communicator& comm, const char* entry, const Tensor
   detail::check_cp_options_global(entry, o, frames);
   const int64_t BH = P.size(0), F = P.size(1), D = P.size(2);
   std::vector<int64_t> counts = o.deterministic ? detail::rank_frames(comm, F) : std::vector<int64_t>();
-  ScanContext ctx{&comm, BH, F, D, decay, Tensor(), clip_starts, decay.size(1), counts, o.truncate_to_active};
-  detail::set_exchange(ctx, o);
+  ScanContext ctx = detail::scan_context(comm, BH, F, D, decay, Tensor(), clip_starts, decay.size(1), counts, o);
   std::vector<ScanJob> jobs = detail::kv_z_jobs(P, A, Pz, bz, D, F, bidi, o, frames.offset);
   detail::scan_forward(ctx, jobs);
 

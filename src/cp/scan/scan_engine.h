@@ -86,10 +86,15 @@ struct ScanContext {
   int node_size = 0;
 };
 
-// The exchange options of a CP entry into its scan context.
-inline void set_exchange(ScanContext& ctx, const CpOptions& o) {
+// The scan context of a CP entry: what its options say of the scan (truncate_to_active, the
+// exchange) comes from them here, in one place.
+inline ScanContext scan_context(Communicator& comm, int64_t BH, int64_t F, int64_t D, const Tensor& decay,
+                                const Tensor& gathered, const Tensor& cuts, int64_t H, std::vector<int64_t> frames,
+                                const CpOptions& o) {
+  ScanContext ctx{&comm, BH, F, D, decay, gathered, cuts, H, std::move(frames), o.truncate_to_active};
   ctx.exchange = o.exchange;
   ctx.node_size = o.node_size;
+  return ctx;
 }
 
 // Frames of this rank (F of them from global frame `offset`) that stay active
