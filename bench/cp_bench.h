@@ -34,6 +34,8 @@ struct CpBenchConfig {
   // The composites' exchange (gdncp/cp.h Exchange) and the ranks per node, for every CP row.
   cp::Exchange exchange = cp::Exchange::automatic;
   int node_size = 8;
+  // Every CP row in the deterministic mode (gdncp/cp.h CpOptions::deterministic).
+  bool deterministic = false;
   // With emulate: the modeled links (modeled_link.h): "none" (collectives cost a device
   // copy), "nvlink" (one NVLink domain) or "ib" (NVLink inside nodes of node_size ranks,
   // InfiniBand between them).
