@@ -72,9 +72,10 @@ void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
   GDNCP_CP_DISPATCH(fs.front().X, folds(fs, BH, D));
 }
 
-void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n) {
+void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n, int64_t rows,
+                 int64_t dst_pitch, int64_t src_pitch) {
   GDNCP_CHECK(dst.device() == src.device(), "copy_region: device mismatch");
-  GDNCP_CP_DISPATCH(dst, copy_region(dst, dst_off, src, src_off, n));
+  GDNCP_CP_DISPATCH(dst, copy_region(dst, dst_off, src, src_off, n, rows, dst_pitch, src_pitch));
 }
 
 void add(Tensor& out, const Tensor& a, const Tensor& b) { GDNCP_CP_DISPATCH(out, add(out, a, b)); }

@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "gdncp/error.h"
 #include "gdncp/tensor.h"
 
 namespace gdncp {
@@ -117,6 +118,17 @@ struct CamDims {
   int64_t N() const { return F * S; }
 };
 
+// The bounds of copy_region's rows in a tensor of numel elements: every row
+// [off + r·pitch, off + r·pitch + n) inside it, products checked for overflow.
+inline void check_region(const char* which, int64_t numel, int64_t off, int64_t n, int64_t rows, int64_t pitch) {
+  GDNCP_CHECK(off >= 0 && n >= 0 && rows >= 0 && (rows <= 1 || pitch >= n), "copy_region: bad ", which,
+              " region (offset ", off, ", ", rows, " rows of ", n, ", pitch ", pitch, ")");
+  if (n == 0 || rows == 0) return;
+  GDNCP_CHECK(off <= numel - n && checked_mul(rows - 1, pitch, "copy_region: rows × pitch") <= numel - n - off,
+              "copy_region: ", which, " region (offset ", off, ", ", rows, " rows of ", n, ", pitch ", pitch,
+              ") is not inside its ", numel, " elements");
+}
+
 #define GDNCP_CP_TWINS(NS)                                                                                              \
   namespace NS {                                                                                                        \
   /* The sweep of Note [scan step]. P (BH, F, D, D) and the states compute dtype; decay (BH·F) any float dtype;        \
@@ -156,8 +168,10 @@ struct CamDims {
             const Tensor& Hbuf, int64_t h_off, int64_t h_stride, const std::vector<int>& order, int64_t BH, int64_t D,  \
             int64_t E);                                                                                                 \
                                                                                                                         \
-  /* dst[dst_off + i] = src[src_off + i], i < n (same dtype). */                                                        \
-  void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n);                        \
+  /* dst[dst_off + r·dst_pitch + i] = src[src_off + r·src_pitch + i], i < n, r < rows (same dtype; pitches >= n    \
+     when rows > 1): one strided copy on CUDA. */                                                                       \
+  void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n, int64_t rows = 1,      \
+                   int64_t dst_pitch = 0, int64_t src_pitch = 0);                                                       \
   /* out = a + b elementwise (same shape and dtype; out may alias a). */                                                \
   void add(Tensor& out, const Tensor& a, const Tensor& b);                                                              \
                                                                                                                         \

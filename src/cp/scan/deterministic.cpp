@@ -97,8 +97,7 @@ Pieces pieces_of(const ScanContext& c, const std::vector<ScanJob>& jobs) {
 void put(Tensor& pack, int64_t off, const Tensor& t, int64_t rows, int64_t F, int64_t Fmax, int64_t X) {
   if (F == 0) return;
   GDNCP_CHECK(t.numel() == rows * F * X, "deterministic scan: a piece of ", t.str(), " is not ", rows, "x", F, "x", X);
-  if (F == Fmax) return kern::copy_region(pack, off, t, 0, rows * F * X);
-  for (int64_t row = 0; row < rows; ++row) kern::copy_region(pack, off + row * Fmax * X, t, row * F * X, F * X);
+  kern::copy_region(pack, off, t, 0, F * X, rows, Fmax * X, F * X);
 }
 
 // The global (rows, F_total, X) tensor of shape `shape` from the pieces at off of every rank.
@@ -112,8 +111,7 @@ Tensor assemble(const Tensor& gathered, int64_t slice, int64_t off, const Shape&
   for (int pos = 0; pos < P; ++pos) {
     const int p = reversed ? P - 1 - pos : pos;
     const int64_t F = frames[static_cast<size_t>(p)];
-    for (int64_t row = 0; F > 0 && row < rows; ++row)
-      kern::copy_region(g, (row * Ft + o) * X, gathered, p * slice + off + row * Fmax * X, F * X);
+    if (F > 0) kern::copy_region(g, o * X, gathered, p * slice + off, F * X, rows, Ft * X, Fmax * X);
     o += F;
   }
   return g;
@@ -123,7 +121,7 @@ Tensor assemble(const Tensor& gathered, int64_t slice, int64_t off, const Shape&
 Tensor slice_frames(const Tensor& g, int64_t o, const Shape& shape, int64_t rows, int64_t Ft, int64_t X) {
   Tensor t = Tensor::empty(shape, g.dtype(), g.device());
   const int64_t F = rows > 0 ? t.numel() / (rows * X) : 0;
-  for (int64_t row = 0; F > 0 && row < rows; ++row) kern::copy_region(t, row * F * X, g, (row * Ft + o) * X, F * X);
+  if (F > 0) kern::copy_region(t, 0, g, o * X, F * X, rows, F * X, Ft * X);
   return t;
 }
 

@@ -486,14 +486,21 @@ void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int6
   folds(one, BH, D);
 }
 
-void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n) {
+void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n, int64_t rows,
+                 int64_t dst_pitch, int64_t src_pitch) {
   GDNCP_CHECK(dst.dtype() == src.dtype(), "copy_region: dtype mismatch");
-  GDNCP_CHECK(dst_off + n <= dst.numel() && src_off + n <= src.numel(), "copy_region: out of range");
-  if (n == 0) return;
+  check_region("dst", dst.numel(), dst_off, n, rows, dst_pitch);
+  check_region("src", src.numel(), src_off, n, rows, src_pitch);
+  if (n == 0 || rows == 0) return;
   const size_t es = dtype_size(dst.dtype());
-  GDNCP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst.data()) + dst_off * es,
-                                   static_cast<const char*>(src.data()) + src_off * es, static_cast<size_t>(n) * es,
-                                   cudaMemcpyDeviceToDevice, stream()));
+  char* d = static_cast<char*>(dst.data()) + dst_off * es;
+  const char* s = static_cast<const char*>(src.data()) + src_off * es;
+  if (rows == 1)
+    GDNCP_CUDA_CHECK(cudaMemcpyAsync(d, s, static_cast<size_t>(n) * es, cudaMemcpyDeviceToDevice, stream()));
+  else
+    GDNCP_CUDA_CHECK(cudaMemcpy2DAsync(d, static_cast<size_t>(dst_pitch) * es, s, static_cast<size_t>(src_pitch) * es,
+                                       static_cast<size_t>(n) * es, static_cast<size_t>(rows),
+                                       cudaMemcpyDeviceToDevice, stream()));
 }
 
 void add(Tensor& out, const Tensor& a, const Tensor& b) {

@@ -239,12 +239,15 @@ void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int6
     fold_impl<float>(X, init, Mbuf, m_off, m_stride, transpose, Hbuf, h_off, h_stride, order, BH, D, E);
 }
 
-void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n) {
+void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n, int64_t rows,
+                 int64_t dst_pitch, int64_t src_pitch) {
   GDNCP_CHECK(dst.dtype() == src.dtype(), "copy_region: dtype mismatch");
-  GDNCP_CHECK(dst_off + n <= dst.numel() && src_off + n <= src.numel(), "copy_region: out of range");
+  check_region("dst", dst.numel(), dst_off, n, rows, dst_pitch);
+  check_region("src", src.numel(), src_off, n, rows, src_pitch);
   const size_t es = dtype_size(dst.dtype());
-  std::memcpy(static_cast<char*>(dst.data()) + dst_off * es, static_cast<const char*>(src.data()) + src_off * es,
-              static_cast<size_t>(n) * es);
+  for (int64_t r = 0; r < rows && n > 0; ++r)
+    std::memcpy(static_cast<char*>(dst.data()) + (dst_off + r * dst_pitch) * es,
+                static_cast<const char*>(src.data()) + (src_off + r * src_pitch) * es, static_cast<size_t>(n) * es);
 }
 
 void add(Tensor& out, const Tensor& a, const Tensor& b) {
