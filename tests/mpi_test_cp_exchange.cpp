@@ -4,7 +4,7 @@
 //     divides P, auto) == one rank, f64, forward and every gradient, for every
 //     entry: uneven splits with empty ranks, clip masks crossing rank and node
 //     boundaries, reverse rank order, truncation;
-//   - checkpointing on == off bitwise under each exchange;
+//   - checkpointing on == off bitwise under each exchange, and overlap_exchange on == off;
 //   - the log exchange sends exactly the composites Note [exchange] says;
 //   - a node size that does not divide P, an exchange out of range, a bad
 //     GDNCP_CP_NODE_SIZE and the one-direction options on the bidirectional
@@ -146,6 +146,37 @@ TEST(CpExchange, CheckpointBitwiseEqual) {
       check_checkpoint_bitwise([&](Checkpoint ck) { return layer_entry(false, t, Ft, DType::f32, 950, ck); }, split,
                                true);
     }
+  }
+}
+
+// The exchange hidden behind the sweeps it does not read (Note [hidden exchange]): the same
+// sweeps in two batches, so overlap on == off bitwise, forward and every gradient, f32 and f64,
+// under every exchange (log and hierarchical ignore it), with checkpointing, truncation, reverse
+// rank order and clips.
+TEST(CpExchange, OverlapBitwiseEqual) {
+  for (const auto& split : exchange_splits(nranks())) {
+    const int64_t Ft = total(split);
+    for (const cp::CpOptions& base : exchanges())
+      for (DType dt : {DType::f32, DType::f64}) {
+        SCOPED_TRACE(name_of(base) + ", split " + split_str(split) + ", " + dtype_name(dt));
+        const auto with = [&](cp::CpOptions o, bool on) {
+          o.overlap_exchange = on;
+          return o;
+        };
+        check_variants_bitwise(
+            [&](bool on) { return layer_entry(true, with(base, on), Ft, dt, 1000, Checkpoint::off); }, split, true);
+        check_variants_bitwise([&](bool on) { return layer_entry(true, with(base, on), Ft, dt, 1010, Checkpoint::on); },
+                               split, false);
+        cp::CpOptions t = base;
+        t.truncate_to_active = Ft;
+        check_variants_bitwise([&](bool on) { return layer_entry(false, with(t, on), Ft, dt, 1020, Checkpoint::off); },
+                               split, true);
+        check_variants_bitwise([&](bool on) { return scan_entry(true, with(base, on), Ft, dt, 1030); }, split, true);
+        cp::CpOptions rev = base;
+        rev.reverse_rank_order = true;
+        check_variants_bitwise([&](bool on) { return cam_entry(with(rev, on), Ft, dt, 1040, Checkpoint::off); }, split,
+                               false);
+      }
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "cp/scan/comm_stream.h"
 #include "cp/scan/deterministic.h"
 #include "cp/scan/exchange.h"
 #include "gdncp/error.h"
@@ -136,10 +137,12 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   //    follow (X0 ≠ 0), the cumulative products Wcum per frame, whose last is
   //    the composite transition M (into the pack where it travels: Note [which
   //    composites travel]). A checkpoint recompute (composites kept) writes no
-  //    composites.
+  //    composites. With overlap, the sweeps the all-gather does not read (Wcum
+  //    where M does not travel) run after it is issued (Note [hidden exchange]).
   const bool gather = P > 1 && !ctx.gathered.defined();
+  const bool hide = ctx.overlap && gather && plan.algo == Exchange::all_gather;
   Tensor pack = gather ? Tensor::empty({L.fwd_total}, dt, dev) : Tensor();
-  std::vector<Sweep> sweeps;
+  std::vector<Sweep> sweeps, later;
   std::vector<Tensor> cum(jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
@@ -170,11 +173,19 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       sm.add_after = Tensor();
       sm.spec.init = Init::identity;
       sm.spec.E = D;
-      sweeps.push_back(sm);
+      (hide && L.M[i] < 0 ? later : sweeps).push_back(sm);
     }
     sweeps.push_back(sh);
   }
   kern::scan_sweeps(sweeps, ctx.decay);
+  CommStream lane(hide && dev == Device::cuda);
+  if (hide) {
+    Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * L.fwd_total}, dt, dev);
+    lane.issue([&] { comm.all_gather(gathered, pack); });
+    ctx.gathered = gathered;
+    if (!later.empty()) kern::scan_sweeps(later, ctx.decay);
+    lane.join();
+  }
   if (P == 1) {
     for (auto& j : jobs) j.X0 = Tensor::zeros(state_shape(BH, D, j.E), dt, dev);
     return;
@@ -196,7 +207,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   }
 
   // 2. One all-gather of every job's composites (kept: a checkpoint recompute passes them back in).
-  if (gather) {
+  if (gather && !hide) {
     Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * L.fwd_total}, dt, dev);
     comm.all_gather(gathered, pack);
     ctx.gathered = gathered;
@@ -276,7 +287,10 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   //    arrive from later ranks, the cumulative products Rcum_t of the
   //    transposed transitions it passes through. One batch.
   //    With P > 1 the adjoints of X0 go straight into the all-gather's pack.
-  std::vector<Sweep> sweeps;
+  //    With overlap, the Rcum sweeps run after the all-gather is issued (Note [hidden exchange]).
+  const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
+  const bool hide = ctx.overlap && P > 1 && plan.algo == Exchange::all_gather;
+  std::vector<Sweep> sweeps, later;
   std::vector<Tensor> rcum(jobs.size());
   Tensor pack = P > 1 ? Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev) : Tensor();
   for (size_t i = 0; i < jobs.size(); ++i) {
@@ -295,12 +309,11 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       w.add_before = w.add_after = Tensor();
       w.spec.init = Init::identity;
       w.spec.E = D;
-      sweeps.push_back(w);
+      (hide ? later : sweeps).push_back(w);
     }
   }
   kern::scan_sweeps(sweeps, ctx.decay);
 
-  const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
   if (P > 1 && plan.algo != Exchange::all_gather) {  // 2-3 by the exchange of exchange.h
     for (size_t i = 0; i < jobs.size(); ++i)
       if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
@@ -319,7 +332,10 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     for (size_t i = 0; i < jobs.size(); ++i)
       if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
     Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * pack.numel()}, dt, dev);
-    comm.all_gather(gathered, pack);
+    CommStream lane(hide && dev == Device::cuda);
+    lane.issue([&] { comm.all_gather(gathered, pack); });
+    if (!later.empty()) kern::scan_sweeps(later, ctx.decay);
+    lane.join();
     const int64_t stride = pack.numel();
     // 3. Σ over ranks of dT (rank order: the same bits everywhere), then the
     //    adjoint a arriving from the logically later ranks: a ← dX0_j + M_jᵀ a.

@@ -84,6 +84,7 @@ struct ScanContext {
   // src/cp/scan/exchange.h says instead of every rank's composites.
   Exchange exchange = Exchange::automatic;
   int node_size = 0;
+  bool overlap = false;  // CpOptions::overlap_exchange (Note [hidden exchange], comm_stream.h)
 };
 
 // The scan context of a CP entry: what its options say of the scan (truncate_to_active, the
@@ -94,6 +95,7 @@ inline ScanContext scan_context(Communicator& comm, int64_t BH, int64_t F, int64
   ScanContext ctx{&comm, BH, F, D, decay, gathered, cuts, H, std::move(frames), o.truncate_to_active};
   ctx.exchange = o.exchange;
   ctx.node_size = o.node_size;
+  ctx.overlap = o.overlap_exchange;
   return ctx;
 }
 
