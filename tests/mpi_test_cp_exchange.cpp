@@ -5,6 +5,7 @@
 //     entry: uneven splits with empty ranks, clip masks crossing rank and node
 //     boundaries, reverse rank order, truncation;
 //   - checkpointing on == off bitwise under each exchange, and overlap_exchange on == off;
+//   - the f32 layer within 1e-6 of f64, the decay gradient included;
 //   - the log exchange sends exactly the composites Note [exchange] says;
 //   - a node size that does not divide P, an exchange out of range, a bad
 //     GDNCP_CP_NODE_SIZE and the one-direction options on the bidirectional
@@ -178,6 +179,26 @@ TEST(CpExchange, OverlapBitwiseEqual) {
                                false);
       }
   }
+}
+
+// The f32 CP layer against f64 at 11 frames a rank (22 at P = 2, the production split), every
+// output and gradient within docs/design.md §8's 1e-6, the decay gradient included (its frames'
+// sums over both directions' KV and Z terms in the wider type, rounded once).
+TEST(CpExchangePrecision, F32LayerWithin1e6OfF64) {
+  const int P = nranks(), r = rank();
+  const int64_t F = 11, S = 8, D = 32;
+  const LayerInputs g = make_layer_inputs(dims(1, 2, D, F * P, S), DType::f64, 1100);
+  const Tensor w = Tensor::randn({1, F * P * S, 2, D}, DType::f64, Device::cpu, 1101);
+  std::vector<std::vector<Tensor>> res;  // f64, f32: out, dqkv, dbeta, ddecay
+  for (DType dt : {DType::f64, DType::f32}) {
+    const LayerInputs l = convert(local_block(g, F, r), dt);
+    std::vector<Tensor> x = {leaf(l.qkv), leaf(l.beta), leaf(l.decay), leaf(l.q_norm_w), leaf(l.k_norm_w)};
+    const Tensor out = cp::bigdn_cp(*world(), x[0], x[1], x[2], x[3], x[4], l.rope_cos, l.rope_sin, F, S, l.opt);
+    backward_weighted({out}, {rank_block(w, 1, F * S, r).to(dt)});
+    res.push_back({out, x[0].grad(), x[1].grad(), x[2].grad()});
+  }
+  const char* names[] = {"out", "dqkv", "dbeta", "ddecay"};
+  for (size_t k = 0; k < 4; ++k) EXPECT_TRUE(close_rel(res[1][k], res[0][k], tol::f32_layer, names[k])) << "rank " << r;
 }
 
 // Bytes the log exchange sends from this rank in one cp_scan forward (KV and Z, forward

@@ -411,12 +411,11 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     g.accumulate_dP = j.dP_accumulate;
     g.cuts = ctx.cuts;
     g.H = ctx.H;
-    g.dg = Tensor::zeros({BH, F}, dt, dev);
+    g.dg = dg;  // every group adds to the one dg: its f64 sum per frame is rounded once (Note [dg in f64])
     g.sources.push_back(src);
     groups.push_back(g);
   }
   kern::scan_grad_outers(groups, ctx.decay, BH, F, D);
-  for (OuterGroup& g : groups) kern::add(dg, dg, g.dg);
 }
 
 }  // namespace detail
