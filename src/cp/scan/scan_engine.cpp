@@ -47,6 +47,17 @@ SweepSpec spec_of(const ScanContext& c, const ScanJob& j, bool adjoint) {
 // product of transitions beyond the Wcum its correction needs.
 bool gathers_M(const ScanJob& j, int P) { return P > 2 || j.terminal; }
 
+// Note [rescan of one column]. A job of one state column (E = 1: the z of the Z stream) gets
+// its states from X0 by a second sweep of that one column once X0 is known, instead of the
+// cumulative products Wcum (a sweep of D columns, written for every frame) and the correction:
+// D times less CP-only work for one more short sweep after the exchange (beside the KV jobs'
+// corrections). Its Wcum sweep then runs only where its M travels (Note [which composites
+// travel]), for M alone. Backward likewise: the adjoint sweep rerun from the arriving adjoint a
+// replaces Rcum and its correction, and no Rcum is swept at all (M comes from the forward).
+// The same linear map as the correction: results equal up to rounding. Jobs of D columns (KV)
+// keep Wcum, whose sweep runs beside the local scan and whose correction is one GEMM.
+bool rescans(const ScanJob& j, int64_t D) { return j.E < D; }
+
 // Offsets (elements) of each job's pieces inside one rank's packed slice.
 struct Layout {
   std::vector<int64_t> h, M;  // forward: composite state, composite transition (-1: not gathered)
@@ -94,6 +105,22 @@ void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
       kern::copy_region(f.X, 0, f.Hbuf, f.h_off + f.order[0] * f.h_stride, f.X.numel());
   }
   kern::folds(products, BH, D);
+}
+
+// Forward step 4: Y_t = Y_loc,t + Wcum_t X0 for every frame of the jobs with cumulative products,
+// the sweep from X0 for those of one column (Note [rescan of one column]).
+void correct_from_X0(std::vector<ScanJob>& jobs, const std::vector<Tensor>& cum, std::vector<Sweep>& redo,
+                     const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
+  std::vector<Correction> cs;
+  std::vector<Sweep> again;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (cum[i].defined()) cs.push_back(Correction{jobs[i].Y, cum[i], jobs[i].X0, jobs[i].E});
+    if (redo[i].spec.E == 0) continue;
+    again.push_back(redo[i]);
+    again.back().init = jobs[i].X0;
+  }
+  kern::scan_correct(cs, BH, F, D);
+  if (!again.empty()) kern::scan_sweeps(again, decay);
 }
 
 // The offsets and roles of every job, for the exchanges of exchange.h.
@@ -144,6 +171,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   Tensor pack = gather ? Tensor::empty({L.fwd_total}, dt, dev) : Tensor();
   std::vector<Sweep> sweeps, later;
   std::vector<Tensor> cum(jobs.size());
+  std::vector<Sweep> redo(jobs.size());  // Note [rescan of one column]: from X0 (spec.E = 0: none)
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
     j.Y = Tensor::empty(states_shape(BH, F, D, j.E), dt, dev);
@@ -159,15 +187,24 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
       sh.final_state = j.T;
     }
+    const bool corrected = P > 1 && logical(j, r, P) > 0;  // X0 ≠ 0 here
+    const bool rescan = corrected && rescans(j, D);
+    if (rescan) {  // the states come from the sweep from X0; this one gives the composite only
+      redo[i] = sh;
+      redo[i].spec.init = Init::given;
+      sh.out_before = sh.out_after = Tensor();
+    }
     if (P > 1) {
       sh.final_state = pack;
       sh.final_offset = L.h[i];
     }
-    if (P > 1 && logical(j, r, P) > 0) {  // X0 ≠ 0 here: Wcum for the correction
+    if (corrected && (!rescan || L.M[i] >= 0)) {  // Wcum for the correction, or M alone where it travels
       Sweep sm = sh;
-      cum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
       sm.out_before = sm.out_after = Tensor();
-      (j.anti ? sm.out_before : sm.out_after) = cum[i];
+      if (!rescan) {
+        cum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
+        (j.anti ? sm.out_before : sm.out_after) = cum[i];
+      }
       sm.final_state = L.M[i] >= 0 ? pack : Tensor();
       sm.final_offset = std::max<int64_t>(L.M[i], 0);
       sm.add_after = Tensor();
@@ -199,11 +236,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       if (jobs[i].terminal) Ts[i] = jobs[i].T = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
     }
     exchange_forward(comm, plan, exchange_jobs(jobs, L), pack, L.fwd_total, BH, D, ctx.gathered, X0s, Ts);
-    std::vector<Correction> cs;
-    for (size_t i = 0; i < jobs.size(); ++i)
-      if (cum[i].defined()) cs.push_back(Correction{jobs[i].Y, cum[i], jobs[i].X0, jobs[i].E});
-    kern::scan_correct(cs, BH, F, D);
-    return;
+    return correct_from_X0(jobs, cum, redo, ctx.decay, BH, F, D);
   }
 
   // 2. One all-gather of every job's composites (kept: a checkpoint recompute passes them back in).
@@ -244,10 +277,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   run_folds(fs, BH, D);
 
   // 4. The correction of docs/design.md §6, all frames at once: Y_t = Y_loc,t + Wcum_t X0.
-  std::vector<Correction> cs;
-  for (size_t i = 0; i < jobs.size(); ++i)
-    if (cum[i].defined()) cs.push_back(Correction{jobs[i].Y, cum[i], jobs[i].X0, jobs[i].E});
-  kern::scan_correct(cs, BH, F, D);
+  correct_from_X0(jobs, cum, redo, ctx.decay, BH, F, D);
 }
 
 void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
@@ -281,6 +311,24 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   };
   // Does the adjoint arriving from later ranks (a) exist for job j?
   auto seeded = [&](const ScanJob& j) { return j.terminal || logical(j, r, P) < P - 1; };
+  std::vector<Tensor> rcum(jobs.size());
+  // Step 4: the adjoint seeded with a is λ_t + Rcum_t a, all frames at once, or for a job of one
+  // column the adjoint sweep rerun from a (Note [rescan of one column]).
+  auto seed_adjoints = [&](const std::vector<Tensor>& seed) {
+    std::vector<Correction> cs;
+    std::vector<Sweep> again;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      if (!seed[i].defined()) continue;
+      const Tensor a = seed[i].reshape(state_shape(BH, D, jobs[i].E));
+      if (rcum[i].defined())
+        cs.push_back(Correction{jobs[i].dU, rcum[i], a, jobs[i].E});
+      else
+        again.push_back(adjoint(jobs[i], jobs[i].dU, Tensor(), a));
+      GDNCP_CHECK(rcum[i].defined() || rescans(jobs[i], D), "cp scan backward: missing cumulative products");
+    }
+    kern::scan_correct(cs, BH, F, D);
+    if (!again.empty()) kern::scan_sweeps(again, ctx.decay);
+  };
 
   // 1. The adjoint sweep of every job from its own output gradients (λ, into
   //    dU; its final state is the adjoint of X0), and where an adjoint a will
@@ -291,7 +339,6 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
   const bool hide = ctx.overlap && P > 1 && plan.algo == Exchange::all_gather;
   std::vector<Sweep> sweeps, later;
-  std::vector<Tensor> rcum(jobs.size());
   Tensor pack = P > 1 ? Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev) : Tensor();
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
@@ -300,10 +347,13 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       sweeps.push_back(adjoint(j, j.dU, Tensor(), j.terminal ? j.dT : Tensor()));
       continue;
     }
-    const bool has_dX0 = logical(j, r, P) > 0;  // the adjoint of X0, where X0 came from earlier ranks
-    sweeps.push_back(adjoint(j, j.dU, has_dX0 ? pack : Tensor(), Tensor()));
-    sweeps.back().final_offset = L.dX0[i];
-    if (seeded(j)) {
+    const bool has_dX0 = logical(j, r, P) > 0;      // the adjoint of X0, where X0 came from earlier ranks
+    const bool rerun = seeded(j) && rescans(j, D);  // Note [rescan of one column]: dU from the rerun
+    if (!rerun || has_dX0) {
+      sweeps.push_back(adjoint(j, rerun ? Tensor() : j.dU, has_dX0 ? pack : Tensor(), Tensor()));
+      sweeps.back().final_offset = L.dX0[i];
+    }
+    if (seeded(j) && !rerun) {
       rcum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
       Sweep w = adjoint(j, rcum[i], Tensor(), Tensor());
       w.add_before = w.add_after = Tensor();
@@ -319,13 +369,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
     std::vector<Tensor> seed(jobs.size());
     exchange_backward(comm, plan, exchange_jobs(jobs, L), ctx.gathered, L.fwd_total, pack, BH, D, seed);
-    std::vector<Correction> cs;
-    for (size_t i = 0; i < jobs.size(); ++i)
-      if (seed[i].defined()) {
-        GDNCP_CHECK(rcum[i].defined(), "cp scan backward: missing cumulative products");
-        cs.push_back(Correction{jobs[i].dU, rcum[i], seed[i].reshape(state_shape(BH, D, jobs[i].E)), jobs[i].E});
-      }
-    kern::scan_correct(cs, BH, F, D);
+    seed_adjoints(seed);
   } else if (P > 1) {
     GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
     // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients.
@@ -378,15 +422,8 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       backs.push_back(f);
     }
     run_folds(backs, BH, D);
-    // 4. The composite's gradient folded into the last state (Note [CP scan]):
-    //    the adjoint seeded with a is λ_t + Rcum_t a, all frames at once.
-    std::vector<Correction> cs;
-    for (size_t i = 0; i < jobs.size(); ++i)
-      if (seed[i].defined()) {
-        GDNCP_CHECK(rcum[i].defined(), "cp scan backward: missing cumulative products");
-        cs.push_back(Correction{jobs[i].dU, rcum[i], seed[i], jobs[i].E});
-      }
-    kern::scan_correct(cs, BH, F, D);
+    // 4. The composite's gradient folded into the last state (Note [CP scan]).
+    seed_adjoints(seed);
   }
 
   // 5. The transition gradients, grouped by the P they belong to (one launch).
