@@ -43,8 +43,8 @@ struct Step {
   Tensor run(cp::Communicator& c, const cp::CpOptions& o) {
     for (size_t i = 0; i < 5; ++i)
       if (x[i].defined()) x[i].zero_grad();
-    Tensor out = cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], l.d.F, l.d.S, l.opt, Tensor(), Tensor(),
-                              Tensor(), o);
+    Tensor out =
+        cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], l.d.F, l.d.S, l.opt, Tensor(), Tensor(), Tensor(), o);
     backward(out, w);
     return out;
   }
@@ -108,8 +108,7 @@ TEST(CpExchangePrecisionGpu, F32LayerWithin1e6OfF64) {
     backward(ref, cpu(step.w).to(DType::f64));
     EXPECT_TRUE(close_rel(cpu(out), ref, tol::f32_layer, "out"));
     const char* names[] = {"dqkv", "dbeta", "ddecay", "dq_norm_w", "dk_norm_w"};
-    for (size_t k = 0; k < 5; ++k)
-      EXPECT_TRUE(close_rel(cpu(step.x[k].grad()), x[k].grad(), tol::f32_layer, names[k]));
+    for (size_t k = 0; k < 5; ++k) EXPECT_TRUE(close_rel(cpu(step.x[k].grad()), x[k].grad(), tol::f32_layer, names[k]));
   }
 }
 
