@@ -352,8 +352,9 @@ struct CpOptions {
   Exchange exchange = Exchange::automatic;
   int node_size = 0;
   // CUDA: the all-gather of the composites runs on a communication stream while this rank sweeps
-  // what the exchange does not read (the correction's cumulative products), joined by events: no
-  // host wait, capturable, bitwise the same results (Note [hidden exchange] in
+  // what the exchange does not read (the correction's cumulative products; at P > 2 in forward,
+  // the other direction), joined by events: no host wait, capturable, bitwise the same results
+  // (Note [hidden exchange] in
   // src/cp/scan/comm_stream.h). A rank-local schedule: ranks may differ. CPU: only the order of
   // the sweeps changes. The log and hierarchical exchanges run as without it.
   bool overlap_exchange = false;

@@ -7,13 +7,18 @@
 // stream made current (the NCCL and callback backends and the bench's modeled links run on the
 // current stream), and meanwhile the current stream runs the sweeps the collective does not read —
 // forward the cumulative products Wcum whose last product M does not travel (Note [which
-// composites travel]), backward the cumulative products Rcum of the adjoint. join() makes the
-// current stream wait for the collective before the folds read it. Events and stream waits only:
+// composites travel]), backward the cumulative products Rcum of the adjoint. At P > 2 every Wcum
+// of the forward feeds a travelling M, so the forward composites travel in two all-gathers
+// instead: the first half of the jobs' (a bidirectional call's forward direction) while the
+// second half is swept (forward_parts in scan_engine.cpp; the gathered buffer holds the same
+// elements in another order, which a checkpoint recompute and the backward read alike). join()
+// makes the current stream wait for the collectives before the folds read them. Events and stream waits only:
 // no host wait, and a CUDA graph captures the fork and the join. The sweeps are the same sweeps in
 // two batches instead of one, so the results are bitwise those without overlap.
 // The caching allocator is stream-ordered on one stream (Note [caching allocator]): the
 // communication stream touches only the pack and the gathered buffer, which stay alive until the
-// current stream has waited for it (the destructor joins, also when an error unwinds).
+// current stream has waited for it (the destructor joins, also when an error unwinds); a
+// collective issued here must not allocate device memory (none of the backends' does).
 // CPU tensors (MPI) run the collective where it is issued: only the order of the batches changes.
 #pragma once
 

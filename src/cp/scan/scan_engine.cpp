@@ -58,16 +58,39 @@ bool gathers_M(const ScanJob& j, int P) { return P > 2 || j.terminal; }
 // keep Wcum, whose sweep runs beside the local scan and whose correction is one GEMM.
 bool rescans(const ScanJob& j, int64_t D) { return j.E < D; }
 
+// How many all-gathers carry the forward composites: with overlap at P > 2, where every Wcum
+// feeds a travelling M and so nothing of the forward is left to hide the one all-gather behind,
+// two — the first half of the jobs (a bidirectional call's forward direction; KV of a
+// one-directional one) is gathered while the second half is swept (Note [hidden exchange]).
+int forward_parts(const ScanContext& c, const ExchangePlan& plan, size_t jobs, int P) {
+  return c.overlap && P > 2 && plan.algo == Exchange::all_gather && jobs >= 2 ? 2 : 1;
+}
+
 // Offsets (elements) of each job's pieces inside one rank's packed slice.
 struct Layout {
   std::vector<int64_t> h, M;  // forward: composite state, composite transition (-1: not gathered)
   int64_t fwd_total = 0;
   std::vector<int64_t> dX0, dT;  // backward: adjoint of X0, adjoint of the terminal state
   int64_t bwd_total = 0;
+  // The forward pack in parts gathered one after another (forward_parts): part 0 holds the jobs
+  // before `split` at elements [begin[0], begin[1]) of the pack, part 1 (empty with one part)
+  // the rest at [begin[1], begin[2]); the gathered copy of part q, rank p's at
+  // P·begin[q] + p·(begin[q + 1] − begin[q]), fills the same elements of the gathered buffer as
+  // the one all-gather's would.
+  int parts = 1;
+  size_t split = 0;
+  int64_t begin[3] = {0, 0, 0};
+  int P = 1;
+
+  size_t part(size_t i) const { return i < split ? 0 : 1; }
+  // Rank p's h (or M) of job i in the gathered buffer: off(i, L.h[i]) + p·stride(i).
+  int64_t stride(size_t i) const { return begin[part(i) + 1] - begin[part(i)]; }
+  int64_t off(size_t i, int64_t at) const { return at + (P - 1) * begin[part(i)]; }
 };
 
-Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs, int P) {
+Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs, int P, int parts) {
   Layout L;
+  L.P = P;
   for (const auto& j : jobs) {
     L.h.push_back(L.fwd_total);
     L.fwd_total += c.BH * c.D * j.E;
@@ -82,7 +105,18 @@ Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs, int P) 
     L.dT.push_back(L.bwd_total);
     if (j.terminal) L.bwd_total += c.BH * c.D * j.E;
   }
+  L.parts = parts;
+  L.split = parts == 2 ? jobs.size() / 2 : jobs.size();
+  L.begin[1] = L.split < jobs.size() ? L.h[L.split] : L.fwd_total;
+  L.begin[2] = L.fwd_total;
   return L;
+}
+
+// Elements [off, off + n) of t as a tensor of its own, sharing t's storage.
+Tensor region(const Tensor& t, int64_t off, int64_t n) {
+  if (off == 0 && n == t.numel()) return t;
+  char* p = static_cast<char*>(const_cast<void*>(t.data())) + static_cast<size_t>(off) * dtype_size(t.dtype());
+  return Tensor::from_blob(p, {n}, t.dtype(), t.device(), [keep = t] {});
 }
 
 // (BH, D) for the Z stream (E = 1), else (BH, D, E); with frames: (BH, F, D[, E]).
@@ -155,8 +189,8 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   const DType dt = compute_dtype(jobs);
   const Device dev = jobs.front().P.device();
   const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
-  const Layout L = layout_of(ctx, jobs, P);
   const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
+  const Layout L = layout_of(ctx, jobs, P, forward_parts(ctx, plan, jobs.size(), P));
 
   // 1. The local scans from a zero state (all jobs in one batch of sweeps):
   //    states Y_loc into Y, and with P > 1 the composite state h (last state)
@@ -165,11 +199,13 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   //    the composite transition M (into the pack where it travels: Note [which
   //    composites travel]). A checkpoint recompute (composites kept) writes no
   //    composites. With overlap, the sweeps the all-gather does not read (Wcum
-  //    where M does not travel) run after it is issued (Note [hidden exchange]).
+  //    where M does not travel) run after it is issued, and with two parts
+  //    (forward_parts) the second part's sweeps after the first part's
+  //    all-gather is issued (Note [hidden exchange]).
   const bool gather = P > 1 && !ctx.gathered.defined();
   const bool hide = ctx.overlap && gather && plan.algo == Exchange::all_gather;
   Tensor pack = gather ? Tensor::empty({L.fwd_total}, dt, dev) : Tensor();
-  std::vector<Sweep> sweeps, later;
+  std::vector<Sweep> batch[2], later;  // by part of the pack; later: read by no all-gather
   std::vector<Tensor> cum(jobs.size());
   std::vector<Sweep> redo(jobs.size());  // Note [rescan of one column]: from X0 (spec.E = 0: none)
   for (size_t i = 0; i < jobs.size(); ++i) {
@@ -210,18 +246,25 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       sm.add_after = Tensor();
       sm.spec.init = Init::identity;
       sm.spec.E = D;
-      (hide && L.M[i] < 0 ? later : sweeps).push_back(sm);
+      (hide && L.M[i] < 0 ? later : batch[L.part(i)]).push_back(sm);
     }
-    sweeps.push_back(sh);
+    batch[L.part(i)].push_back(sh);
   }
-  kern::scan_sweeps(sweeps, ctx.decay);
   CommStream lane(hide && dev == Device::cuda);
   if (hide) {
     Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * L.fwd_total}, dt, dev);
-    lane.issue([&] { comm.all_gather(gathered, pack); });
+    for (int q = 0; q < L.parts; ++q) {
+      kern::scan_sweeps(batch[q], ctx.decay);
+      const int64_t b = L.begin[q], n = L.begin[q + 1] - b;
+      Tensor in = region(pack, b, n), out = region(gathered, P * b, P * n);
+      lane.issue([&] { comm.all_gather(out, in); });
+    }
     ctx.gathered = gathered;
     if (!later.empty()) kern::scan_sweeps(later, ctx.decay);
     lane.join();
+  } else {  // one batch (two parts only lay out the kept composites of a recompute)
+    batch[0].insert(batch[0].end(), batch[1].begin(), batch[1].end());
+    kern::scan_sweeps(batch[0], ctx.decay);
   }
   if (P == 1) {
     for (auto& j : jobs) j.X0 = Tensor::zeros(state_shape(BH, D, j.E), dt, dev);
@@ -255,9 +298,9 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
     Fold f;
     f.Hbuf = ctx.gathered;
     if (L.M[i] >= 0) f.Mbuf = ctx.gathered;
-    f.m_off = std::max<int64_t>(L.M[i], 0);
-    f.h_off = L.h[i];
-    f.m_stride = f.h_stride = L.fwd_total;
+    f.m_off = L.off(i, std::max<int64_t>(L.M[i], 0));
+    f.h_off = L.off(i, L.h[i]);
+    f.m_stride = f.h_stride = L.stride(i);
     f.E = j.E;
     for (int pos = 0; pos < logical(j, r, P); ++pos) f.order.push_back(physical(j, pos, P));
     GDNCP_CHECK(f.Mbuf.defined() || f.order.size() <= 1, "cp scan: the fold needs composites that were not gathered");
@@ -288,7 +331,8 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   const DType dt = compute_dtype(jobs);
   const Device dev = jobs.front().P.device();
   const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
-  const Layout L = layout_of(ctx, jobs, P);
+  const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
+  const Layout L = layout_of(ctx, jobs, P, forward_parts(ctx, plan, jobs.size(), P));
 
   // Sweeps of the state adjoint: anti jobs run ascending with the slot
   // gradient added after the step, forward jobs descending with it added before.
@@ -336,7 +380,6 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   //    transposed transitions it passes through. One batch.
   //    With P > 1 the adjoints of X0 go straight into the all-gather's pack.
   //    With overlap, the Rcum sweeps run after the all-gather is issued (Note [hidden exchange]).
-  const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
   const bool hide = ctx.overlap && P > 1 && plan.algo == Exchange::all_gather;
   std::vector<Sweep> sweeps, later;
   Tensor pack = P > 1 ? Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev) : Tensor();
@@ -412,8 +455,8 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       f.X = seed[i];
       f.init = a0[i];
       if (L.M[i] >= 0) f.Mbuf = ctx.gathered;
-      f.m_off = std::max<int64_t>(L.M[i], 0);
-      f.m_stride = L.fwd_total;
+      f.m_off = L.off(i, std::max<int64_t>(L.M[i], 0));
+      f.m_stride = L.stride(i);
       f.transpose = true;
       f.Hbuf = gathered;
       f.h_off = L.dX0[i];
