@@ -1,6 +1,6 @@
 // tests/mpi_test_cp_exchange_gpu.cpp — the hidden exchange (CpOptions::overlap_exchange, Note
 // [hidden exchange] in src/cp/scan/comm_stream.h) and the f32 decay gradient on one GPU:
-//   - each rank of an emulated group of 2 on stand-in peers with a modeled link
+//   - each rank of emulated groups of 2 and 3 on stand-in peers with a modeled link
 //     (bench/loopback_comm.h: the all-gather occupies a stream of its own for the link's time):
 //     a bigdn_cp step with overlap on equals it with overlap off bitwise, makes no host wait,
 //     and captured in a CUDA graph replays bitwise equal to the eager step;
@@ -57,39 +57,41 @@ struct Step {
 };
 
 #if GDNCP_WITH_CUDA
-// Both ranks of 2 (rank 0 sweeps Wcum backward only, rank 1 forward too), over an NVLink model.
+// Every rank of 2 (the all-gather behind Wcum forward, Rcum backward) and of 3 (the forward
+// composites in two all-gathers), over an NVLink model.
 TEST(CpExchangeGpu, OverlapEqualsOffAndReplaysBitwise) {
   REQUIRE_GPU();
   bench::LinkModel model;
   model.intra = model.inter = bench::link_preset("nvlink");
-  for (int r = 0; r < 2; ++r) {
-    SCOPED_TRACE("rank " + std::to_string(r) + " of 2");
-    bench::LoopbackPeers peers(r, 2, model);
-    Step step(3, 16, 112, 1200 + static_cast<uint64_t>(r));
-    cp::CpOptions off, on;
-    on.overlap_exchange = true;
-    const auto plain = step.snapshot(step.run(peers, off));
-    step.run(peers, on);  // warm-up: the communication stream, the cache
-    synchronize();
-    const int64_t waits = cuda_host_waits();
-    Tensor eager_out = step.run(peers, on);
-    EXPECT_EQ(cuda_host_waits(), waits) << "a step with the exchange hidden made the host wait";
-    const auto eager = step.snapshot(eager_out);
-    EXPECT_EQ(eager, plain) << "overlap on differs from overlap off";
-    CudaGraph graph;
-    Tensor out;
-    {
-      CaptureGuard capture(graph);
-      out = step.run(peers, on);
-    }
-    EXPECT_EQ(graph.capture_mallocs(), 0);
-    for (int replay = 0; replay < 3; ++replay) {
-      poison(out);
-      graph.replay();
+  for (int P : {2, 3})
+    for (int r = 0; r < P; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r) + " of " + std::to_string(P));
+      bench::LoopbackPeers peers(r, P, model);
+      Step step(3, 16, 112, 1200 + static_cast<uint64_t>(10 * P + r));
+      cp::CpOptions off, on;
+      on.overlap_exchange = true;
+      const auto plain = step.snapshot(step.run(peers, off));
+      step.run(peers, on);  // warm-up: the communication stream, the cache
       synchronize();
-      EXPECT_EQ(step.snapshot(out), eager) << "replay " << replay << " differs from the eager step";
+      const int64_t waits = cuda_host_waits();
+      Tensor eager_out = step.run(peers, on);
+      EXPECT_EQ(cuda_host_waits(), waits) << "a step with the exchange hidden made the host wait";
+      const auto eager = step.snapshot(eager_out);
+      EXPECT_EQ(eager, plain) << "overlap on differs from overlap off";
+      CudaGraph graph;
+      Tensor out;
+      {
+        CaptureGuard capture(graph);
+        out = step.run(peers, on);
+      }
+      EXPECT_EQ(graph.capture_mallocs(), 0);
+      for (int replay = 0; replay < 3; ++replay) {
+        poison(out);
+        graph.replay();
+        synchronize();
+        EXPECT_EQ(step.snapshot(out), eager) << "replay " << replay << " differs from the eager step";
+      }
     }
-  }
 }
 #endif
 
