@@ -197,8 +197,9 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   //    written straight into the all-gather's pack; where a correction will
   //    follow (X0 ≠ 0), the cumulative products Wcum per frame, whose last is
   //    the composite transition M (into the pack where it travels: Note [which
-  //    composites travel]). A checkpoint recompute (composites kept) writes no
-  //    composites. With overlap, the sweeps the all-gather does not read (Wcum
+  //    composites travel]). A job of one column writes h alone here: its states
+  //    come from X0 (Note [rescan of one column]). A checkpoint recompute
+  //    (composites kept) writes no composites. With overlap, the sweeps the all-gather does not read (Wcum
   //    where M does not travel) run after it is issued, and with two parts
   //    (forward_parts) the second part's sweeps after the first part's
   //    all-gather is issued (Note [hidden exchange]).
