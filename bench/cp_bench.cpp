@@ -77,6 +77,7 @@ Layer make_layer(const CpBenchConfig& c, int64_t Fg, int64_t F0, int64_t F, DTyp
   l.cpo.exchange = c.exchange;
   l.cpo.node_size = c.node_size;
   l.cpo.deterministic = c.deterministic;
+  l.cpo.overlap_exchange = c.overlap;
   l.qkv = leaf(slice_rows(g.qkv, 1, N0, N0 + N));
   l.beta = leaf(slice_rows(g.beta, 2, F0, F0 + F));
   l.decay = leaf(slice_rows(g.decay, 2, F0, F0 + F));
@@ -284,10 +285,11 @@ int run_emulated(const CpBenchConfig& c) {
       prop.name, P, static_cast<long long>(c.batch), static_cast<long long>(c.tokens), static_cast<long long>(c.heads),
       static_cast<long long>(c.head_dim), static_cast<long long>(Fg));
   std::printf(
-      "  exchange %s%s, nodes of %d ranks, links: %s (intra %.1f us + bytes / %.0f GB/s, inter %.1f us + bytes / "
+      "  exchange %s%s%s, nodes of %d ranks, links: %s (intra %.1f us + bytes / %.0f GB/s, inter %.1f us + bytes / "
       "%.0f GB/s; modeled on a communication stream)\n",
-      cp::exchange_name(c.exchange), c.deterministic ? " (deterministic mode)" : "", c.node_size, c.link.c_str(),
-      model.intra.alpha_s * 1e6, model.intra.beta_Bps / 1e9, model.inter.alpha_s * 1e6, model.inter.beta_Bps / 1e9);
+      cp::exchange_name(c.exchange), c.deterministic ? " (deterministic mode)" : "", c.overlap ? " (overlapped)" : "",
+      c.node_size, c.link.c_str(), model.intra.alpha_s * 1e6, model.intra.beta_Bps / 1e9, model.inter.alpha_s * 1e6,
+      model.inter.beta_Bps / 1e9);
   std::vector<Row> rows;
   for (const Spec& s : specs) {
     // Beyond `whole`, a rank's own frames only (its kernels do not depend on the global count).
@@ -330,10 +332,10 @@ int run_emulated(const CpBenchConfig& c) {
     js << "{\n\"device\": \"" << prop.name << "\", \"emulated_ranks\": " << P << ", \"B\": " << c.batch
        << ", \"S\": " << c.tokens << ", \"H\": " << c.heads << ", \"D\": " << c.head_dim
        << ", \"global_frames\": " << Fg << ", \"exchange\": \"" << cp::exchange_name(c.exchange)
-       << "\", \"deterministic\": " << (c.deterministic ? "true" : "false") << ", \"node_size\": " << c.node_size
-       << ", \"link\": \"" << c.link << "\", \"link_alpha_us\": [" << model.intra.alpha_s * 1e6 << ", "
-       << model.inter.alpha_s * 1e6 << "], \"link_beta_GBps\": [" << model.intra.beta_Bps / 1e9 << ", "
-       << model.inter.beta_Bps / 1e9 << "]"
+       << "\", \"deterministic\": " << (c.deterministic ? "true" : "false")
+       << ", \"overlap\": " << (c.overlap ? "true" : "false") << ", \"node_size\": " << c.node_size << ", \"link\": \""
+       << c.link << "\", \"link_alpha_us\": [" << model.intra.alpha_s * 1e6 << ", " << model.inter.alpha_s * 1e6
+       << "], \"link_beta_GBps\": [" << model.intra.beta_Bps / 1e9 << ", " << model.inter.beta_Bps / 1e9 << "]"
        << ", \"dtype\": \"bf16\",\n\"timing\": \"CUDA events, " << c.warmup << " warm-up, median of " << c.iters
        << "\",\n\"stacks_rank0\": [";
     for (size_t i = 0; i < stacks.size(); ++i)
@@ -533,7 +535,7 @@ int run_cp_bench(const CpBenchConfig& config) {
 
 #ifdef GDNCP_CP_BENCH_MAIN
 // Standalone: cp_bench [--frames 11] [--global-frames 22] [--tokens 920] [--heads 20] [--dim 112]
-//                      [--warmup 5] [--iters 20] [--json PATH] [--emulate P [--profile-row K]]
+//                      [--warmup 5] [--iters 20] [--json PATH] [--emulate P [--profile-row K]] [--overlap]
 int main(int argc, char** argv) {
   gdncp::bench::CpBenchConfig c;
   for (int i = 1; i < argc; ++i) {
@@ -561,6 +563,8 @@ int main(int argc, char** argv) {
       c.emulate = std::stoi(next());
     else if (f == "--profile-row")
       c.profile_row = std::stoi(next());
+    else if (f == "--overlap")
+      c.overlap = true;
     else {
       std::fprintf(stderr, "cp_bench: unknown flag %s\n", f.c_str());
       return 1;

@@ -36,6 +36,8 @@ struct CpBenchConfig {
   int node_size = 8;
   // Every CP row in the deterministic mode (gdncp/cp.h CpOptions::deterministic).
   bool deterministic = false;
+  // Every CP row with the exchange hidden behind work (CpOptions::overlap_exchange).
+  bool overlap = false;
   // With emulate: the modeled links (modeled_link.h): "none" (collectives cost a device
   // copy), "nvlink" (one NVLink domain) or "ib" (NVLink inside nodes of node_size ranks,
   // InfiniBand between them).

@@ -59,6 +59,7 @@ struct Args {
   std::string exchange = "auto", link = "none";
   int node_size = 8;
   bool deterministic = false;  // --cp: the deterministic mode
+  bool overlap = false;        // --cp: the exchange on a communication stream (CpOptions::overlap_exchange)
   bool profile = false;        // one forward+backward of the first configuration, nothing else (for ncu)
   bool validate_full = false;  // also the production shape against the f64 CPU layer (slow: minutes of CPU)
 };
@@ -117,6 +118,8 @@ bool parse_args(int argc, char** argv, Args& a) {
       a.node_size = std::stoi(next());
     else if (f == "--deterministic")
       a.deterministic = true;
+    else if (f == "--overlap")
+      a.overlap = true;
     else if (f == "--profile")
       a.profile = true;
     else if (f == "--validate-full")
@@ -126,7 +129,7 @@ bool parse_args(int argc, char** argv, Args& a) {
           "gdncp_bench [--json PATH] [--batches 1,4,8] [--dims 112,128] [--frames 11] [--tokens 920]\n"
           "            [--heads 20] [--warmup 5] [--iters 30] [--quick] [--cp [--emulate P [--profile-row K]]]\n"
           "            [--exchange auto|allgather|log|hierarchical] [--node-size 8] [--link none|nvlink|ib]\n"
-          "            [--deterministic] [--profile] [--validate-full]\n"
+          "            [--deterministic] [--overlap] [--profile] [--validate-full]\n"
           "  --cp --emulate P       one GPU times each rank of P on stand-in peers (P up to 256: above 8,\n"
           "                         ranks 0, 1, P/2, P-1)\n"
           "  --exchange X           the CP composites' exchange (gdncp/cp.h Exchange)\n"
@@ -135,7 +138,9 @@ bool parse_args(int argc, char** argv, Args& a) {
           "                         stream for alpha + bytes/beta of each round of the exchange; nvlink: one\n"
           "                         NVLink domain (8 us, 365 GB/s), ib: NVLink inside nodes, NDR InfiniBand\n"
           "                         between them (20 us, 45 GB/s); none: collectives are device copies\n"
-          "  --deterministic        with --cp, the CP rows in the deterministic mode (docs/design.md §12)\n");
+          "  --deterministic        with --cp, the CP rows in the deterministic mode (docs/design.md §12)\n"
+          "  --overlap              with --cp, the all-gather on a communication stream behind the sweeps\n"
+          "                         it does not read (CpOptions::overlap_exchange)\n");
       std::exit(0);
     } else {
       std::fprintf(stderr, "gdncp_bench: unknown flag %s (try --help)\n", f.c_str());
@@ -554,6 +559,7 @@ int run_cp(const Args& a) {
   c.exchange = x->second;
   c.node_size = a.node_size;
   c.deterministic = a.deterministic;
+  c.overlap = a.overlap;
   c.link = a.link;
   return bench::run_cp_bench(c);
 }

@@ -12,7 +12,10 @@
 // communication stream for the modeled time of its link, copies, and the
 // compute stream waits for it — the collectives' modeled time (and any overlap
 // the layer allows) then is in the rank's measured time. Stats::seconds sums the
-// modeled times. The ranks' skew is still left out.
+// modeled times. The ranks' skew is still left out. With CpOptions::overlap_exchange the
+// current stream of a collective is the scan's own communication stream (Note [hidden exchange]
+// in src/cp/scan/comm_stream.h), so the modeled time runs beside the sweeps the exchange does
+// not read, as a real link's would.
 #pragma once
 
 #include <cuda_runtime.h>

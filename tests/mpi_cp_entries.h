@@ -413,16 +413,18 @@ inline void check_each_truncated(const SplitCheck& check,
     }
 }
 
-// --- checkpointing on == off, bitwise -----------------------------------------------
+// --- two variants of one call (a schedule option on and off), bitwise -------------------
 
-inline void check_checkpoint_bitwise(const std::function<Entry(Checkpoint)>& make, const std::vector<int64_t>& split,
-                                     bool clips) {
+// make(on): the entry with the variant off (false) and on (true); outputs and every gradient
+// must agree bitwise on every rank.
+inline void check_variants_bitwise(const std::function<Entry(bool on)>& make, const std::vector<int64_t>& split,
+                                   bool clips) {
   const int r = rank();
   const auto [off, F] = block_of(split, r);
   const Tensor mask = clips ? frames(clip_mask(kB, split), Ax{0, 1, 1, 1}, off, off + F) : Tensor();
   Run runs[2];
   for (int on = 0; on < 2; ++on) {
-    const Entry e = make(on ? Checkpoint::on : Checkpoint::off);
+    const Entry e = make(on != 0);
     runs[on] = run(
         e, *world(), local_inputs(e, off, off + F), F, mask,
         [&](const std::vector<Tensor>& outs) { return global_weights(outs, 77); }, true);
@@ -435,6 +437,12 @@ inline void check_checkpoint_bitwise(const std::function<Entry(Checkpoint)>& mak
     if (!runs[0].grads[k].defined()) continue;
     EXPECT_TRUE(bitwise_equal(runs[1].grads[k], runs[0].grads[k])) << "gradient " << k << " rank " << r;
   }
+}
+
+// Checkpointing on == off.
+inline void check_checkpoint_bitwise(const std::function<Entry(Checkpoint)>& make, const std::vector<int64_t>& split,
+                                     bool clips) {
+  check_variants_bitwise([&](bool on) { return make(on ? Checkpoint::on : Checkpoint::off); }, split, clips);
 }
 
 }  // namespace test

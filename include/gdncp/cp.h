@@ -351,6 +351,13 @@ struct CpOptions {
   // The composites' exchange and the ranks per node it assumes (0: detect), see Exchange.
   Exchange exchange = Exchange::automatic;
   int node_size = 0;
+  // CUDA: the all-gather of the composites runs on a communication stream while this rank sweeps
+  // what the exchange does not read (the correction's cumulative products; at P > 2 in forward,
+  // the other direction), joined by events: no host wait, capturable, bitwise the same results
+  // (Note [hidden exchange] in
+  // src/cp/scan/comm_stream.h). A rank-local schedule: ranks may differ. CPU: only the order of
+  // the sweeps changes. The log and hierarchical exchanges run as without it.
+  bool overlap_exchange = false;
   // Deterministic mode (docs/design.md §12): the scan and every cross-rank sum run in
   // global frame order, so results are bitwise the same for every P and frame
   // ownership, equal to one rank. cp_gdn_raw honours it here or in BigdnOptions.

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "cp/scan/comm_stream.h"
 #include "cp/scan/deterministic.h"
 #include "cp/scan/exchange.h"
 #include "gdncp/error.h"
@@ -46,16 +47,50 @@ SweepSpec spec_of(const ScanContext& c, const ScanJob& j, bool adjoint) {
 // product of transitions beyond the Wcum its correction needs.
 bool gathers_M(const ScanJob& j, int P) { return P > 2 || j.terminal; }
 
+// Note [rescan of one column]. A job of one state column (E = 1: the z of the Z stream) gets
+// its states from X0 by a second sweep of that one column once X0 is known, instead of the
+// cumulative products Wcum (a sweep of D columns, written for every frame) and the correction:
+// D times less CP-only work for one more short sweep after the exchange (beside the KV jobs'
+// corrections). Its Wcum sweep then runs only where its M travels (Note [which composites
+// travel]), for M alone. Backward likewise: the adjoint sweep rerun from the arriving adjoint a
+// replaces Rcum and its correction, and no Rcum is swept at all (M comes from the forward).
+// The same linear map as the correction: results equal up to rounding. Jobs of D columns (KV)
+// keep Wcum, whose sweep runs beside the local scan and whose correction is one GEMM.
+bool rescans(const ScanJob& j, int64_t D) { return j.E < D; }
+
+// How many all-gathers carry the forward composites: with overlap at P > 2, where every Wcum
+// feeds a travelling M and so nothing of the forward is left to hide the one all-gather behind,
+// two — the first half of the jobs (a bidirectional call's forward direction; KV of a
+// one-directional one) is gathered while the second half is swept (Note [hidden exchange]).
+int forward_parts(const ScanContext& c, const ExchangePlan& plan, size_t jobs, int P) {
+  return c.overlap && P > 2 && plan.algo == Exchange::all_gather && jobs >= 2 ? 2 : 1;
+}
+
 // Offsets (elements) of each job's pieces inside one rank's packed slice.
 struct Layout {
   std::vector<int64_t> h, M;  // forward: composite state, composite transition (-1: not gathered)
   int64_t fwd_total = 0;
   std::vector<int64_t> dX0, dT;  // backward: adjoint of X0, adjoint of the terminal state
   int64_t bwd_total = 0;
+  // The forward pack in parts gathered one after another (forward_parts): part 0 holds the jobs
+  // before `split` at elements [begin[0], begin[1]) of the pack, part 1 (empty with one part)
+  // the rest at [begin[1], begin[2]); the gathered copy of part q, rank p's at
+  // P·begin[q] + p·(begin[q + 1] − begin[q]), fills the same elements of the gathered buffer as
+  // the one all-gather's would.
+  int parts = 1;
+  size_t split = 0;
+  int64_t begin[3] = {0, 0, 0};
+  int P = 1;
+
+  size_t part(size_t i) const { return i < split ? 0 : 1; }
+  // Rank p's h (or M) of job i in the gathered buffer: off(i, L.h[i]) + p·stride(i).
+  int64_t stride(size_t i) const { return begin[part(i) + 1] - begin[part(i)]; }
+  int64_t off(size_t i, int64_t at) const { return at + (P - 1) * begin[part(i)]; }
 };
 
-Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs, int P) {
+Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs, int P, int parts) {
   Layout L;
+  L.P = P;
   for (const auto& j : jobs) {
     L.h.push_back(L.fwd_total);
     L.fwd_total += c.BH * c.D * j.E;
@@ -70,7 +105,18 @@ Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs, int P) 
     L.dT.push_back(L.bwd_total);
     if (j.terminal) L.bwd_total += c.BH * c.D * j.E;
   }
+  L.parts = parts;
+  L.split = parts == 2 ? jobs.size() / 2 : jobs.size();
+  L.begin[1] = L.split < jobs.size() ? L.h[L.split] : L.fwd_total;
+  L.begin[2] = L.fwd_total;
   return L;
+}
+
+// Elements [off, off + n) of t as a tensor of its own, sharing t's storage.
+Tensor region(const Tensor& t, int64_t off, int64_t n) {
+  if (off == 0 && n == t.numel()) return t;
+  char* p = static_cast<char*>(const_cast<void*>(t.data())) + static_cast<size_t>(off) * dtype_size(t.dtype());
+  return Tensor::from_blob(p, {n}, t.dtype(), t.device(), [keep = t] {});
 }
 
 // (BH, D) for the Z stream (E = 1), else (BH, D, E); with frames: (BH, F, D[, E]).
@@ -93,6 +139,22 @@ void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
       kern::copy_region(f.X, 0, f.Hbuf, f.h_off + f.order[0] * f.h_stride, f.X.numel());
   }
   kern::folds(products, BH, D);
+}
+
+// Forward step 4: Y_t = Y_loc,t + Wcum_t X0 for every frame of the jobs with cumulative products,
+// the sweep from X0 for those of one column (Note [rescan of one column]).
+void correct_from_X0(std::vector<ScanJob>& jobs, const std::vector<Tensor>& cum, std::vector<Sweep>& redo,
+                     const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
+  std::vector<Correction> cs;
+  std::vector<Sweep> again;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (cum[i].defined()) cs.push_back(Correction{jobs[i].Y, cum[i], jobs[i].X0, jobs[i].E});
+    if (redo[i].spec.E == 0) continue;
+    again.push_back(redo[i]);
+    again.back().init = jobs[i].X0;
+  }
+  kern::scan_correct(cs, BH, F, D);
+  if (!again.empty()) kern::scan_sweeps(again, decay);
 }
 
 // The offsets and roles of every job, for the exchanges of exchange.h.
@@ -127,20 +189,26 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   const DType dt = compute_dtype(jobs);
   const Device dev = jobs.front().P.device();
   const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
-  const Layout L = layout_of(ctx, jobs, P);
   const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
+  const Layout L = layout_of(ctx, jobs, P, forward_parts(ctx, plan, jobs.size(), P));
 
   // 1. The local scans from a zero state (all jobs in one batch of sweeps):
   //    states Y_loc into Y, and with P > 1 the composite state h (last state)
   //    written straight into the all-gather's pack; where a correction will
   //    follow (X0 ≠ 0), the cumulative products Wcum per frame, whose last is
   //    the composite transition M (into the pack where it travels: Note [which
-  //    composites travel]). A checkpoint recompute (composites kept) writes no
-  //    composites.
+  //    composites travel]). A job of one column writes h alone here: its states
+  //    come from X0 (Note [rescan of one column]). A checkpoint recompute
+  //    (composites kept) writes no composites. With overlap, the sweeps the all-gather does not read (Wcum
+  //    where M does not travel) run after it is issued, and with two parts
+  //    (forward_parts) the second part's sweeps after the first part's
+  //    all-gather is issued (Note [hidden exchange]).
   const bool gather = P > 1 && !ctx.gathered.defined();
+  const bool hide = ctx.overlap && gather && plan.algo == Exchange::all_gather;
   Tensor pack = gather ? Tensor::empty({L.fwd_total}, dt, dev) : Tensor();
-  std::vector<Sweep> sweeps;
+  std::vector<Sweep> batch[2], later;  // by part of the pack; later: read by no all-gather
   std::vector<Tensor> cum(jobs.size());
+  std::vector<Sweep> redo(jobs.size());  // Note [rescan of one column]: from X0 (spec.E = 0: none)
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
     j.Y = Tensor::empty(states_shape(BH, F, D, j.E), dt, dev);
@@ -156,25 +224,49 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
       sh.final_state = j.T;
     }
+    const bool corrected = P > 1 && logical(j, r, P) > 0;  // X0 ≠ 0 here
+    const bool rescan = corrected && rescans(j, D);
+    if (rescan) {  // the states come from the sweep from X0; this one gives the composite only
+      redo[i] = sh;
+      redo[i].spec.init = Init::given;
+      sh.out_before = sh.out_after = Tensor();
+    }
     if (P > 1) {
       sh.final_state = pack;
       sh.final_offset = L.h[i];
     }
-    if (P > 1 && logical(j, r, P) > 0) {  // X0 ≠ 0 here: Wcum for the correction
+    if (corrected && (!rescan || L.M[i] >= 0)) {  // Wcum for the correction, or M alone where it travels
       Sweep sm = sh;
-      cum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
       sm.out_before = sm.out_after = Tensor();
-      (j.anti ? sm.out_before : sm.out_after) = cum[i];
+      if (!rescan) {
+        cum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
+        (j.anti ? sm.out_before : sm.out_after) = cum[i];
+      }
       sm.final_state = L.M[i] >= 0 ? pack : Tensor();
       sm.final_offset = std::max<int64_t>(L.M[i], 0);
       sm.add_after = Tensor();
       sm.spec.init = Init::identity;
       sm.spec.E = D;
-      sweeps.push_back(sm);
+      (hide && L.M[i] < 0 ? later : batch[L.part(i)]).push_back(sm);
     }
-    sweeps.push_back(sh);
+    batch[L.part(i)].push_back(sh);
   }
-  kern::scan_sweeps(sweeps, ctx.decay);
+  CommStream lane(hide && dev == Device::cuda);
+  if (hide) {
+    Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * L.fwd_total}, dt, dev);
+    for (int q = 0; q < L.parts; ++q) {
+      kern::scan_sweeps(batch[q], ctx.decay);
+      const int64_t b = L.begin[q], n = L.begin[q + 1] - b;
+      Tensor in = region(pack, b, n), out = region(gathered, P * b, P * n);
+      lane.issue([&] { comm.all_gather(out, in); });
+    }
+    ctx.gathered = gathered;
+    if (!later.empty()) kern::scan_sweeps(later, ctx.decay);
+    lane.join();
+  } else {  // one batch (two parts only lay out the kept composites of a recompute)
+    batch[0].insert(batch[0].end(), batch[1].begin(), batch[1].end());
+    kern::scan_sweeps(batch[0], ctx.decay);
+  }
   if (P == 1) {
     for (auto& j : jobs) j.X0 = Tensor::zeros(state_shape(BH, D, j.E), dt, dev);
     return;
@@ -188,15 +280,11 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       if (jobs[i].terminal) Ts[i] = jobs[i].T = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
     }
     exchange_forward(comm, plan, exchange_jobs(jobs, L), pack, L.fwd_total, BH, D, ctx.gathered, X0s, Ts);
-    std::vector<Correction> cs;
-    for (size_t i = 0; i < jobs.size(); ++i)
-      if (cum[i].defined()) cs.push_back(Correction{jobs[i].Y, cum[i], jobs[i].X0, jobs[i].E});
-    kern::scan_correct(cs, BH, F, D);
-    return;
+    return correct_from_X0(jobs, cum, redo, ctx.decay, BH, F, D);
   }
 
   // 2. One all-gather of every job's composites (kept: a checkpoint recompute passes them back in).
-  if (gather) {
+  if (gather && !hide) {
     Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * L.fwd_total}, dt, dev);
     comm.all_gather(gathered, pack);
     ctx.gathered = gathered;
@@ -211,9 +299,9 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
     Fold f;
     f.Hbuf = ctx.gathered;
     if (L.M[i] >= 0) f.Mbuf = ctx.gathered;
-    f.m_off = std::max<int64_t>(L.M[i], 0);
-    f.h_off = L.h[i];
-    f.m_stride = f.h_stride = L.fwd_total;
+    f.m_off = L.off(i, std::max<int64_t>(L.M[i], 0));
+    f.h_off = L.off(i, L.h[i]);
+    f.m_stride = f.h_stride = L.stride(i);
     f.E = j.E;
     for (int pos = 0; pos < logical(j, r, P); ++pos) f.order.push_back(physical(j, pos, P));
     GDNCP_CHECK(f.Mbuf.defined() || f.order.size() <= 1, "cp scan: the fold needs composites that were not gathered");
@@ -233,10 +321,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   run_folds(fs, BH, D);
 
   // 4. The correction of docs/design.md §6, all frames at once: Y_t = Y_loc,t + Wcum_t X0.
-  std::vector<Correction> cs;
-  for (size_t i = 0; i < jobs.size(); ++i)
-    if (cum[i].defined()) cs.push_back(Correction{jobs[i].Y, cum[i], jobs[i].X0, jobs[i].E});
-  kern::scan_correct(cs, BH, F, D);
+  correct_from_X0(jobs, cum, redo, ctx.decay, BH, F, D);
 }
 
 void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
@@ -247,7 +332,8 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   const DType dt = compute_dtype(jobs);
   const Device dev = jobs.front().P.device();
   const int64_t BH = ctx.BH, F = ctx.F, D = ctx.D;
-  const Layout L = layout_of(ctx, jobs, P);
+  const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
+  const Layout L = layout_of(ctx, jobs, P, forward_parts(ctx, plan, jobs.size(), P));
 
   // Sweeps of the state adjoint: anti jobs run ascending with the slot
   // gradient added after the step, forward jobs descending with it added before.
@@ -270,14 +356,33 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   };
   // Does the adjoint arriving from later ranks (a) exist for job j?
   auto seeded = [&](const ScanJob& j) { return j.terminal || logical(j, r, P) < P - 1; };
+  std::vector<Tensor> rcum(jobs.size());
+  // Step 4: the adjoint seeded with a is λ_t + Rcum_t a, all frames at once, or for a job of one
+  // column the adjoint sweep rerun from a (Note [rescan of one column]).
+  auto seed_adjoints = [&](const std::vector<Tensor>& seed) {
+    std::vector<Correction> cs;
+    std::vector<Sweep> again;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      if (!seed[i].defined()) continue;
+      const Tensor a = seed[i].reshape(state_shape(BH, D, jobs[i].E));
+      if (rcum[i].defined())
+        cs.push_back(Correction{jobs[i].dU, rcum[i], a, jobs[i].E});
+      else
+        again.push_back(adjoint(jobs[i], jobs[i].dU, Tensor(), a));
+      GDNCP_CHECK(rcum[i].defined() || rescans(jobs[i], D), "cp scan backward: missing cumulative products");
+    }
+    kern::scan_correct(cs, BH, F, D);
+    if (!again.empty()) kern::scan_sweeps(again, ctx.decay);
+  };
 
   // 1. The adjoint sweep of every job from its own output gradients (λ, into
   //    dU; its final state is the adjoint of X0), and where an adjoint a will
   //    arrive from later ranks, the cumulative products Rcum_t of the
   //    transposed transitions it passes through. One batch.
   //    With P > 1 the adjoints of X0 go straight into the all-gather's pack.
-  std::vector<Sweep> sweeps;
-  std::vector<Tensor> rcum(jobs.size());
+  //    With overlap, the Rcum sweeps run after the all-gather is issued (Note [hidden exchange]).
+  const bool hide = ctx.overlap && P > 1 && plan.algo == Exchange::all_gather;
+  std::vector<Sweep> sweeps, later;
   Tensor pack = P > 1 ? Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev) : Tensor();
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
@@ -286,40 +391,39 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       sweeps.push_back(adjoint(j, j.dU, Tensor(), j.terminal ? j.dT : Tensor()));
       continue;
     }
-    const bool has_dX0 = logical(j, r, P) > 0;  // the adjoint of X0, where X0 came from earlier ranks
-    sweeps.push_back(adjoint(j, j.dU, has_dX0 ? pack : Tensor(), Tensor()));
-    sweeps.back().final_offset = L.dX0[i];
-    if (seeded(j)) {
+    const bool has_dX0 = logical(j, r, P) > 0;      // the adjoint of X0, where X0 came from earlier ranks
+    const bool rerun = seeded(j) && rescans(j, D);  // Note [rescan of one column]: dU from the rerun
+    if (!rerun || has_dX0) {
+      sweeps.push_back(adjoint(j, rerun ? Tensor() : j.dU, has_dX0 ? pack : Tensor(), Tensor()));
+      sweeps.back().final_offset = L.dX0[i];
+    }
+    if (seeded(j) && !rerun) {
       rcum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
       Sweep w = adjoint(j, rcum[i], Tensor(), Tensor());
       w.add_before = w.add_after = Tensor();
       w.spec.init = Init::identity;
       w.spec.E = D;
-      sweeps.push_back(w);
+      (hide ? later : sweeps).push_back(w);
     }
   }
   kern::scan_sweeps(sweeps, ctx.decay);
 
-  const ExchangePlan plan = P > 1 ? plan_exchange(comm, ctx.exchange, ctx.node_size) : ExchangePlan();
   if (P > 1 && plan.algo != Exchange::all_gather) {  // 2-3 by the exchange of exchange.h
     for (size_t i = 0; i < jobs.size(); ++i)
       if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
     std::vector<Tensor> seed(jobs.size());
     exchange_backward(comm, plan, exchange_jobs(jobs, L), ctx.gathered, L.fwd_total, pack, BH, D, seed);
-    std::vector<Correction> cs;
-    for (size_t i = 0; i < jobs.size(); ++i)
-      if (seed[i].defined()) {
-        GDNCP_CHECK(rcum[i].defined(), "cp scan backward: missing cumulative products");
-        cs.push_back(Correction{jobs[i].dU, rcum[i], seed[i].reshape(state_shape(BH, D, jobs[i].E)), jobs[i].E});
-      }
-    kern::scan_correct(cs, BH, F, D);
+    seed_adjoints(seed);
   } else if (P > 1) {
     GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
     // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients.
     for (size_t i = 0; i < jobs.size(); ++i)
       if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
     Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * pack.numel()}, dt, dev);
-    comm.all_gather(gathered, pack);
+    CommStream lane(hide && dev == Device::cuda);
+    lane.issue([&] { comm.all_gather(gathered, pack); });
+    if (!later.empty()) kern::scan_sweeps(later, ctx.decay);
+    lane.join();
     const int64_t stride = pack.numel();
     // 3. Σ over ranks of dT (rank order: the same bits everywhere), then the
     //    adjoint a arriving from the logically later ranks: a ← dX0_j + M_jᵀ a.
@@ -352,8 +456,8 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       f.X = seed[i];
       f.init = a0[i];
       if (L.M[i] >= 0) f.Mbuf = ctx.gathered;
-      f.m_off = std::max<int64_t>(L.M[i], 0);
-      f.m_stride = L.fwd_total;
+      f.m_off = L.off(i, std::max<int64_t>(L.M[i], 0));
+      f.m_stride = L.stride(i);
       f.transpose = true;
       f.Hbuf = gathered;
       f.h_off = L.dX0[i];
@@ -362,15 +466,8 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       backs.push_back(f);
     }
     run_folds(backs, BH, D);
-    // 4. The composite's gradient folded into the last state (Note [CP scan]):
-    //    the adjoint seeded with a is λ_t + Rcum_t a, all frames at once.
-    std::vector<Correction> cs;
-    for (size_t i = 0; i < jobs.size(); ++i)
-      if (seed[i].defined()) {
-        GDNCP_CHECK(rcum[i].defined(), "cp scan backward: missing cumulative products");
-        cs.push_back(Correction{jobs[i].dU, rcum[i], seed[i], jobs[i].E});
-      }
-    kern::scan_correct(cs, BH, F, D);
+    // 4. The composite's gradient folded into the last state (Note [CP scan]).
+    seed_adjoints(seed);
   }
 
   // 5. The transition gradients, grouped by the P they belong to (one launch).
@@ -395,12 +492,11 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     g.accumulate_dP = j.dP_accumulate;
     g.cuts = ctx.cuts;
     g.H = ctx.H;
-    g.dg = Tensor::zeros({BH, F}, dt, dev);
+    g.dg = dg;  // every group adds to the one dg: its f64 sum per frame is rounded once (Note [dg in f64])
     g.sources.push_back(src);
     groups.push_back(g);
   }
   kern::scan_grad_outers(groups, ctx.decay, BH, F, D);
-  for (OuterGroup& g : groups) kern::add(dg, dg, g.dg);
 }
 
 }  // namespace detail

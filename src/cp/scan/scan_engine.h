@@ -13,9 +13,9 @@
 //   3. the incoming state X0 = fold over the logically earlier ranks of
 //      X ← M_j X + h_j (and the terminal state, with truncation, the fold over
 //      all ranks: identical on every rank, no broadcast needed);
-//   4. the local rescan from X0. (docs/design.md §6 writes step 5 as the correction
-//      S_loc[t] + X0·Wcum[t]; rescanning from X0 is the same linear map, costs
-//      the same and needs no cumulative products kept per frame.)
+//   4. the correction Y_t = Y_loc,t + Wcum_t X0 of docs/design.md §6 step 5, all frames
+//      at once; a job of one state column (z) is instead swept again from X0
+//      (Note [rescan of one column] in scan_engine.cpp: the same linear map).
 // Backward, per job, with λ the state adjoint:
 //   1. dX0 = the adjoint of the rescan's initial state (a transposed sweep);
 //   2. ONE all-gather of every job's dX0 (and dT of the terminal states);
@@ -84,6 +84,7 @@ struct ScanContext {
   // src/cp/scan/exchange.h says instead of every rank's composites.
   Exchange exchange = Exchange::automatic;
   int node_size = 0;
+  bool overlap = false;  // CpOptions::overlap_exchange (Note [hidden exchange], comm_stream.h)
 };
 
 // The scan context of a CP entry: what its options say of the scan (truncate_to_active, the
@@ -94,6 +95,7 @@ inline ScanContext scan_context(Communicator& comm, int64_t BH, int64_t F, int64
   ScanContext ctx{&comm, BH, F, D, decay, gathered, cuts, H, std::move(frames), o.truncate_to_active};
   ctx.exchange = o.exchange;
   ctx.node_size = o.node_size;
+  ctx.overlap = o.overlap_exchange;
   return ctx;
 }
 

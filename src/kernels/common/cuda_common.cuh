@@ -309,8 +309,8 @@ __device__ __forceinline__ float2 weight_pair(const float* w, int i) { return w 
 // --- reductions -------------------------------------------------------------------
 // Sum over each group of kLanes consecutive lanes (a power of two ≤ 32), every lane of the
 // group gets it: halves, quarters, ... of the group are added (xor 16, 8, ... for a warp).
-template <int kLanes = 32>
-__device__ __forceinline__ float warp_sum(float v) {
+template <int kLanes = 32, typename T>
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
   for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

@@ -9,7 +9,14 @@
 //   Z GEMMs        the transition gradients' Gr_t = L_t R'_tᵀ of the KV states (E = D):
 //                  strided-batched cuBLAS f32 GEMMs over all frames (Note [Z GEMMs]);
 //   outer_kernel   then dP (=, +=) −g Gr and dg (=, +=) ⟨Gr, I − P⟩, one block per frame; for the
-//                  z vector (E = 1) it forms the rank ≤ 2 Gr itself.
+//                  z vector (E = 1) it forms the rank ≤ 2 Gr itself. dg in f64 (Note [dg in f64]).
+//
+// Note [dg in f64]. A frame's decay gradient ⟨Gr, I − P⟩ sums D² products of both signs, and the
+// groups of a batch that share dg (the KV and Z transitions of one decay) add terms that cancel
+// in part: summed in f32, the cancellation amplifies the f32 rounding of the partial sums into the
+// result (the CP layer's decay gradient once sat at 1.7e-6 against f64, growing with F). The
+// block sums its terms in f64, and the groups sharing one dg chain that f64 sum: dg is rounded
+// to f32 once per frame. O(B·H·F) values: the f64 adds cost nothing beside the D² products.
 // No atomics: every result is bitwise reproducible.
 //
 // Note [clips are a template]: the sweep kernel takes CLIPS (a mask is given) as a template
@@ -601,14 +608,28 @@ struct OuterBatch {
 
 // blockIdx.x = b·h·F + t; the groups of the batch one after another (groups may share dg).
 __global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_constant__ OuterBatch batch) {
-  __shared__ float red[kOuterThreads / 32];
+  __shared__ double red[kOuterThreads / 32];
   __shared__ float lv[2][kMaxHeadDim], rv[2][kMaxHeadDim];  // z vector: L_t and R'_t of each source
   const int D = batch.D, F = batch.F, tid = threadIdx.x;
   const int64_t bt = blockIdx.x, bh = bt / F, DD = static_cast<int64_t>(D) * D;
   const int t = static_cast<int>(bt % F);
   const float gt = batch.decay[bt];
+  // Thread 0's f64 sum of the dg the groups share (Note [dg in f64]): written when the next
+  // group names another dg, and after the last group.
+  float* dg = nullptr;
+  double dgs = 0.0;
+  const auto flush = [&] {
+    if (dg && tid == 0) dg[bt] = static_cast<float>(dgs);
+  };
   for (int k = 0; k < batch.n; ++k) {
     const OuterArgs& a = batch.g[k];
+    if (a.dg != dg) {
+      flush();
+      dg = a.dg;
+      dgs = tid == 0 && a.accumulate_dg ? static_cast<double>(dg[bt]) : 0.0;
+    } else if (!a.accumulate_dg) {
+      dgs = 0.0;
+    }
     float* dPt = a.dP + bt * DD;
     const float* Pt = a.P + bt * DD;
     bool any = false;  // some source counts frame t
@@ -620,7 +641,6 @@ __global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_const
     if (cut || !any) {                                             // dP_t = 0 (or unchanged), dg unchanged
       if (!a.accumulate)
         for (int64_t e = tid; e < DD; e += kOuterThreads) dPt[e] = 0.f;
-      if (!a.accumulate_dg && tid == 0) a.dg[bt] = 0.f;
       continue;
     }
     if (a.E == 1) {
@@ -638,9 +658,9 @@ __global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_const
     const float* Z0 = a.nz > 0 && t < a.zact[0] ? a.Z[0] + bt * DD : nullptr;
     const float* Z1 = a.nz > 1 && t < a.zact[1] ? a.Z[1] + bt * DD : nullptr;
     // Element (i, c) of frame t with Gr = v: dP = −g v (+ dP), and this thread's part of ⟨Gr, I − P⟩.
-    float part = 0.f;
+    double part = 0.0;
     const auto element = [&](int i, int c, float v, float p, float d) {
-      part += v * ((i == c ? 1.f : 0.f) - p);
+      part += static_cast<double>(v) * ((i == c ? 1.0 : 0.0) - static_cast<double>(p));
       return a.accumulate ? d - gt * v : -gt * v;
     };
     const auto gr = [&](int i, int c, int64_t e) {
@@ -681,13 +701,11 @@ __global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_const
     part = warp_sum(part);
     if ((tid & 31) == 0) red[tid >> 5] = part;
     __syncthreads();
-    if (tid == 0) {
-      float s = 0.f;
-      for (int w = 0; w < kOuterThreads / 32; ++w) s += red[w];
-      a.dg[bt] = (a.accumulate_dg ? a.dg[bt] : 0.f) + s;
-    }
+    if (tid == 0)
+      for (int w = 0; w < kOuterThreads / 32; ++w) dgs += red[w];
     __syncthreads();  // red, lv and rv are reused by the next group
   }
+  flush();
 }
 
 // C_j = A_j·B_jᵀ (+ C_j when accumulate) for `batch` row-major D×D frames, strides in floats, in

@@ -4,8 +4,9 @@
 //
 // Gradient rule: scan_grad_outer accumulates (+=) into dg always and into dP
 // when asked (several sweeps share one transition); every other output is
-// overwritten. A frame's term of dg (a sum of D² terms of both signs) is summed
-// in a wider type. These sweeps are also the CPU twin of the single-rank scan
+// overwritten. A frame's dg (sums of D² terms of both signs, over every source of
+// the groups of a scan_grad_outers call that share it) is summed in a wider type
+// and rounded once (Note [dg in f64] in scan_sweep.cu). These sweeps are also the CPU twin of the single-rank scan
 // (src/kernels/scan/scan_bidi.cpp).
 #include <algorithm>
 #include <cstring>
@@ -110,8 +111,13 @@ void sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, const Ten
 }
 
 template <typename T>
+using Wide = typename gdncp::cpu::detail::Wider<T>::type;
+
+// wide: where the frames' dg terms go, summed in the wider type (BH·F); null: added to dg.
+template <typename T>
 void grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const Tensor& R0, const Tensor& P,
-                const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate, const Tensor& cuts) {
+                const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate, const Tensor& cuts,
+                Wide<T>* wide = nullptr) {
   const int64_t D = s.D, E = s.E, F = s.F, DE = D * E, DD = D * D;
   const float* c = cuts_of(cuts, s.BH, s.H, F, "scan_grad_outer");
   const Tensor g_t = decay_as<T>(decay);
@@ -143,7 +149,7 @@ void grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const 
         }
       const T gt = g[bh * F + t];
       const T* pt = p + (bh * F + t) * DD;
-      typename gdncp::cpu::detail::Wider<T>::type dgs = 0;  // D² terms of both signs
+      Wide<T> dgs = 0;  // D² terms of both signs
       for (int64_t i = 0; i < D; ++i)
         for (int64_t k = 0; k < D; ++k) {
           const T v = gr[i * D + k];
@@ -153,8 +159,45 @@ void grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const 
           else
             dpt[i * D + k] = -gt * v;
         }
-      dgt += static_cast<T>(dgs);
+      if (wide)
+        wide[bh * F + t] += dgs;
+      else
+        dgt += static_cast<T>(dgs);
     }
+}
+
+// The groups in order; the groups that share one dg (its storage) chain one wide sum per frame.
+template <typename T>
+void grad_outers_impl(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
+  std::vector<Wide<T>> wide(static_cast<size_t>(BH * F));
+  T* dg = nullptr;
+  const auto flush = [&] {
+    if (dg)
+      for (size_t i = 0; i < wide.size(); ++i) dg[i] = static_cast<T>(wide[i]);
+  };
+  for (OuterGroup& g : groups) {
+    T* mine = g.dg.data_ptr<T>();
+    if (mine != dg) {
+      flush();
+      dg = mine;
+      for (size_t i = 0; i < wide.size(); ++i) wide[i] = g.accumulate_dg ? static_cast<Wide<T>>(dg[i]) : 0;
+    } else if (!g.accumulate_dg) {
+      std::fill(wide.begin(), wide.end(), Wide<T>(0));
+    }
+    for (size_t i = 0; i < g.sources.size(); ++i) {
+      const OuterSource& src = g.sources[i];
+      SweepSpec s;
+      s.BH = BH;
+      s.F = F;
+      s.D = D;
+      s.E = g.E;
+      s.active = src.active;
+      s.H = g.H;
+      grad_outer<T>(g.dP, g.dg, src.L, src.R, src.R0, g.P, decay, s, src.shifted, i > 0 || g.accumulate_dP, g.cuts,
+                    wide.data());
+    }
+  }
+  flush();
 }
 
 template <typename T>
@@ -297,20 +340,16 @@ void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
 }
 
 void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
-  for (OuterGroup& g : groups) {
-    if (!g.accumulate_dg) g.dg.fill_(0.0);
-    for (size_t i = 0; i < g.sources.size(); ++i) {
-      const OuterSource& src = g.sources[i];
-      SweepSpec s;
-      s.BH = BH;
-      s.F = F;
-      s.D = D;
-      s.E = g.E;
-      s.active = src.active;
-      s.H = g.H;
-      scan_grad_outer(g.dP, g.dg, src.L, src.R, src.R0, g.P, decay, s, src.shifted, i > 0 || g.accumulate_dP, g.cuts);
-    }
+  if (groups.empty()) return;
+  for (const OuterGroup& g : groups) {
+    check_compute(g.P, "scan_grad_outers: P");
+    GDNCP_CHECK(g.dg.dtype() == groups.front().P.dtype() && g.P.dtype() == groups.front().P.dtype(),
+                "scan_grad_outers: the groups' P and dg must share one compute dtype");
   }
+  if (is_f64(groups.front().P))
+    grad_outers_impl<double>(groups, decay, BH, F, D);
+  else
+    grad_outers_impl<float>(groups, decay, BH, F, D);
 }
 
 namespace {

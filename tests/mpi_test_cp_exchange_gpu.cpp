@@ -1,0 +1,121 @@
+// tests/mpi_test_cp_exchange_gpu.cpp — the hidden exchange (CpOptions::overlap_exchange, Note
+// [hidden exchange] in src/cp/scan/comm_stream.h) and the f32 decay gradient on one GPU:
+//   - each rank of emulated groups of 2 and 3 on stand-in peers with a modeled link
+//     (bench/loopback_comm.h: the all-gather occupies a stream of its own for the link's time):
+//     a bigdn_cp step with overlap on equals it with overlap off bitwise, makes no host wait,
+//     and captured in a CUDA graph replays bitwise equal to the eager step;
+//   - bigdn_cp in IEEE f32 on the GPU (a group of one) against the f64 oracle at 11, 22 and
+//     44 frames: every output and gradient within 1e-6, the decay gradient included.
+// Skips without a GPU.
+// gdncp-mpi-np: 1
+#include <string>
+#include <vector>
+
+#include "gdncp/graph.h"
+#include "mpi_cp_fixtures.h"
+
+#if GDNCP_WITH_CUDA
+#include "loopback_comm.h"
+#endif
+
+namespace gdncp {
+namespace test {
+namespace {
+
+#define REQUIRE_GPU() \
+  if (cuda_device_count() < 1) GTEST_SKIP() << "needs CUDA and a visible GPU"
+
+Tensor cpu(const Tensor& t) { return t.defined() ? t.to(Device::cpu) : Tensor(); }
+
+// One rank's bigdn_cp step on the GPU (leaves require grad) and its output gradient.
+struct Step {
+  LayerInputs l;
+  std::vector<Tensor> x;
+  Tensor w;
+  Step(int64_t F, int64_t S, int64_t D, uint64_t seed) {
+    l = make_layer_inputs(dims(1, 2, D, F, S), DType::f32, seed);
+    l.opt.precision = Precision::ieee;
+    for (const Tensor& t : l.list()) x.push_back(t.defined() ? t.to(Device::cuda) : Tensor());
+    for (size_t i = 0; i < 5; ++i)
+      if (x[i].defined()) x[i].requires_grad_(true);
+    w = Tensor::randn({1, F * S, 2, D}, DType::f32, Device::cpu, seed + 1).to(Device::cuda);
+  }
+  Tensor run(cp::Communicator& c, const cp::CpOptions& o) {
+    for (size_t i = 0; i < 5; ++i)
+      if (x[i].defined()) x[i].zero_grad();
+    Tensor out =
+        cp::bigdn_cp(c, x[0], x[1], x[2], x[3], x[4], x[5], x[6], l.d.F, l.d.S, l.opt, Tensor(), Tensor(), Tensor(), o);
+    backward(out, w);
+    return out;
+  }
+  std::vector<std::vector<double>> snapshot(const Tensor& out) const {
+    std::vector<std::vector<double>> s = {cpu(out).to_vector()};
+    for (size_t i = 0; i < 5; ++i)
+      if (x[i].defined()) s.push_back(cpu(x[i].grad()).to_vector());
+    return s;
+  }
+};
+
+#if GDNCP_WITH_CUDA
+// Every rank of 2 (the all-gather behind Wcum forward, Rcum backward) and of 3 (the forward
+// composites in two all-gathers), over an NVLink model.
+TEST(CpExchangeGpu, OverlapEqualsOffAndReplaysBitwise) {
+  REQUIRE_GPU();
+  bench::LinkModel model;
+  model.intra = model.inter = bench::link_preset("nvlink");
+  for (int P : {2, 3})
+    for (int r = 0; r < P; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r) + " of " + std::to_string(P));
+      bench::LoopbackPeers peers(r, P, model);
+      Step step(3, 16, 112, 1200 + static_cast<uint64_t>(10 * P + r));
+      cp::CpOptions off, on;
+      on.overlap_exchange = true;
+      const auto plain = step.snapshot(step.run(peers, off));
+      step.run(peers, on);  // warm-up: the communication stream, the cache
+      synchronize();
+      const int64_t waits = cuda_host_waits();
+      Tensor eager_out = step.run(peers, on);
+      EXPECT_EQ(cuda_host_waits(), waits) << "a step with the exchange hidden made the host wait";
+      const auto eager = step.snapshot(eager_out);
+      EXPECT_EQ(eager, plain) << "overlap on differs from overlap off";
+      CudaGraph graph;
+      Tensor out;
+      {
+        CaptureGuard capture(graph);
+        out = step.run(peers, on);
+      }
+      EXPECT_EQ(graph.capture_mallocs(), 0);
+      for (int replay = 0; replay < 3; ++replay) {
+        poison(out);
+        graph.replay();
+        synchronize();
+        EXPECT_EQ(step.snapshot(out), eager) << "replay " << replay << " differs from the eager step";
+      }
+    }
+}
+#endif
+
+// The decay gradient's sums per frame in f64 (Note [dg in f64]): f32 within 1e-6 of f64 at the
+// production D, not growing past it with F.
+TEST(CpExchangePrecisionGpu, F32LayerWithin1e6OfF64) {
+  REQUIRE_GPU();
+  auto c = cp::make_nccl_communicator(MPI_COMM_SELF);
+  for (int64_t F : {11, 22, 44}) {
+    SCOPED_TRACE("F = " + std::to_string(F));
+    Step step(F, 37, 112, 1300 + static_cast<uint64_t>(F));
+    const Tensor out = step.run(*c, cp::CpOptions());
+    const LayerInputs o = convert(step.l, DType::f64);
+    std::vector<Tensor> x = {leaf(o.qkv), leaf(o.beta), leaf(o.decay), leaf(o.q_norm_w), leaf(o.k_norm_w)};
+    const Tensor ref = bigdn(x[0], x[1], x[2], x[3], x[4], o.rope_cos, o.rope_sin, F, o.d.S, o.opt);
+    backward(ref, cpu(step.w).to(DType::f64));
+    EXPECT_TRUE(close_rel(cpu(out), ref, tol::f32_layer, "out"));
+    const char* names[] = {"dqkv", "dbeta", "ddecay", "dq_norm_w", "dk_norm_w"};
+    for (size_t k = 0; k < 5; ++k) EXPECT_TRUE(close_rel(cpu(step.x[k].grad()), x[k].grad(), tol::f32_layer, names[k]));
+  }
+}
+
+}  // namespace
+}  // namespace test
+}  // namespace gdncp
+
+int main(int argc, char** argv) { return gdncp::test::run_mpi_tests(argc, argv); }
