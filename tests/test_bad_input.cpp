@@ -6,11 +6,13 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <random>
 #include <string>
 
 #include "bigdn_fixtures.h"
 #include "gdncp/nn.h"
 #include "gdncp/optim.h"
+#include "kernels/common/clip_guard.h"
 #include "util/test_util.h"
 
 namespace gdncp {
@@ -214,6 +216,8 @@ TEST(BadInput, UnfusedBetaWrongShape) {
   expect_bad(in, "beta", "", kKeep, kKeep, /*fused=*/false);
 }
 
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts);
+
 // --- the clip-start mask (docs/design.md §4a) ----------------------------------------------------------------
 
 // bigdn and bigdn_unfused with a bad mask: gdncp::Error naming clip_starts, nothing recorded.
@@ -260,6 +264,45 @@ TEST(BadInput, ClipStartsWrongDtype) {
 TEST(BadInput, ClipStartsOnAnotherDevice) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   expect_bad_clips(Tensor::zeros({kDims.B, kDims.F}, DType::f32, Device::cuda), "one device");
+}
+
+// The CPU twin of the device check of a clip mask (Note [clip mask values]):
+// a bad value poisons the outputs given and is reported once, naming
+// clip_starts, by the next entry that takes a mask; a good mask changes nothing.
+TEST(HardenClipGuard, CpuTwinPoisonsAndReportsOnce) {
+  const uint64_t seed = std::random_device{}();
+  std::mt19937_64 rng(seed);
+  const int64_t B = kDims.B, F = kDims.F;
+  const float bad_values[] = {0.5f, 2.0f, -1.0f, std::numeric_limits<float>::quiet_NaN()};
+  const float bad = bad_values[rng() % 4];
+  const int64_t b = static_cast<int64_t>(rng() % B), f = static_cast<int64_t>(rng() % F);
+  std::vector<double> m(static_cast<size_t>(B * F));
+  for (double& v : m) v = static_cast<double>(rng() % 2);
+  const Tensor good_mask = Tensor::from_vector(m, {B, F}, DType::f32);
+  m[static_cast<size_t>(b * F + f)] = bad;
+  const Tensor bad_mask = Tensor::from_vector(m, {B, F}, DType::f32);
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", value " + std::to_string(bad));
+
+  const std::vector<Tensor> outs = {Tensor::randn({3, 5}, DType::f32, Device::cpu, seed),
+                                    Tensor::randn({7}, DType::f64, Device::cpu, seed + 1),
+                                    Tensor::randn({2, 4}, DType::bf16, Device::cpu, seed + 2)};
+  std::vector<std::vector<double>> before;
+  for (const Tensor& t : outs) before.push_back(t.to_vector());
+  kernels::guard_clip_mask(good_mask, outs);
+  for (size_t k = 0; k < outs.size(); ++k)
+    EXPECT_EQ(outs[k].to_vector(), before[k]) << "a good mask changed output " << k;
+
+  const LayerInputs in = good();
+  auto call = [&] {
+    bigdn(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, in.d.F, in.d.S, in.opt);
+  };
+  EXPECT_NO_THROW(call());
+  kernels::guard_clip_mask(bad_mask, outs);
+  for (size_t k = 0; k < outs.size(); ++k)
+    for (double v : outs[k].to_vector()) ASSERT_TRUE(std::isnan(v)) << "output " << k << " not poisoned";
+  const std::string at = "at (" + std::to_string(b) + ", " + std::to_string(f) + ")";
+  expect_error(call, {"bigdn: clip_starts: must hold 0 or 1", at, "earlier call"});
+  EXPECT_NO_THROW(call()) << "a fault is reported once";
 }
 
 TEST(BadInput, UnfusedEpsZero) { expect_bad_option(&BigdnOptions::eps, 0, "eps", "> 0", /*fused=*/false); }

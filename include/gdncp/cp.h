@@ -15,9 +15,11 @@
 //
 // Packed clips (docs/design.md §4a): the entries that take `clip_starts` accept a
 // per-rank mask (B, F_r), f32, on the inputs' device: 1 where frame f of row
-// b begins a clip, 0 elsewhere (any other value of a CPU mask is a
-// gdncp::Error naming clip_starts; a CUDA mask is not read on the host, as
-// that would wait for the device on every call). No state crosses a clip
+// b begins a clip, 0 elsewhere. Any other value is a gdncp::Error naming
+// clip_starts: at once for a CPU mask; a CUDA mask is checked on the device
+// (no host wait), the outputs and gradients of that call become NaN, and the
+// next call of an entry that takes a mask raises on every rank
+// (docs/design.md §9). No state crosses a clip
 // start in either direction, so out and every gradient equal running each
 // clip as its own row. Clips may cross rank boundaries and rows may pack
 // differently. Undefined = one clip per row. Global frame 0 starts a clip

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gdncp/error.h"
+#include "kernels/common/clip_guard.h"
 #include "layer/validate.h"
 
 namespace gdncp {
@@ -181,6 +182,7 @@ FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecor
 }
 
 void check_clip_starts(const char* entry, const Tensor& c, int64_t B, int64_t F, Device device) {
+  kernels::report_clip_fault(entry);  // inside the local validation: every rank raises it at once
   if (!c.defined()) return;
   GDNCP_CHECK(c.shape() == Shape({B, F}), entry, ": clip_starts: must be (B, F) = (", B, ", ", F,
               ") (1 where a frame begins a clip), got ", c.str());
