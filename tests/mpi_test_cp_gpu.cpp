@@ -8,7 +8,8 @@
 //     against the f64 CPU oracle; checkpoint on vs off bitwise;
 //   - uneven splits (empty ranks included) and clip masks: the CUDA twins with
 //     cuts and with no frame, and the layers and camera branch on P GPUs vs one;
-//   - clip masks holding values other than 0 and 1, checked on the device.
+//   - clip masks holding values other than 0 and 1, checked on the device;
+//   - a bad argument on one rank over NCCL: every rank raises at once (call headers).
 // gdncp-mpi-np: 1 2
 #include <chrono>
 #include <cmath>
@@ -20,6 +21,7 @@
 
 #include "bigdn_fixtures.h"
 #include "kernels/cp_kernels.h"
+#include "mpi_async_fixtures.h"
 #include "mpi_cp_entries.h"
 #include "mpi_cp_fixtures.h"
 
@@ -954,6 +956,59 @@ TEST(HardenClipMaskGpu, DeviceCheckAddsNoHostWait) {
   step();
   EXPECT_EQ(cuda_host_waits(), waits);
   autograd::clear_tape();
+}
+
+// --- a bad argument on one rank over NCCL (Note [NCCL call headers]) ------------------------
+
+// One forward of bigdn_cp on this rank's block (beta of the wrong shape when
+// bad); no host wait.
+void nccl_layer_step(cp::Communicator& c, bool bad) {
+  const int64_t F = 2, S = 3;
+  const LayerInputs l = local_block(make_layer_inputs(dims(1, 2, 8, F * c.size(), S), DType::f32, 1600), F, c.rank());
+  const std::vector<Tensor> x = leaves_on(l, Device::cuda);
+  const Tensor beta = bad ? Tensor::zeros({1, 2, F, S + 1}, DType::f32, Device::cuda) : x[1];
+  cp::bigdn_cp(c, x[0], beta, x[2], x[3], x[4], x[5], x[6], F, S, l.opt);
+  autograd::clear_tape();
+}
+
+// In a steady state (validated calls) under `policy`, the last rank passes a
+// bad beta: every rank raises within seconds, not at the deadline (60 s), the
+// last rank its own error, the others "bad argument on rank P-1" (they went
+// on with their collectives: the communicator is then aborted). Under
+// every_call every rank waits for the call headers: nobody goes on, and the
+// communicator stays usable.
+void check_bad_argument_on_one_rank(cp::Validation policy) {
+  REQUIRE_NCCL_WORLD();
+  if (nranks() < 2) GTEST_SKIP() << "needs 2 ranks";
+  auto c = cp::make_nccl_communicator(MPI_COMM_WORLD);  // its own: it may end aborted
+  c->set_timeout_seconds(60);
+  c->set_validation(policy);
+  const int last = nranks() - 1;
+  nccl_layer_step(*c, false);
+  nccl_layer_step(*c, false);
+  synchronize();
+  const std::string mine = "beta", theirs = "bad argument on rank " + std::to_string(last);
+  expect_error_in_time(
+      [&] {
+        if (rank() == last) return nccl_layer_step(*c, true);
+        for (int i = 0; i < 1000; ++i) {  // raises once the watchdog has seen the headers
+          nccl_layer_step(*c, false);
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      },
+      {rank() == last ? mine : theirs}, 10);
+  if (policy == cp::Validation::every_call) {
+    EXPECT_FALSE(c->aborted()) << "rank " << rank();
+    EXPECT_NO_THROW(nccl_layer_step(*c, false)) << "rank " << rank();
+    EXPECT_NO_THROW(synchronize()) << "rank " << rank();
+  }
+}
+
+TEST(HardenNccl, BadArgumentOnOneRankInSteadyStateReachesEveryRankAtOnce) {
+  check_bad_argument_on_one_rank(cp::Validation::on_change);
+}
+TEST(HardenNccl, BadArgumentOnOneRankUnderEveryCallKeepsTheCommunicator) {
+  check_bad_argument_on_one_rank(cp::Validation::every_call);
 }
 
 }  // namespace

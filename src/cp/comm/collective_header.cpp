@@ -29,9 +29,12 @@ CollectiveHeader make_header(int64_t kind, const char* name, int64_t bytes, int6
 
 std::string header_verdict(const std::vector<CollectiveHeader>& got, const std::vector<int>& from,
                            const CollectiveHeader& want, int rank, int size, const char* call, int64_t hint_kind,
-                           const char* hint) {
-  const std::string here = name_of(want) + " (" + std::to_string(want.bytes) + " bytes, collective #" +
-                           std::to_string(want.seq) + ")";
+                           const char* hint, const char* size_word) {
+  auto at = [&](const CollectiveHeader& h) {
+    return name_of(h) + " (" + std::to_string(h.bytes) + " " + size_word + ", collective #" + std::to_string(h.seq) +
+           ")";
+  };
+  const std::string here = at(want);
   for (size_t i = 0; i < got.size(); ++i) {
     const CollectiveHeader& h = got[i];
     if (h.magic != kHeaderMagic || h.ok) continue;
@@ -52,9 +55,8 @@ std::string header_verdict(const std::vector<CollectiveHeader>& got, const std::
       return std::string(call) + ": the ranks disagree on the root of " + name_of(want) + ": rank " + r +
              " names rank " + std::to_string(h.root) + ", rank " + std::to_string(rank) + " names rank " +
              std::to_string(want.root);
-    std::string why = std::string(call) + ": the ranks are out of step: rank " + r + " is in " + name_of(h) + " (" +
-                      std::to_string(h.bytes) + " bytes, collective #" + std::to_string(h.seq) + ") while rank " +
-                      std::to_string(rank) + " is in " + here;
+    std::string why = std::string(call) + ": the ranks are out of step: rank " + r + " is in " + at(h) +
+                      " while rank " + std::to_string(rank) + " is in " + here;
     if (h.kind == want.kind && h.seq == want.seq)
       why += " (the sizes of a call must agree on every rank)";
     else if (h.kind == hint_kind || want.kind == hint_kind)

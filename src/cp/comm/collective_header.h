@@ -29,13 +29,14 @@ namespace detail {
 
 struct CollectiveHeader {
   int64_t magic = 0;
-  int64_t kind = 0;      // what the collective is (its name below)
-  int64_t bytes = 0;     // payload size, or what else must agree
-  int64_t seq = 0;       // collectives on the communicator before it
-  int64_t root = 0;      // broadcast: the root (it must agree too)
-  int64_t ok = 1;        // this rank's arguments passed its checks
-  char name[48] = {0};   // the collective's name, for messages
-  char msg[416] = {0};   // the argument error when !ok
+  int64_t kind = 0;     // what the collective is (its name below)
+  int64_t bytes = 0;    // payload size, or what else must agree
+  int64_t seq = 0;      // collectives on the communicator before it
+  int64_t root = 0;     // broadcast: the root (it must agree too)
+  int64_t ok = 1;       // this rank's arguments passed its checks
+  int64_t flags = 0;    // backend-specific, not compared (NCCL: the rank waits for the verdict)
+  char name[48] = {0};  // the collective's name, for messages
+  char msg[408] = {0};  // the argument error when !ok
 };
 static_assert(sizeof(CollectiveHeader) == 512, "the header is sent as 512 bytes");
 constexpr int64_t kHeaderMagic = 0x67646e6370687232;  // "gdncphr2"
@@ -48,10 +49,11 @@ CollectiveHeader make_header(int64_t kind, const char* name, int64_t bytes, int6
 // "" when they agree, else the error. A bad argument wins (its own message on
 // its rank, "<name>: bad argument on rank r of P: ..." elsewhere), then a
 // missing header, a different root, then a different collective or size;
-// hint_kind: a kind whose mismatch gets `hint` appended.
+// hint_kind: a kind whose mismatch gets `hint` appended; size_word: what
+// `bytes` counts, for messages.
 std::string header_verdict(const std::vector<CollectiveHeader>& got, const std::vector<int>& from,
-                           const CollectiveHeader& want, int rank, int size, const char* call,
-                           int64_t hint_kind = -1, const char* hint = "");
+                           const CollectiveHeader& want, int rank, int size, const char* call, int64_t hint_kind = -1,
+                           const char* hint = "", const char* size_word = "bytes");
 
 }  // namespace detail
 }  // namespace cp
