@@ -10,6 +10,7 @@
 #include <string>
 
 #include "bigdn_fixtures.h"
+#include "cp/comm/collective_header.h"
 #include "gdncp/nn.h"
 #include "gdncp/optim.h"
 #include "kernels/common/clip_guard.h"
@@ -303,6 +304,49 @@ TEST(HardenClipGuard, CpuTwinPoisonsAndReportsOnce) {
   const std::string at = "at (" + std::to_string(b) + ", " + std::to_string(f) + ")";
   expect_error(call, {"bigdn: clip_starts: must hold 0 or 1", at, "earlier call"});
   EXPECT_NO_THROW(call()) << "a fault is reported once";
+}
+
+// The one check of the collective headers (Note [collective header]), as each
+// backend applies it to the headers it received: every rank reaches the same
+// verdict, a bad argument first.
+TEST(HardenHeader, VerdictIsTheSameOnEveryRankAndNamesTheBadRank) {
+  using cp::detail::CollectiveHeader;
+  using cp::detail::header_verdict;
+  using cp::detail::make_header;
+  const int P = 3;
+  const std::vector<int> from = {0, 1, 2};
+  const CollectiveHeader a = make_header(7, "bigdn_cp", 100, 4, "");
+  EXPECT_EQ(header_verdict({a, a, a}, from, a, 1, P, "bigdn_cp"), "");
+
+  // A bad argument on rank 2 wins over a size that also differs.
+  CollectiveHeader bad = make_header(7, "bigdn_cp", 100, 4, "bigdn_cp: beta: wrong shape");
+  CollectiveHeader other_size = make_header(7, "bigdn_cp", 101, 4, "");
+  const std::vector<CollectiveHeader> got = {a, other_size, bad};
+  for (int r = 0; r < P; ++r) {
+    const CollectiveHeader& want = got[static_cast<size_t>(r)];
+    const std::string v = header_verdict(got, from, want, r, P, "bigdn_cp");
+    if (r == 2)
+      EXPECT_EQ(v, "bigdn_cp: beta: wrong shape");
+    else
+      EXPECT_EQ(v, "bigdn_cp: bad argument on rank 2 of 3: bigdn_cp: beta: wrong shape") << "rank " << r;
+  }
+  // Sizes, then collectives that differ: out of step on every rank, naming both.
+  for (int r = 0; r < 2; ++r) {
+    const std::vector<CollectiveHeader> two = {a, other_size};
+    const std::string v = header_verdict(two, {0, 1}, two[static_cast<size_t>(r)], r, 2, "bigdn_cp", -1, "", "units");
+    EXPECT_NE(v.find("out of step"), std::string::npos) << v;
+    EXPECT_NE(v.find("sizes of a call must agree"), std::string::npos) << v;
+    EXPECT_NE(v.find("(101 units, collective #4)"), std::string::npos) << v;
+  }
+  const CollectiveHeader b = make_header(8, "all_reduce_grads", 100, 4, "");
+  const std::string v = header_verdict({a, b}, {0, 1}, a, 0, 2, "bigdn_cp", 8, " (hint)");
+  EXPECT_NE(v.find("rank 1 is in all_reduce_grads"), std::string::npos) << v;
+  EXPECT_NE(v.find("(hint)"), std::string::npos) << v;
+  CollectiveHeader garbled = a;
+  garbled.magic = 0;
+  EXPECT_NE(header_verdict({a, garbled}, {0, 1}, a, 0, 2, "x").find("sent no gdncp header"), std::string::npos);
+  CollectiveHeader root = make_header(7, "bigdn_cp", 100, 4, "", 1);
+  EXPECT_NE(header_verdict({a, root}, {0, 1}, a, 0, 2, "x").find("disagree on the root"), std::string::npos);
 }
 
 TEST(BadInput, UnfusedEpsZero) { expect_bad_option(&BigdnOptions::eps, 0, "eps", "> 0", /*fused=*/false); }
