@@ -7,16 +7,22 @@
 //     the ncclComm_t of a one-rank group, the third bootstrap), in f32 and bf16, and
 //     against the f64 CPU oracle; checkpoint on vs off bitwise;
 //   - uneven splits (empty ranks included) and clip masks: the CUDA twins with
-//     cuts and with no frame, and the layers and camera branch on P GPUs vs one.
+//     cuts and with no frame, and the layers and camera branch on P GPUs vs one;
+//   - clip masks holding values other than 0 and 1, checked on the device;
+//   - a bad argument on one rank over NCCL: every rank raises at once (call headers).
 // gdncp-mpi-np: 1 2
 #include <chrono>
 #include <cmath>
+#include <limits>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "bigdn_fixtures.h"
 #include "kernels/cp_kernels.h"
+#include "mpi_async_fixtures.h"
+#include "mpi_cp_entries.h"
 #include "mpi_cp_fixtures.h"
 
 #if GDNCP_WITH_CUDA
@@ -834,6 +840,175 @@ TEST(CpUnevenGpu, CamMatchesOneGpu) {
       EXPECT_TRUE(close_rel(mine[i], e, i == 0 ? tol_fwd(DType::f32) : tol_grad(DType::f32), names[i])) << "rank " << r;
     }
   }
+}
+
+// --- clip mask values checked on the device (Note [clip mask values]) --------------------
+
+bool all_nan(const Tensor& t) {
+  for (double v : t.to_vector())
+    if (!std::isnan(v)) return false;
+  return true;
+}
+
+// Every entry that takes a clip mask, over comm with its tensors on dev: rank
+// 0's mask holds `bad` at a random place of its frames (the other values 0 or
+// 1). On rank 0 every output and every gradient is NaN, and so is every
+// output of every other rank, whose states all start from rank 0's; the next
+// call with a good mask raises gdncp::Error naming clip_starts (on every rank
+// for the CP entries, at once), and the call after it equals the run before
+// the bad mask bitwise.
+void check_bad_mask_on_device(cp::Communicator& comm, Device dev, float bad, uint64_t seed) {
+  const int P = comm.size(), r = comm.rank();
+  const int64_t F = 3, Ft = F * P, lo = F * r;
+  std::mt19937_64 rng(seed);
+  const int64_t bad_b = static_cast<int64_t>(rng() % kB), bad_f = static_cast<int64_t>(rng() % F);
+  std::vector<double> m(static_cast<size_t>(kB * Ft));
+  for (double& v : m) v = static_cast<double>(rng() % 2);
+  const Tensor good = Tensor::from_vector(m, {kB, Ft}, DType::f32);
+  m[static_cast<size_t>(bad_b * Ft + bad_f)] = bad;  // rank 0's frames
+  const Tensor bad_mask = Tensor::from_vector(m, {kB, Ft}, DType::f32);
+  auto on = [&](const Tensor& t) { return t.defined() ? t.to(dev) : Tensor(); };
+
+  std::vector<std::pair<Entry, bool>> entries;  // (entry, collective)
+  for (bool bidi : {false, true}) {
+    entries.push_back({scan_entry(bidi, {}, Ft, DType::f32, seed + 10), true});
+    entries.push_back({layer_entry(bidi, {}, Ft, DType::f32, seed + 20, Checkpoint::off), true});
+  }
+  {  // the one-rank layer on each rank's frames
+    Entry e = layer_entry(true, {}, Ft, DType::f32, seed + 30, Checkpoint::off);
+    e.name = "bigdn";
+    BigdnOptions opt;
+    opt.k_scale = 1.0 / std::sqrt(static_cast<double>(kD * kS));
+    e.call = [opt](cp::Communicator&, const std::vector<Tensor>& x, int64_t Fl, const Tensor& mask) {
+      return std::vector<Tensor>{bigdn(x[0], x[1], x[2], x[3], x[4], x[5], x[6], Fl, kS, opt, mask)};
+    };
+    entries.push_back({e, false});
+  }
+  for (const auto& [e, collective] : entries) {
+    const std::string tag = e.name + " rank " + std::to_string(r) + " value " + std::to_string(bad);
+    std::vector<Tensor> in;
+    for (const Tensor& t : local_inputs(e, lo, lo + F)) in.push_back(on(t));
+    const auto weights = [&](const std::vector<Tensor>& outs) {
+      std::vector<Tensor> w;
+      for (size_t k = 0; k < outs.size(); ++k)
+        w.push_back(Tensor::randn(outs[k].shape(), outs[k].dtype(), Device::cpu, seed + 40 + k).to(dev));
+      return w;
+    };
+    auto call = [&](const Tensor& mask) { return run(e, comm, in, F, on(slice(mask, 1, lo, lo + F)), weights, false); };
+    const Run ref = call(good);
+    const Run poisoned = call(bad_mask);
+    for (size_t k = 0; k < poisoned.outs.size(); ++k) {
+      if (r == 0 || collective) {
+        EXPECT_TRUE(all_nan(poisoned.outs[k])) << tag << ": output " << k << " not all NaN";
+      }
+    }
+    for (size_t k = 0; k < poisoned.grads.size(); ++k) {
+      if (r == 0 && poisoned.grads[k].defined()) {
+        EXPECT_TRUE(all_nan(poisoned.grads[k])) << tag << ": gradient " << k << " not all NaN";
+      }
+    }
+    const std::string what = e.name + ": clip_starts: must hold 0 or 1";
+    if (collective)
+      expect_all_throw([&] { call(good); }, r == 0 ? what : "bad argument on rank 0");
+    else if (r == 0)
+      try {
+        call(good);
+        ADD_FAILURE() << tag << ": no error at the call after the bad mask";
+      } catch (const Error& err) {
+        EXPECT_NE(std::string(err.what()).find(what), std::string::npos) << tag << ": " << err.what();
+      }
+    autograd::clear_tape();
+    const Run again = call(good);
+    for (size_t k = 0; k < ref.outs.size(); ++k)
+      EXPECT_TRUE(bitwise_equal(again.outs[k].to(Device::cpu), ref.outs[k].to(Device::cpu))) << tag << ": output " << k;
+    for (size_t k = 0; k < ref.grads.size(); ++k) {
+      if (ref.grads[k].defined()) {
+        EXPECT_TRUE(bitwise_equal(again.grads[k].to(Device::cpu), ref.grads[k].to(Device::cpu)))
+            << tag << ": gradient " << k;
+      }
+    }
+  }
+}
+
+// On P GPUs (one per rank; a one-rank world on one GPU). Every call is
+// validated: a rank that raises alone would otherwise be out of step with
+// ranks that skipped the exchange (NCCL carries no error header).
+TEST(HardenClipMaskGpu, BadValuesGiveNaNThenAnErrorNamingClipStarts) {
+  REQUIRE_NCCL_WORLD();
+  const cp::Validation policy = nccl_world()->validation();
+  nccl_world()->set_validation(cp::Validation::every_call);
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (float bad : {0.5f, 2.0f, -1.0f, std::numeric_limits<float>::quiet_NaN()})
+    check_bad_mask_on_device(*nccl_world(), Device::cuda, bad, seed);
+  nccl_world()->set_validation(policy);
+}
+
+// A CUDA mask adds no host wait: the check is a launch.
+TEST(HardenClipMaskGpu, DeviceCheckAddsNoHostWait) {
+  REQUIRE_NCCL_WORLD();
+  const LayerInputs g = global_layer_inputs(dims(1, 2, 16, 4, 8), DType::f32, 900);
+  const std::vector<Tensor> x = leaves_on(g, Device::cuda);
+  const Tensor mask = gpu(Tensor::from_vector({0.0, 1.0, 0.0, 1.0}, {1, 4}, DType::f32));
+  auto step = [&] { return bigdn(x[0], x[1], x[2], x[3], x[4], x[5], x[6], 4, 8, g.opt, mask); };
+  step();  // warm
+  const int64_t waits = cuda_host_waits();
+  step();
+  EXPECT_EQ(cuda_host_waits(), waits);
+  autograd::clear_tape();
+}
+
+// --- a bad argument on one rank over NCCL (Note [NCCL call headers]) ------------------------
+
+// One forward of bigdn_cp on this rank's block (beta of the wrong shape when
+// bad); no host wait.
+void nccl_layer_step(cp::Communicator& c, bool bad) {
+  const int64_t F = 2, S = 3;
+  const LayerInputs l = local_block(make_layer_inputs(dims(1, 2, 8, F * c.size(), S), DType::f32, 1600), F, c.rank());
+  const std::vector<Tensor> x = leaves_on(l, Device::cuda);
+  const Tensor beta = bad ? Tensor::zeros({1, 2, F, S + 1}, DType::f32, Device::cuda) : x[1];
+  cp::bigdn_cp(c, x[0], beta, x[2], x[3], x[4], x[5], x[6], F, S, l.opt);
+  autograd::clear_tape();
+}
+
+// In a steady state (validated calls) under `policy`, the last rank passes a
+// bad beta: every rank raises within seconds, not at the deadline (60 s), the
+// last rank its own error, the others "bad argument on rank P-1" (they went
+// on with their collectives: the communicator is then aborted). Under
+// every_call every rank waits for the call headers: nobody goes on, and the
+// communicator stays usable.
+void check_bad_argument_on_one_rank(cp::Validation policy) {
+  REQUIRE_NCCL_WORLD();
+  if (nranks() < 2) GTEST_SKIP() << "needs 2 ranks";
+  auto c = cp::make_nccl_communicator(MPI_COMM_WORLD);  // its own: it may end aborted
+  c->set_timeout_seconds(60);
+  c->set_validation(policy);
+  const int last = nranks() - 1;
+  nccl_layer_step(*c, false);
+  nccl_layer_step(*c, false);
+  synchronize();
+  const std::string mine = "beta", theirs = "bad argument on rank " + std::to_string(last);
+  expect_error_in_time(
+      [&] {
+        if (rank() == last) return nccl_layer_step(*c, true);
+        for (int i = 0; i < 1000; ++i) {  // raises once the watchdog has seen the headers
+          nccl_layer_step(*c, false);
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      },
+      {rank() == last ? mine : theirs}, 10);
+  if (policy == cp::Validation::every_call) {
+    EXPECT_FALSE(c->aborted()) << "rank " << rank();
+    EXPECT_NO_THROW(nccl_layer_step(*c, false)) << "rank " << rank();
+    EXPECT_NO_THROW(synchronize()) << "rank " << rank();
+  }
+}
+
+TEST(HardenNccl, BadArgumentOnOneRankInSteadyStateReachesEveryRankAtOnce) {
+  check_bad_argument_on_one_rank(cp::Validation::on_change);
+}
+TEST(HardenNccl, BadArgumentOnOneRankUnderEveryCallKeepsTheCommunicator) {
+  check_bad_argument_on_one_rank(cp::Validation::every_call);
 }
 
 }  // namespace

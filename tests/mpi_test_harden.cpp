@@ -16,6 +16,7 @@
 
 #include "capi/dlpack.h"
 #include "gdncp/gdncp_c.h"
+#include "kernels/common/clip_guard.h"
 #include "mpi_cp_fixtures.h"
 #include "util/tolerance.h"
 
@@ -451,6 +452,29 @@ TEST(HardenClip, MaskValuesOtherThanZeroOrOneAreAnError) {
                    Error);
     }
   }
+  autograd::clear_tape();
+}
+
+// A fault of a device mask (Note [clip mask values]; here the CPU twin of the
+// device check, driven directly on rank 0) is raised by the next CP call with
+// a good mask on every rank at once, under the default policy in a steady
+// state; the call after that runs.
+TEST(HardenClip, DeviceCheckFaultReachesEveryRankAtNextCall) {
+  const LayerInputs l = local_block(make_layer_inputs(dims(1, 2, 4, 3 * nranks(), 2), DType::f64, 1450), 3, rank());
+  const Tensor good = Tensor::from_vector({0.0, 1.0, 0.0}, {1, 3}, DType::f32);
+  auto call = [&] {
+    return cp::bigdn_cp(*world(), l.qkv, l.beta, l.decay, l.q_norm_w, l.k_norm_w, l.rope_cos, l.rope_sin, 3, 2, l.opt,
+                        good);
+  };
+  const Tensor ref = call();  // validated: the next calls skip the exchange under on_change
+  if (rank() == 0) {
+    Tensor out = Tensor::zeros({4}, DType::f64);
+    kernels::guard_clip_mask(Tensor::from_vector({0.0, 2.0, 0.0}, {1, 3}, DType::f32), {out});
+    EXPECT_TRUE(std::isnan(out.to_vector()[0]));
+  }
+  expect_all_throw(call, rank() == 0 ? "clip_starts: must hold 0 or 1" : "bad argument on rank 0");
+  EXPECT_FALSE(world()->aborted());
+  EXPECT_TRUE(bitwise_equal(call(), ref)) << "rank " << rank();
   autograd::clear_tape();
 }
 

@@ -6,11 +6,14 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <random>
 #include <string>
 
 #include "bigdn_fixtures.h"
+#include "cp/comm/collective_header.h"
 #include "gdncp/nn.h"
 #include "gdncp/optim.h"
+#include "kernels/common/clip_guard.h"
 #include "util/test_util.h"
 
 namespace gdncp {
@@ -214,6 +217,8 @@ TEST(BadInput, UnfusedBetaWrongShape) {
   expect_bad(in, "beta", "", kKeep, kKeep, /*fused=*/false);
 }
 
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts);
+
 // --- the clip-start mask (docs/design.md §4a) ----------------------------------------------------------------
 
 // bigdn and bigdn_unfused with a bad mask: gdncp::Error naming clip_starts, nothing recorded.
@@ -260,6 +265,88 @@ TEST(BadInput, ClipStartsWrongDtype) {
 TEST(BadInput, ClipStartsOnAnotherDevice) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   expect_bad_clips(Tensor::zeros({kDims.B, kDims.F}, DType::f32, Device::cuda), "one device");
+}
+
+// The CPU twin of the device check of a clip mask (Note [clip mask values]):
+// a bad value poisons the outputs given and is reported once, naming
+// clip_starts, by the next entry that takes a mask; a good mask changes nothing.
+TEST(HardenClipGuard, CpuTwinPoisonsAndReportsOnce) {
+  const uint64_t seed = std::random_device{}();
+  std::mt19937_64 rng(seed);
+  const int64_t B = kDims.B, F = kDims.F;
+  const float bad_values[] = {0.5f, 2.0f, -1.0f, std::numeric_limits<float>::quiet_NaN()};
+  const float bad = bad_values[rng() % 4];
+  const int64_t b = static_cast<int64_t>(rng() % B), f = static_cast<int64_t>(rng() % F);
+  std::vector<double> m(static_cast<size_t>(B * F));
+  for (double& v : m) v = static_cast<double>(rng() % 2);
+  const Tensor good_mask = Tensor::from_vector(m, {B, F}, DType::f32);
+  m[static_cast<size_t>(b * F + f)] = bad;
+  const Tensor bad_mask = Tensor::from_vector(m, {B, F}, DType::f32);
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", value " + std::to_string(bad));
+
+  const std::vector<Tensor> outs = {Tensor::randn({3, 5}, DType::f32, Device::cpu, seed),
+                                    Tensor::randn({7}, DType::f64, Device::cpu, seed + 1),
+                                    Tensor::randn({2, 4}, DType::bf16, Device::cpu, seed + 2)};
+  std::vector<std::vector<double>> before;
+  for (const Tensor& t : outs) before.push_back(t.to_vector());
+  kernels::guard_clip_mask(good_mask, outs);
+  for (size_t k = 0; k < outs.size(); ++k)
+    EXPECT_EQ(outs[k].to_vector(), before[k]) << "a good mask changed output " << k;
+
+  const LayerInputs in = good();
+  auto call = [&] {
+    bigdn(in.qkv, in.beta, in.decay, in.q_norm_w, in.k_norm_w, in.rope_cos, in.rope_sin, in.d.F, in.d.S, in.opt);
+  };
+  EXPECT_NO_THROW(call());
+  kernels::guard_clip_mask(bad_mask, outs);
+  for (size_t k = 0; k < outs.size(); ++k)
+    for (double v : outs[k].to_vector()) ASSERT_TRUE(std::isnan(v)) << "output " << k << " not poisoned";
+  const std::string at = "at (" + std::to_string(b) + ", " + std::to_string(f) + ")";
+  expect_error(call, {"bigdn: clip_starts: must hold 0 or 1", at, "earlier call"});
+  EXPECT_NO_THROW(call()) << "a fault is reported once";
+}
+
+// The one check of the collective headers (Note [collective header]), as each
+// backend applies it to the headers it received: every rank reaches the same
+// verdict, a bad argument first.
+TEST(HardenHeader, VerdictIsTheSameOnEveryRankAndNamesTheBadRank) {
+  using cp::detail::CollectiveHeader;
+  using cp::detail::header_verdict;
+  using cp::detail::make_header;
+  const int P = 3;
+  const std::vector<int> from = {0, 1, 2};
+  const CollectiveHeader a = make_header(7, "bigdn_cp", 100, 4, "");
+  EXPECT_EQ(header_verdict({a, a, a}, from, a, 1, P, "bigdn_cp"), "");
+
+  // A bad argument on rank 2 wins over a size that also differs.
+  CollectiveHeader bad = make_header(7, "bigdn_cp", 100, 4, "bigdn_cp: beta: wrong shape");
+  CollectiveHeader other_size = make_header(7, "bigdn_cp", 101, 4, "");
+  const std::vector<CollectiveHeader> got = {a, other_size, bad};
+  for (int r = 0; r < P; ++r) {
+    const CollectiveHeader& want = got[static_cast<size_t>(r)];
+    const std::string v = header_verdict(got, from, want, r, P, "bigdn_cp");
+    if (r == 2)
+      EXPECT_EQ(v, "bigdn_cp: beta: wrong shape");
+    else
+      EXPECT_EQ(v, "bigdn_cp: bad argument on rank 2 of 3: bigdn_cp: beta: wrong shape") << "rank " << r;
+  }
+  // Sizes, then collectives that differ: out of step on every rank, naming both.
+  for (int r = 0; r < 2; ++r) {
+    const std::vector<CollectiveHeader> two = {a, other_size};
+    const std::string v = header_verdict(two, {0, 1}, two[static_cast<size_t>(r)], r, 2, "bigdn_cp", -1, "", "units");
+    EXPECT_NE(v.find("out of step"), std::string::npos) << v;
+    EXPECT_NE(v.find("sizes of a call must agree"), std::string::npos) << v;
+    EXPECT_NE(v.find("(101 units, collective #4)"), std::string::npos) << v;
+  }
+  const CollectiveHeader b = make_header(8, "all_reduce_grads", 100, 4, "");
+  const std::string v = header_verdict({a, b}, {0, 1}, a, 0, 2, "bigdn_cp", 8, " (hint)");
+  EXPECT_NE(v.find("rank 1 is in all_reduce_grads"), std::string::npos) << v;
+  EXPECT_NE(v.find("(hint)"), std::string::npos) << v;
+  CollectiveHeader garbled = a;
+  garbled.magic = 0;
+  EXPECT_NE(header_verdict({a, garbled}, {0, 1}, a, 0, 2, "x").find("sent no gdncp header"), std::string::npos);
+  CollectiveHeader root = make_header(7, "bigdn_cp", 100, 4, "", 1);
+  EXPECT_NE(header_verdict({a, root}, {0, 1}, a, 0, 2, "x").find("disagree on the root"), std::string::npos);
 }
 
 TEST(BadInput, UnfusedEpsZero) { expect_bad_option(&BigdnOptions::eps, 0, "eps", "> 0", /*fused=*/false); }

@@ -19,7 +19,8 @@
 //         (qʳ = rope(q⁺) with them, kʳ with rope_cos/rope_sin); both undefined = q
 //         uses the k tables (bitwise the same as passing the k tables); one alone throws
 //   clip_starts (B, F)     f32 whatever qkv is, optional: 1 where frame f of row b begins a clip, 0 elsewhere
-//         (other values: gdncp::Error for a CPU mask; a CUDA mask is not read on the host).
+//         (other values: gdncp::Error naming clip_starts; a CUDA mask is checked on the device, its
+//         call's out and gradients become NaN and the next call raises: docs/design.md §9).
 //         Undefined = one clip per row.
 //   out   (B, N, H, D)     qkv's dtype
 // Either every floating input is f64 (the CPU oracle) or none is. All tensors

@@ -15,9 +15,11 @@
 //
 // Packed clips (docs/design.md §4a): the entries that take `clip_starts` accept a
 // per-rank mask (B, F_r), f32, on the inputs' device: 1 where frame f of row
-// b begins a clip, 0 elsewhere (any other value of a CPU mask is a
-// gdncp::Error naming clip_starts; a CUDA mask is not read on the host, as
-// that would wait for the device on every call). No state crosses a clip
+// b begins a clip, 0 elsewhere. Any other value is a gdncp::Error naming
+// clip_starts: at once for a CPU mask; a CUDA mask is checked on the device
+// (no host wait), the outputs and gradients of that call become NaN, and the
+// next call of an entry that takes a mask raises on every rank
+// (docs/design.md §9). No state crosses a clip
 // start in either direction, so out and every gradient equal running each
 // clip as its own row. Clips may cross rank boundaries and rows may pack
 // differently. Undefined = one clip per row. Global frame 0 starts a clip
@@ -31,8 +33,9 @@
 // on any rank at any call. The exchange follows the communicator's Validation
 // policy: under on_change (the default) a rank whose sizes or options change
 // while the others' do not is out of step with them: it names its own bad
-// argument, the others raise that the ranks are out of step (MPI at once,
-// NCCL at the deadline).
+// argument, the others raise that the ranks are out of step or name the bad
+// argument and its rank — at once (NCCL: at their next call, the
+// communicator aborted unless every rank validated that call).
 //
 // Checkpointing (BigdnOptions::checkpoint, docs/design.md §7): `on` keeps only the
 // inputs and recomputes in backward. The recompute issues no collective: the
@@ -78,8 +81,12 @@ struct ValidationMemory;
 // collective: the collectives carry their kind and size and check them
 // before any payload moves (MPI), so every rank raises at once, naming the
 // out-of-step ranks, and the communicator stays usable (the next call
-// validates afresh on every rank); NCCL meets the deadline. Sizes that differ
-// between ranks under off are caught the same way by the MPI collectives.
+// validates afresh on every rank). NCCL's collectives carry no header: each
+// call sends a call header of its own first (docs/design.md §10), whose
+// verdict the ranks that validate raise at once and the others' watchdog
+// turns into an abort, raised by their next call (the communicator is then
+// lost: the collectives they enqueued cannot be withdrawn). Sizes that
+// differ between ranks under off are caught the same way.
 enum class Validation { every_call, on_change, off };
 const char* validation_name(Validation v);
 

@@ -186,7 +186,9 @@ def _apply(entry, comm, scalars, inputs):
 
 def _clip_mask(clip_starts, fn):
     """The (B, F) f32 mask the library takes: bool converted, f32 as is, else refused.
-    Values must be 0 or 1 (checked for CPU masks outside torch.compile; a CUDA mask is not read back)."""
+    Values must be 0 or 1: a CPU mask is checked here outside torch.compile (and by the library); a CUDA mask
+    is checked by the library on the device, without a host wait: that call's outputs and gradients become NaN
+    and the next call that takes a mask raises (docs/design.md §9)."""
     if clip_starts is None:
         return None
     if not isinstance(clip_starts, torch.Tensor):

@@ -85,3 +85,31 @@ def test_nccl_one_rank_bootstrap_without_mpi():
     for k in ref:
         assert eager.rel_l2(got[k], ref[k]) <= tol, k
     comm.close()
+
+
+@pytest.mark.parametrize("bad", [0.5, 2.0, -1.0, float("nan")])
+def test_harden_cuda_clip_mask_values(bad):
+    """A CUDA clip mask holding another value than 0 or 1 is checked on the device (docs/design.md §9): that
+    call's output and gradients are NaN, and the next call that takes a mask raises naming clip_starts (once)."""
+    x, y = cuda_inputs(torch.float32, seed=37)
+    good = torch.zeros(B, F, dtype=torch.float32, device="cuda")
+    good[0, 2] = 1.0
+    mask = good.clone()
+    mask[0, int(torch.randint(0, F, (1,)))] = bad
+
+    def call(m):
+        v = {k: (y[k].clone().requires_grad_(True) if k in door_files.GRADS else y[k]) for k in NAMES}
+        out = gdncp.bigdn(*(v[k] for k in NAMES), F, S, k_scale=x["k_scale"], clip_starts=m)
+        out.backward(y["grad_out"])
+        return out.detach(), {k: v[k].grad for k in door_files.GRADS}
+
+    ref_out, _ = call(good)
+    out, grads = call(mask)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()
+    for k, g in grads.items():
+        assert torch.isnan(g).all(), k
+    with pytest.raises(gdncp.GdncpError, match="clip_starts: must hold 0 or 1"):
+        call(good)
+    again, _ = call(good)
+    assert torch.equal(again, ref_out)

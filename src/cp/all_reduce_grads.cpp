@@ -52,10 +52,10 @@ void all_reduce_grads(Communicator& comm, const std::vector<Tensor>& params) {
   std::strncpy(mine.why, why.c_str(), sizeof(mine.why) - 1);
   const char* entry = "all_reduce_grads";
   comm.check_usable(entry);
-  if (detail::exchange_needed(comm, entry, &mine, sizeof(Wire), local_ok)) {
+  const std::string local_error = "all_reduce_grads: " + why;
+  if (detail::exchange_needed(comm, entry, &mine, sizeof(Wire), local_ok, local_error.c_str())) {
     std::vector<Wire> all(static_cast<size_t>(comm.size()));
     detail::forget_validated(comm, entry);
-    const std::string local_error = "all_reduce_grads: " + why;
     detail::exchange_or_explain(comm, entry, all.data(), &mine, sizeof(Wire), local_ok, local_error.c_str());
     for (int r = 0; r < comm.size(); ++r)
       GDNCP_CHECK(all[static_cast<size_t>(r)].tag == kTag, "all_reduce_grads: rank ", r,

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gdncp/error.h"
+#include "kernels/common/clip_guard.h"
 #include "layer/validate.h"
 
 namespace gdncp {
@@ -68,9 +69,10 @@ std::string value_str(const Field& f, int64_t v) {
 // then reaches every rank at once), and so does a rank whose record changed
 // under on_change. The other ranks, going on to their data collective, meet
 // it there: the communicator's collectives check every rank's kind and size
-// first (Note [collective header] in comm_mpi.cpp), so every rank raises at
+// first (Note [collective header] in cp/comm/collective_header.h), so every rank raises at
 // once, the validation memory is dropped on every rank and the next call
-// validates afresh everywhere.
+// validates afresh everywhere. NCCL's data collectives carry no header; there
+// every call sends a header of its own first (Note [NCCL call headers]).
 struct ValidationMemory {
   static bool same(Communicator& c, int64_t key, const void* rec, size_t bytes) {
     const auto it = c.validated_.find(key);
@@ -82,14 +84,28 @@ struct ValidationMemory {
   static void forget(Communicator& c, int64_t key) { c.validated_.erase(key); }
 };
 
-bool exchange_needed(Communicator& comm, const char* entry, const void* rec, size_t bytes, bool ok) {
-  if (!ok) return true;
-  switch (comm.validation()) {
-    case Validation::off: return false;
-    case Validation::on_change: return !ValidationMemory::same(comm, hash_of(entry), rec, bytes);
-    case Validation::every_call: return true;
+bool exchange_needed(Communicator& comm, const char* entry, const void* rec, size_t bytes, bool ok,
+                     const char* local_error, bool always) {
+  bool needed = always || !ok;
+  if (!needed) {
+    switch (comm.validation()) {
+      case Validation::off: needed = false; break;
+      case Validation::on_change: needed = !ValidationMemory::same(comm, hash_of(entry), rec, bytes); break;
+      case Validation::every_call: needed = true; break;
+    }
   }
-  return true;
+  uint64_t key = 1469598103934665603ull;
+  for (size_t i = 0; i < bytes; ++i) key = (key ^ static_cast<const unsigned char*>(rec)[i]) * 1099511628211ull;
+  bool exchange = needed;
+  try {
+    exchange =
+        announce_call(comm, hash_of(entry), entry, static_cast<int64_t>(key >> 1), ok ? "" : local_error, needed);
+  } catch (const Error&) {
+    ValidationMemory::forget(comm, hash_of(entry));  // the next call validates afresh
+    throw;
+  }
+  if (needed && !exchange) ValidationMemory::remember(comm, hash_of(entry), rec, bytes);  // agreed by the headers
+  return exchange;
 }
 
 void remember_validated(Communicator& comm, const char* entry, const void* rec, size_t bytes) {
@@ -132,7 +148,7 @@ FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecor
   Wire key = mine;
   key.rec.F = 0;
   const bool layout_needed = mine.ok && rec.truncate > 0;
-  if (!layout_needed && !exchange_needed(comm, entry, &key, sizeof(Wire), mine.ok)) return FrameLayout{0, -1};
+  if (!exchange_needed(comm, entry, &key, sizeof(Wire), mine.ok, mine.msg, layout_needed)) return FrameLayout{0, -1};
   const int P = comm.size();
   std::vector<Wire> all(static_cast<size_t>(P));
   forget_validated(comm, entry);
@@ -181,6 +197,7 @@ FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecor
 }
 
 void check_clip_starts(const char* entry, const Tensor& c, int64_t B, int64_t F, Device device) {
+  kernels::report_clip_fault(entry);  // inside the local validation: every rank raises it at once
   if (!c.defined()) return;
   GDNCP_CHECK(c.shape() == Shape({B, F}), entry, ": clip_starts: must be (B, F) = (", B, ", ", F,
               ") (1 where a frame begins a clip), got ", c.str());

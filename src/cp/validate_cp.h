@@ -62,13 +62,29 @@ FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecor
 // exchange, forget before checking and remember once every rank agreed.
 // exchange_or_explain runs the exchange; when this rank's own local check
 // failed (ok false) and the exchange fails, it reports local_error first.
-bool exchange_needed(Communicator& comm, const char* entry, const void* rec, size_t bytes, bool ok);
+// exchange_needed also sends the call's header where the backend carries
+// one (announce_call); `always`: this rank exchanges whatever the policy.
+bool exchange_needed(Communicator& comm, const char* entry, const void* rec, size_t bytes, bool ok,
+                     const char* local_error, bool always = false);
+
+// Note [NCCL call headers] (comm_nccl.cpp): on a backend that carries a call
+// header (NCCL; the others: nothing), sends this rank's header of the call
+// `entry`: the hash of what every rank must agree on (key) and its argument
+// error (bad, "" when none). wait (this rank means to exchange its record: a
+// host wait anyway): waits for every rank's header and throws their verdict;
+// otherwise the communicator's watchdog checks the headers, off the calling
+// thread, and aborts the communicator on a disagreement. Returns whether the
+// record exchange is still needed: false when the headers agree and some
+// rank did not wait (it validated this record before); else wait.
+bool announce_call(Communicator& comm, int64_t entry_hash, const char* entry, int64_t key, const std::string& bad,
+                   bool wait);
 void remember_validated(Communicator& comm, const char* entry, const void* rec, size_t bytes);
 void forget_validated(Communicator& comm, const char* entry);
 void exchange_or_explain(Communicator& comm, const char* entry, void* all, const void* rec, size_t bytes, bool ok,
                          const char* local_error);
 
-// The clip mask of an entry: undefined, or (B, F) f32 on `device`.
+// The clip mask of an entry: undefined, or (B, F) f32 on `device`, holding 0
+// or 1; first raises a clip fault of an earlier call (Note [clip mask values]).
 void check_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, int64_t F, Device device);
 
 // truncate_to_active / reverse_rank_order checks shared by the entries: the

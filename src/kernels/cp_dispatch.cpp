@@ -1,6 +1,9 @@
 // src/kernels/cp_dispatch.cpp — gdncp::cp::kern: picks the CPU or CUDA twin of
 // each CP kernel (cp_kernels.h) by the device of its tensors.
+#include <algorithm>
+
 #include "gdncp/error.h"
+#include "kernels/common/clip_guard.h"
 #include "kernels/cp_kernels.h"
 
 namespace gdncp {
@@ -15,6 +18,30 @@ bool on_cuda(const Tensor& t) {
 #else
   GDNCP_FAIL("CUDA tensor given to a gdncp built without CUDA");
 #endif
+}
+
+// What a kernel that reads a clip mask writes.
+std::vector<Tensor> outputs_of(const Sweep& w) { return {w.out_before, w.out_after, w.final_state, w.sum}; }
+std::vector<Tensor> outputs_of(const OuterGroup& g) { return {g.dP, g.dg}; }
+
+// The masks a batch of kernels read, each checked once after the batch, with
+// the outputs of its readers (Note [clip mask values] in clip_guard.h).
+template <typename Item>
+void guard_masks(const std::vector<Item>& items) {
+  std::vector<std::pair<Tensor, std::vector<Tensor>>> by_mask;
+  for (const Item& it : items) {
+    if (!it.cuts.defined()) continue;
+    auto g =
+        std::find_if(by_mask.begin(), by_mask.end(), [&](const auto& m) { return m.first.data() == it.cuts.data(); });
+    if (g == by_mask.end()) g = by_mask.insert(by_mask.end(), {it.cuts, {}});
+    for (const Tensor& t : outputs_of(it)) {
+      if (!t.defined()) continue;
+      const bool seen =
+          std::any_of(g->second.begin(), g->second.end(), [&](const Tensor& o) { return o.data() == t.data(); });
+      if (!seen) g->second.push_back(t);
+    }
+  }
+  for (const auto& [mask, outputs] : by_mask) kernels::guard_clip_mask(mask, outputs);
 }
 
 }  // namespace
@@ -39,11 +66,13 @@ void scan_sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, cons
                 const Tensor& add_before, const Tensor& add_after, const Tensor& init, const SweepSpec& s,
                 const Tensor& cuts) {
   GDNCP_CP_DISPATCH(P, scan_sweep(out_before, out_after, final_state, P, decay, add_before, add_after, init, s, cuts));
+  kernels::guard_clip_mask(cuts, {out_before, out_after, final_state});
 }
 
 void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, const Tensor& R0, const Tensor& P,
                      const Tensor& decay, const SweepSpec& s, bool shifted, bool accumulate, const Tensor& cuts) {
   GDNCP_CP_DISPATCH(P, scan_grad_outer(dP, dg, L, R, R0, P, decay, s, shifted, accumulate, cuts));
+  kernels::guard_clip_mask(cuts, {dP, dg});
 }
 
 void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int64_t m_stride, bool transpose,
@@ -55,11 +84,13 @@ void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int6
 void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
   if (sweeps.empty()) return;
   GDNCP_CP_DISPATCH(sweeps.front().P, scan_sweeps(sweeps, decay));
+  guard_masks(sweeps);
 }
 
 void scan_grad_outers(std::vector<OuterGroup>& groups, const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
   if (groups.empty()) return;
   GDNCP_CP_DISPATCH(groups.front().P, scan_grad_outers(groups, decay, BH, F, D));
+  guard_masks(groups);
 }
 
 void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D) {

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "gdncp/error.h"
+#include "kernels/common/clip_guard.h"
 #include "kernels/common/head_dims.h"
 
 namespace gdncp {
@@ -143,6 +144,7 @@ void validate_rope_q(const char* entry, const Tensor& rope_cos_q, const Tensor& 
 }
 
 void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, int64_t F, Device device) {
+  kernels::report_clip_fault(entry);
   if (!clip_starts.defined()) return;
   const Arg a{entry, "clip_starts"};
   require_shape(a, clip_starts, {B, F}, "(B, F)");
@@ -153,15 +155,13 @@ void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t 
 }
 
 void validate_clip_values(const char* entry, const Tensor& clip_starts) {
-  // Checked where the mask is host memory; reading a device mask would make
-  // the host wait for the device on every call, so it is taken as given there.
+  // A host mask is read here; a device mask on the device, after the kernels
+  // that read it (Note [clip mask values] in src/kernels/common/clip_guard.h).
   if (!clip_starts.defined() || clip_starts.device() != Device::cpu || clip_starts.dtype() != DType::f32) return;
   const float* v = clip_starts.data_ptr<float>();
   const int64_t F = std::max<int64_t>(clip_starts.dim() == 2 ? clip_starts.size(1) : 1, 1);
   for (int64_t i = 0; i < clip_starts.numel(); ++i)
-    GDNCP_CHECK(v[i] == 0.0f || v[i] == 1.0f, entry,
-                ": clip_starts: must hold 0 or 1 (1 where a frame begins a clip), got ", v[i], " at (", i / F, ", ",
-                i % F, ")");
+    if (v[i] != 0.0f && v[i] != 1.0f) GDNCP_FAIL(kernels::clip_value_message(entry, v[i], i / F, i % F, ""));
 }
 
 }  // namespace gdncp

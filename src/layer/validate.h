@@ -15,11 +15,12 @@
 namespace gdncp {
 
 // Checks an optional clip-start mask (docs/design.md §4a): undefined, or (B, F) f32 on
-// `device`, holding 0 or 1 (validate_clip_values).
+// `device`, holding 0 or 1 (validate_clip_values); first raises a clip fault
+// of an earlier call (Note [clip mask values] in src/kernels/common/clip_guard.h).
 void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, int64_t F, Device device);
 // Every value of a host (CPU) mask is 0 or 1, else gdncp::Error naming
-// clip_starts and the first bad value. A device mask is not read (that would
-// make the host wait for the device on every call).
+// clip_starts and the first bad value. A device mask is checked on the device
+// after the kernels that read it (that here would make the host wait).
 void validate_clip_values(const char* entry, const Tensor& clip_starts);
 
 // Checks one rank's inputs of the bidirectional layer and returns their dims:

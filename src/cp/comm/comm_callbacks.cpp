@@ -8,12 +8,12 @@
 // deadline (gdncp/cp.h says what that means).
 //
 // Note [callback headers]: on the CPU each collective is preceded by an
-// all-gather of a small header (kind, payload bytes, sequence number), as the
-// MPI communicator's trailer does. Ranks in different collectives (e.g. one
-// in a validation exchange the others skipped) then fail at once on every
-// rank with a message naming both, instead of handing the transport
-// mismatched sizes (gloo aborts the process on those). On CUDA the header
-// would cost a host wait per collective (docs/design.md §10), so there is none.
+// all-gather of the ranks' headers (Note [collective header],
+// cp/comm/collective_header.h). Ranks in different collectives (e.g. one in a
+// validation exchange the others skipped) then fail at once on every rank
+// with a message naming both, instead of handing the transport mismatched
+// sizes (gloo aborts the process on those). On CUDA the header would cost a
+// host wait per collective (docs/design.md §10), so there is none.
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "autograd/tensor_math.h"
+#include "cp/comm/collective_header.h"
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
@@ -133,26 +134,19 @@ class CallbackCommunicator final : public Communicator {
                                         "send_recv", "barrier",    "all_gather_host"};
     return k >= 1 && k <= 6 ? names[k] : "an unknown collective";
   }
-  struct Header {
-    int64_t kind, bytes, seq;
-  };
-
-  // Note [callback headers]: every rank's (kind, bytes, seq) must match this rank's.
+  // Note [callback headers]: every rank's header must agree with this rank's.
   void agree(Kind kind, size_t bytes) {
     if (device_ != Device::cpu) return;
-    const Header mine{static_cast<int64_t>(kind), static_cast<int64_t>(bytes), seq_++};
-    std::vector<Header> all(static_cast<size_t>(size_));
-    run(kind_name(mine.kind), 0, false, [&] { return cb_.all_gather(all.data(), &mine, sizeof mine, nullptr); });
-    for (int r = 0; r < size_; ++r) {
-      const Header& h = all[static_cast<size_t>(r)];
-      if (h.kind == mine.kind && h.bytes == mine.bytes && h.seq == mine.seq) continue;
-      const std::string why = std::string("ranks out of step: rank ") + std::to_string(rank_) + " is in " +
-                              kind_name(mine.kind) + " of " + std::to_string(mine.bytes) + " bytes (collective #" +
-                              std::to_string(mine.seq) + "), rank " + std::to_string(r) + " in " + kind_name(h.kind) +
-                              " of " + std::to_string(h.bytes) + " bytes (collective #" + std::to_string(h.seq) + ")";
-      abort_with(why);
-      GDNCP_FAIL(kind_name(mine.kind), ": the callback communicator's ", why);
-    }
+    const int64_t k = static_cast<int64_t>(kind);
+    const detail::CollectiveHeader mine = detail::make_header(k, kind_name(k), static_cast<int64_t>(bytes), seq_++, "");
+    std::vector<detail::CollectiveHeader> all(static_cast<size_t>(size_));
+    run(kind_name(k), 0, false, [&] { return cb_.all_gather(all.data(), &mine, sizeof mine, nullptr); });
+    std::vector<int> from(static_cast<size_t>(size_));
+    for (int r = 0; r < size_; ++r) from[static_cast<size_t>(r)] = r;
+    const std::string why = detail::header_verdict(all, from, mine, rank_, size_, kind_name(k));
+    if (why.empty()) return;
+    abort_with(why);
+    GDNCP_FAIL("the callback communicator: ", why);
   }
 
   // The caller's all_gather of `bytes` bytes per rank on device memory.

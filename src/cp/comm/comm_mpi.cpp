@@ -14,19 +14,15 @@
 // abort, finalize_mpi() skips MPI_Finalize, which synchronises with every
 // rank, a lost one included.
 //
-// Note [collective header]: each rank sends every peer of a collective one
-// message, a fixed-size header (kind, payload size, sequence number on this
-// communicator, the outcome of the rank's argument checks and their message)
-// followed by its payload, and receives each peer's message at the size that
-// arrives (probed first): no count of an MPI call can disagree between ranks,
-// and no receive buffer is sized from what this rank expected. Every rank
-// then checks every header it received the same way: ranks in different
+// Note [collective header] (cp/comm/collective_header.h), the MPI way: each
+// rank sends every peer of a collective one message, the header followed by
+// its payload, and receives each peer's message at the size that arrives
+// (probed first): no count of an MPI call can disagree between ranks, and no
+// receive buffer is sized from what this rank expected. Ranks in different
 // collectives — one in a layer's all-gather, another in all_reduce_grads, or
-// one in a validation exchange the others skipped — or with different sizes
-// fail at once on every rank with a message naming both collectives, and a
-// rank whose arguments are bad sends its error in its header so that every
-// rank raises it at once instead of waiting out the deadline. Either way every
-// rank has taken one message from every peer: the sequence numbers are
+// one in a validation exchange the others skipped — with different sizes, or
+// with a bad argument on one rank fail at once on every rank. Every rank has
+// then taken one message from every peer: the sequence numbers are
 // realigned, the validation memory is dropped (the next call validates afresh
 // on every rank) and the communicator stays usable. Only an MPI failure or a
 // missed deadline aborts it. (A late rank's messages to peers that gave up
@@ -43,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "cp/comm/collective_header.h"
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
@@ -137,17 +134,7 @@ const char* kind_name(int64_t k) {
   return "an unknown collective";
 }
 
-// Note [collective header].
-struct Header {
-  int64_t magic = 0;
-  int64_t kind = 0;
-  int64_t bytes = 0;
-  int64_t seq = 0;
-  int64_t root = 0;     // broadcast: the root (it must agree too)
-  int64_t ok = 1;       // this rank's arguments passed its checks
-  char msg[464] = {0};  // else their error
-};
-constexpr int64_t kMagic = 0x67646e6370687231;  // "gdncphr1"
+using Header = detail::CollectiveHeader;  // Note [collective header]
 
 std::string seconds_str(double s) {
   std::ostringstream o;
@@ -315,15 +302,8 @@ class MpiCommunicator final : public Communicator {
   }
 
   Header header(Kind kind, size_t bytes, const std::string& bad, int64_t root = 0) {
-    Header h;
-    h.magic = kMagic;
-    h.kind = static_cast<int64_t>(kind);
-    h.bytes = static_cast<int64_t>(bytes);
-    h.seq = seq_++;
-    h.root = root;
-    h.ok = bad.empty();
-    std::strncpy(h.msg, bad.c_str(), sizeof(h.msg) - 1);
-    return h;
+    const int64_t k = static_cast<int64_t>(kind);
+    return detail::make_header(k, kind_name(k), static_cast<int64_t>(bytes), seq_++, bad, root);
   }
 
   [[noreturn]] void abort_with(const std::string& why) {
@@ -458,48 +438,18 @@ class MpiCommunicator final : public Communicator {
 
   void check_headers(const std::vector<Header>& got, const std::vector<int>& from, const Header& want,
                      const char* call) {
+    const std::string why = detail::header_verdict(
+        got, from, want, rank_, size_, call, static_cast<int64_t>(Kind::record),
+        " (a CP entry validates its call on a rank whose arguments changed or are bad while the others go on with "
+        "the record they validated last: the sizes and options of a call must agree on every rank; the next call "
+        "validates afresh on every rank)");
+    if (why.empty()) return;
     int64_t top = want.seq;
     for (const Header& h : got)
-      if (h.magic == kMagic) top = std::max(top, h.seq);
-    auto fail = [&](const std::string& why) {
-      seq_ = top + 1;
-      clear_validated();
-      throw Error(why);
-    };
-    const std::string here = std::string(kind_name(want.kind)) + " (" + std::to_string(want.bytes) +
-                             " bytes, collective #" + std::to_string(want.seq) + ")";
-    for (size_t i = 0; i < got.size(); ++i) {
-      const Header& h = got[i];
-      if (h.magic != kMagic || h.ok) continue;
-      const std::string msg(h.msg, strnlen(h.msg, sizeof(h.msg)));
-      if (from[i] == rank_) fail(msg);
-      fail(std::string(kind_name(h.kind)) + ": bad argument on rank " + std::to_string(from[i]) + " of " +
-           std::to_string(size_) + ": " + msg);
-    }
-    if (!want.ok) fail(std::string(want.msg, strnlen(want.msg, sizeof(want.msg))));
-    for (size_t i = 0; i < got.size(); ++i) {
-      const Header& h = got[i];
-      const std::string r = std::to_string(from[i]);
-      if (h.magic != kMagic)
-        fail(std::string(call) + ": the ranks are out of step: rank " + r + " sent no gdncp header where rank " +
-             std::to_string(rank_) + " is in " + here);
-      if (h.kind == want.kind && h.bytes == want.bytes && h.seq == want.seq && h.root == want.root) continue;
-      if (h.kind == want.kind && h.bytes == want.bytes && h.seq == want.seq)
-        fail(std::string(call) + ": the ranks disagree on the root of " + kind_name(want.kind) + ": rank " + r +
-             " names rank " + std::to_string(h.root) + ", rank " + std::to_string(rank_) + " names rank " +
-             std::to_string(want.root));
-      std::string why = std::string(call) + ": the ranks are out of step: rank " + r + " is in " + kind_name(h.kind) +
-                        " (" + std::to_string(h.bytes) + " bytes, collective #" + std::to_string(h.seq) +
-                        ") while rank " + std::to_string(rank_) + " is in " + here;
-      if (h.kind == want.kind && h.seq == want.seq)
-        why += " (the sizes of a call must agree on every rank)";
-      else if (h.kind == static_cast<int64_t>(Kind::record) || want.kind == static_cast<int64_t>(Kind::record))
-        why +=
-            " (a CP entry validates its call on a rank whose arguments changed or are bad while the others go "
-            "on with the record they validated last: the sizes and options of a call must agree on every rank; "
-            "the next call validates afresh on every rank)";
-      fail(why);
-    }
+      if (h.magic == detail::kHeaderMagic) top = std::max(top, h.seq);
+    seq_ = top + 1;
+    clear_validated();
+    throw Error(why);
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;

@@ -21,6 +21,23 @@
 // replay's work under the deadline. An aborted communicator's destructor
 // returns at once; a live one finalizes within the deadline.
 //
+// Note [NCCL call headers]: NCCL's collectives carry no header of their own,
+// and reading one on the host would make every collective wait. Instead each
+// CP entry call (validate_cp.cpp's exchange_needed) first sends a call header
+// (Note [collective header]: the entry, the hash of what every rank must
+// agree on, this rank's argument error, whether it waits) in an all-gather of
+// its own on the data channel: one kernel writes this rank's header (held in
+// its arguments), ncclAllGather, and a copy of every rank's header into a
+// pinned host block. A rank that exchanges its record anyway (a bad argument,
+// a changed record, every_call) waits for the headers and throws their
+// verdict; when some rank did not wait it has enqueued data collectives this
+// rank will never join, so the communicator is aborted too. The other ranks
+// do not wait: their watchdog checks the headers once the copy completes and
+// aborts the communicator with the verdict, so the next call on every rank
+// raises it at once instead of at the deadline (a rank with a bad argument
+// costs the communicator; when every rank waited, nobody went on and it
+// stays usable). Captured calls send the header without the check.
+//
 // The validation exchange (host memory) goes over MPI when the communicator
 // was bootstrapped from an MPI communicator, and over a second NCCL
 // communicator split from the caller's one otherwise, so that a rank
@@ -28,6 +45,7 @@
 // (both wait to the deadline and raise instead).
 #include <mpi.h>
 
+#include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
 
@@ -40,13 +58,14 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "cp/validate_cp.h"
+#include "cp/comm/collective_header.h"
 #include "gdncp/cp_nccl.h"
 #endif
 
@@ -54,9 +73,16 @@ namespace gdncp {
 namespace cp {
 
 #if GDNCP_WITH_CUDA
+namespace detail {
+cudaError_t write_header(void* dst, const CollectiveHeader& h, cudaStream_t stream);  // call_header.cu
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using detail::CollectiveHeader;
+// What a call header's `bytes` holds (Note [NCCL call headers]).
+constexpr const char* kRecordWord = "hash of the sizes and options";
 
 Clock::duration as_duration(double s) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
@@ -139,6 +165,7 @@ class NcclCommunicator final : public Communicator {
                   st == ncclInProgress ? std::string("timed out") : std::string(ncclGetErrorString(st)));
       GDNCP_CUDA_CHECK(cudaStreamCreateWithFlags(&record_stream_, cudaStreamNonBlocking));
     }
+    GDNCP_CUDA_CHECK(cudaMalloc(&headers_, sizeof(CollectiveHeader) * (1 + static_cast<size_t>(size_))));
     watchdog_ = std::thread([this] { watchdog_loop(); });
   }
 
@@ -159,6 +186,7 @@ class NcclCommunicator final : public Communicator {
         else
           ncclCommAbort(comm_);
         gone_ = true;
+        finalized_ = fin == ncclSuccess;
       }
     }
     {
@@ -169,6 +197,10 @@ class NcclCommunicator final : public Communicator {
     if (watchdog_.joinable()) watchdog_.join();
     for (Watch& w : queue_) release(w);
     for (cudaEvent_t e : pool_) cudaEventDestroy(e);
+    if (finalized_) {  // else kept to the process's end: a collective may still write them
+      for (void* b : header_blocks_) cudaFreeHost(b);
+      cudaFree(headers_);
+    }
     cudaEventDestroy(order_);
     if (record_stream_) cudaStreamDestroy(record_stream_);
     if (aborted_) return;  // never waits again (Note [watchdog])
@@ -285,6 +317,57 @@ class NcclCommunicator final : public Communicator {
     enqueue(w);
   }
 
+  // Note [NCCL call headers]. Returns whether this rank still exchanges its record.
+  bool announce(int64_t kind, const char* entry, int64_t key, const std::string& bad, bool wait) {
+    check(entry);
+    if (size_ == 1) return wait;  // nobody to agree with
+    CollectiveHeader h = detail::make_header(kind, entry, key, call_seq_++, bad);
+    h.flags = wait ? 1 : 0;
+    const size_t H = sizeof(CollectiveHeader), all = H * static_cast<size_t>(size_);
+    unsigned char* send = static_cast<unsigned char*>(headers_);
+    unsigned char* recv = send + H;
+    const cudaStream_t s = stream_ ? stream_ : static_cast<cudaStream_t>(current_stream());
+    const bool captured = capturing(s);
+    void* block = captured ? nullptr : take_header_block();
+    run(
+        "ncclAllGather (call header)", H,
+        [&](cudaStream_t st) {
+          if (detail::write_header(send, h, st) != cudaSuccess) return ncclUnhandledCudaError;
+          return ncclAllGather(send, recv, H, ncclUint8, comm_, st);
+        },
+        /*counted=*/false,
+        [&](cudaStream_t st) {
+          return block ? cudaMemcpyAsync(block, recv, all, cudaMemcpyDeviceToHost, st) : cudaSuccess;
+        },
+        wait ? nullptr : block, &h);
+    if (!wait || !block) return wait;
+    // This rank exchanges its record next (a host wait anyway): the verdict now.
+    count_host_wait();
+    for (int spins = 0;; ++spins) {
+      const cudaError_t q = cudaStreamQuery(s);
+      if (q == cudaSuccess) break;
+      if (q != cudaErrorNotReady) GDNCP_CUDA_CHECK(q);
+      check_usable(entry);  // the watchdog aborts at the deadline
+      pause(spins);
+    }
+    std::vector<CollectiveHeader> got(static_cast<size_t>(size_));
+    std::memcpy(got.data(), block, all);
+    release_header_block(block);
+    std::vector<int> from(static_cast<size_t>(size_));
+    bool all_wait = true;
+    for (int r = 0; r < size_; ++r) {
+      from[static_cast<size_t>(r)] = r;
+      all_wait = all_wait && got[static_cast<size_t>(r)].flags == 1;
+    }
+    const std::string why = detail::header_verdict(got, from, h, rank_, size_, entry, -1, "", kRecordWord);
+    // Agreed: the others, who did not wait, validated this record before; no exchange.
+    if (why.empty()) return all_wait;
+    if (all_wait) throw Error(why);  // nobody went on: the communicator stays usable
+    abort_and_throw(why +
+                    " (the ranks that did not wait for the call header have enqueued collectives this rank "
+                    "will not join)");
+  }
+
   void all_gather_host(void* out, const void* in, size_t bytes) override {
     check("all_gather_host");
     if (host_) {  // over MPI: no device round trip, no wait for the stream
@@ -321,7 +404,9 @@ class NcclCommunicator final : public Communicator {
     size_t bytes = 0;
     Clock::time_point deadline;
     cudaEvent_t start = nullptr, stop = nullptr;
-    bool counted = true;  // a collective (false: a watch() of other work)
+    bool counted = true;      // a collective (false: a watch() of other work, a call header)
+    void* headers = nullptr;  // a call header's pinned block, checked once complete
+    CollectiveHeader want;    // ... against this rank's header
   };
 
   void check(const char* what) const {
@@ -404,7 +489,38 @@ class NcclCommunicator final : public Communicator {
   void release(Watch& w) {  // caller holds mu_ or the watchdog is gone
     if (w.start) pool_.push_back(w.start);
     if (w.stop) pool_.push_back(w.stop);
+    if (w.headers) free_blocks_.push_back(w.headers);
     w.start = w.stop = nullptr;
+    w.headers = nullptr;
+  }
+  // Pinned blocks of size_ headers, pooled like the events (allocated in the warm-up only).
+  void* take_header_block() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_blocks_.empty()) {
+        void* b = free_blocks_.back();
+        free_blocks_.pop_back();
+        return b;
+      }
+    }
+    void* b = nullptr;
+    GDNCP_CUDA_CHECK(cudaHostAlloc(&b, sizeof(CollectiveHeader) * static_cast<size_t>(size_), cudaHostAllocDefault));
+    std::lock_guard<std::mutex> lock(mu_);
+    header_blocks_.push_back(b);
+    return b;
+  }
+  void release_header_block(void* b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_blocks_.push_back(b);
+  }
+  // The verdict on a completed call header's block ("" when the ranks agree).
+  std::string header_verdict_of(const Watch& w) const {
+    std::vector<CollectiveHeader> got(static_cast<size_t>(size_));
+    std::memcpy(got.data(), w.headers, sizeof(CollectiveHeader) * got.size());
+    std::vector<int> from(got.size());
+    for (int r = 0; r < size_; ++r) from[static_cast<size_t>(r)] = r;
+    const std::string entry(w.want.name, strnlen(w.want.name, sizeof(w.want.name)));
+    return detail::header_verdict(got, from, w.want, rank_, size_, entry.c_str(), -1, "", kRecordWord);
   }
   void enqueue(const Watch& w) {
     {
@@ -418,14 +534,20 @@ class NcclCommunicator final : public Communicator {
   // work and before its later work) and hands it to the watchdog. Holds
   // call_mu_ while NCCL runs, so the watchdog never aborts comm_ under a call
   // that returns (Note [watchdog]).
+  // counted: in Stats; after: enqueued right after op once it is settled; headers/want: a call header's check.
   template <typename Op>
-  void run(const char* call, size_t bytes, Op op) {
+  void run(const char* call, size_t bytes, Op op, bool counted = true,
+           const std::function<cudaError_t(cudaStream_t)>& after = nullptr, void* headers = nullptr,
+           const CollectiveHeader* want = nullptr) {
     const cudaStream_t cur = static_cast<cudaStream_t>(current_stream());
     const cudaStream_t s = stream_ ? stream_ : cur;
     const bool captured = capturing(s);
     Watch w;
     w.call = call;
     w.bytes = bytes;
+    w.counted = counted;
+    w.headers = headers;
+    if (want) w.want = *want;
     w.deadline = Clock::now() + as_duration(timeout_seconds_);
     if (!captured) {
       w.start = take_event();
@@ -455,6 +577,10 @@ class NcclCommunicator final : public Communicator {
         }
         if (failure.empty() && r != ncclSuccess)
           failure = std::string("NCCL call ") + call + " failed: " + ncclGetErrorString(r);
+        if (failure.empty() && after) {
+          const cudaError_t e = after(s);
+          if (e != cudaSuccess) failure = std::string(call) + ": " + cudaGetErrorString(e);
+        }
         if (!failure.empty()) abort_comm(failure);
         if (failure.empty() && !aborted_) {
           if (!captured) GDNCP_CUDA_CHECK(cudaEventRecord(w.stop, s));
@@ -499,8 +625,16 @@ class NcclCommunicator final : public Communicator {
             stats_.bytes += static_cast<int64_t>(w.bytes);
             stats_.seconds += ms * 1e-3;
           }
+          if (w.headers) {  // Note [NCCL call headers]
+            const std::string why = header_verdict_of(w);
+            if (!why.empty())
+              failure = why +
+                        " (found by the call header's check; the other ranks do not join this rank's "
+                        "collectives)";
+          }
           release(w);
           queue_.pop_front();
+          if (!failure.empty()) break;
           continue;
         }
         if (q != cudaErrorNotReady)
@@ -581,6 +715,11 @@ class NcclCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1, device_ = 0;
   int64_t seq_ = 0;
   cudaEvent_t order_ = nullptr;
+  void* headers_ = nullptr;           // device: this rank's call header, then every rank's
+  int64_t call_seq_ = 0;              // call headers sent (Note [NCCL call headers])
+  std::vector<void*> header_blocks_;  // pinned blocks of size_ headers (all of them)
+  std::vector<void*> free_blocks_;    // ... not in use (under mu_)
+  bool finalized_ = false;            // comm_ finalized and destroyed: its buffers can go
 
   mutable std::mutex mu_;          // guards what the watchdog shares: queue_, pool_
   std::mutex call_mu_;             // held by the calling thread while NCCL enqueues
@@ -692,7 +831,19 @@ std::shared_ptr<Communicator> make_nccl_communicator(const UniqueId& id, int ran
   return std::make_shared<NcclCommunicator>(nc, true, nullptr, timeout);
 }
 
+namespace detail {
+bool announce_call(Communicator& comm, int64_t entry_hash, const char* entry, int64_t key, const std::string& bad,
+                   bool wait) {
+  if (auto* n = dynamic_cast<NcclCommunicator*>(&comm)) return n->announce(entry_hash, entry, key, bad, wait);
+  return wait;
+}
+}  // namespace detail
+
 #else  // !GDNCP_WITH_CUDA
+
+namespace detail {
+bool announce_call(Communicator&, int64_t, const char*, int64_t, const std::string&, bool wait) { return wait; }
+}  // namespace detail
 
 std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm) { return make_nccl_communicator(comm, -1); }
 
