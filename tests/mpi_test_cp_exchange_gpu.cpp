@@ -66,7 +66,9 @@ TEST(CpExchangeGpu, OverlapEqualsOffAndReplaysBitwise) {
   for (int P : {2, 3})
     for (int r = 0; r < P; ++r) {
       SCOPED_TRACE("rank " + std::to_string(r) + " of " + std::to_string(P));
-      bench::LoopbackPeers peers(r, P, model);
+      // Owned by a shared_ptr: the backward of a CP call keeps its communicator.
+      const auto owner = std::make_shared<bench::LoopbackPeers>(r, P, model);
+      bench::LoopbackPeers& peers = *owner;
       Step step(3, 16, 112, 1200 + static_cast<uint64_t>(10 * P + r));
       cp::CpOptions off, on;
       on.overlap_exchange = true;

@@ -1,6 +1,7 @@
 """The layout `cmake --install` gives the package: installs the build into a
-fresh prefix, then imports gdncp under /usr/bin/python3 with only that
-prefix's <libdir>/python3/dist-packages on the path. The package must load
+fresh prefix, then imports gdncp under the interpreter running this script
+(CMake's Python3_EXECUTABLE: /usr/bin/python3 on Debian, a venv elsewhere)
+with only that prefix's <libdir>/python3/dist-packages added to its path. The package must load
 the installed library (not the build tree's) and reach the layer; without the
 library, the ImportError must list every place it tried.
 
@@ -19,15 +20,17 @@ with tempfile.TemporaryDirectory() as prefix:
     assert not os.path.exists(os.path.join(site, "gdncp", "_library.py")), "the build tree's path was installed"
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": site, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
     code = ("import os, gdncp; p = os.path.realpath(gdncp._capi.lib._name); "
-            "assert p.startswith(os.path.realpath(%r)), p; gdncp.bigdn; print('loaded', p)" % prefix)
+            "assert p.startswith(os.path.realpath(%r)), p; "
+            "import importlib.util as u; assert u.find_spec('torch') is None or gdncp.bigdn; print('loaded', p)"
+            % prefix)
     # cwd: the prefix (python3 -c puts the working folder first on the path, and ctest's is the build tree's
     # python folder).
-    subprocess.check_call(["/usr/bin/python3", "-c", code], env=env, cwd=prefix)
+    subprocess.check_call([sys.executable, "-c", code], env=env, cwd=prefix)
 
     for name in os.listdir(os.path.join(prefix, libdir)):
         if name.startswith("libgdncp.so"):
             os.remove(os.path.join(prefix, libdir, name))
-    r = subprocess.run(["/usr/bin/python3", "-c", "import gdncp"], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", "import gdncp"], env=env, capture_output=True, text=True,
                        cwd=prefix)
     assert r.returncode != 0, "imported without a library"
     msg = r.stderr.strip().splitlines()[-1]

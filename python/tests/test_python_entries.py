@@ -431,6 +431,7 @@ def test_custom_ops_opcheck_bigdn():
         pytest.skip("torch %s < 2.4: no torch.library.opcheck" % torch.__version__)
     assert gdncp._ops.REGISTERED, gdncp._ops.UNAVAILABLE
     x = eager.inputs(1, 2, 4, 3, 2, seed=15)
-    args = tuple(x[k].clone().requires_grad_(True) for k in LAYER) + (x["rope_cos"], x["rope_sin"], None, 3, 2,
-                                                                      x["k_scale"], 1e-5, 1e-6, "auto", "off", 0)
+    args = tuple(x[k].clone().requires_grad_(True) for k in LAYER) + (x["rope_cos"], x["rope_sin"], None, None, None, 3,
+                                                                      2, x["k_scale"], 1e-5, 1e-6, "auto", "off",
+                                                                      False, 0)
     torch.library.opcheck(torch.ops.gdncp.bigdn, args)
