@@ -158,7 +158,8 @@ std::shared_ptr<cp::Communicator> make_staged_cuda_world() {
     const auto s = static_cast<cudaStream_t>(stream);
     std::string e = staged(cudaMemcpyAsync(h.data(), data, bytes, cudaMemcpyDeviceToHost, s), "broadcast: copy in");
     if (e.empty()) e = staged(cudaStreamSynchronize(s), "broadcast: wait");
-    if (e.empty()) e = staged(MPI_Bcast(h.data(), static_cast<int>(bytes), MPI_BYTE, root, MPI_COMM_WORLD), "MPI_Bcast");
+    if (e.empty())
+      e = staged(MPI_Bcast(h.data(), static_cast<int>(bytes), MPI_BYTE, root, MPI_COMM_WORLD), "MPI_Bcast");
     if (e.empty()) e = staged(cudaMemcpyAsync(data, h.data(), bytes, cudaMemcpyHostToDevice, s), "broadcast: copy out");
     if (e.empty()) e = staged(cudaStreamSynchronize(s), "broadcast: wait");
     return e;

@@ -168,9 +168,9 @@ inline void check_region(const char* which, int64_t numel, int64_t off, int64_t 
             const Tensor& Hbuf, int64_t h_off, int64_t h_stride, const std::vector<int>& order, int64_t BH, int64_t D,  \
             int64_t E);                                                                                                 \
                                                                                                                         \
-  /* dst[dst_off + r·dst_pitch + i] = src[src_off + r·src_pitch + i], i < n, r < rows (same dtype; pitches >= n    \
+  /* dst[dst_off + r·dst_pitch + i] = src[src_off + r·src_pitch + i], i < n, r < rows (same dtype; pitches >= n       \
      when rows > 1): one strided copy on CUDA. */                                                                       \
-  void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n, int64_t rows = 1,      \
+  void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n, int64_t rows = 1,       \
                    int64_t dst_pitch = 0, int64_t src_pitch = 0);                                                       \
   /* out = a + b elementwise (same shape and dtype; out may alias a). */                                                \
   void add(Tensor& out, const Tensor& a, const Tensor& b);                                                              \

@@ -499,8 +499,8 @@ void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_of
     GDNCP_CUDA_CHECK(cudaMemcpyAsync(d, s, static_cast<size_t>(n) * es, cudaMemcpyDeviceToDevice, stream()));
   else
     GDNCP_CUDA_CHECK(cudaMemcpy2DAsync(d, static_cast<size_t>(dst_pitch) * es, s, static_cast<size_t>(src_pitch) * es,
-                                       static_cast<size_t>(n) * es, static_cast<size_t>(rows),
-                                       cudaMemcpyDeviceToDevice, stream()));
+                                       static_cast<size_t>(n) * es, static_cast<size_t>(rows), cudaMemcpyDeviceToDevice,
+                                       stream()));
 }
 
 void add(Tensor& out, const Tensor& a, const Tensor& b) {
