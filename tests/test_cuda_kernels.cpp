@@ -30,6 +30,7 @@
 #include "gdncp/gdncp.h"
 #include "kernels/cp_kernels.h"
 #include "kernels/kernels.h"
+#include "kernels/prep/norm_w_frames.h"
 #include "kernels/scan/scan_bidi.h"
 #include "util/test_util.h"
 #include "util/tolerance.h"
@@ -593,6 +594,29 @@ TEST(CudaTwins, RmsNormBwd) {
           if (sdkw.defined()) {
             EXPECT_TRUE(bitwise_equal(sdkw, gdkw)) << tag;
           }
+        }
+}
+
+// The deterministic mode's per-frame norm-weight partials: the CUDA twin (its own fixed order)
+// against the CPU twin, and the same bits on a second run.
+TEST(CudaTwins, NormWFramePartialsDeterministic) {
+  REQUIRE_GPU();
+  uint64_t seed = 700;
+  for (const Dims& d : rms_bwd_shapes())
+    for (DType dt : {DType::f32, DType::bf16})
+      for (DType hat : {DType::f32, DType::bf16})
+        for (int stream = 0; stream < 2; ++stream) {
+          const Prepared p = prepare(d, dt, ++seed);
+          const std::string tag = " " + dims_str(d) + " " + dtype_name(dt) + " hat " + dtype_name(hat) + " stream " +
+                                  std::to_string(stream);
+          const Tensor dxh = Tensor::randn({d.B, d.N(), d.H, d.D}, hat, Device::cpu, ++seed);
+          Tensor want = Tensor::empty({d.F, d.C()}, DType::f32);
+          cpu::norm_w_frame_partials(want, dxh, p.in.qkv, p.rstd, stream, d);
+          Tensor got = poisoned({d.F, d.C()}, DType::f32), again = poisoned({d.F, d.C()}, DType::f32);
+          kernels::norm_w_frame_partials(got, gpu(dxh), gpu(p.in.qkv), gpu(p.rstd), stream, d);
+          kernels::norm_w_frame_partials(again, gpu(dxh), gpu(p.in.qkv), gpu(p.rstd), stream, d);
+          expect_close(got, want, tol::f32, "norm_w_frame_partials" + tag);
+          EXPECT_TRUE(bitwise_equal(got, again)) << "norm_w_frame_partials run to run" << tag;
         }
 }
 
