@@ -34,19 +34,20 @@ std::string header_verdict(const std::vector<CollectiveHeader>& got, const std::
     return name_of(h) + " (" + std::to_string(h.bytes) + " " + size_word + ", collective #" + std::to_string(h.seq) +
            ")";
   };
+  const auto rank_of = [&](size_t i) { return from.empty() ? static_cast<int>(i) : from[i]; };
   const std::string here = at(want);
   for (size_t i = 0; i < got.size(); ++i) {
     const CollectiveHeader& h = got[i];
     if (h.magic != kHeaderMagic || h.ok) continue;
     const std::string msg = text(h.msg, sizeof h.msg);
-    if (from[i] == rank) return msg;
-    return name_of(h) + ": bad argument on rank " + std::to_string(from[i]) + " of " + std::to_string(size) + ": " +
+    if (rank_of(i) == rank) return msg;
+    return name_of(h) + ": bad argument on rank " + std::to_string(rank_of(i)) + " of " + std::to_string(size) + ": " +
            msg;
   }
   if (!want.ok) return text(want.msg, sizeof want.msg);
   for (size_t i = 0; i < got.size(); ++i) {
     const CollectiveHeader& h = got[i];
-    const std::string r = std::to_string(from[i]);
+    const std::string r = std::to_string(rank_of(i));
     if (h.magic != kHeaderMagic)
       return std::string(call) + ": the ranks are out of step: rank " + r + " sent no gdncp header where rank " +
              std::to_string(rank) + " is in " + here;

@@ -45,7 +45,8 @@ CollectiveHeader make_header(int64_t kind, const char* name, int64_t bytes, int6
                              int64_t root = 0);
 
 // The verdict of rank `rank` of `size` on the headers `got` of the ranks
-// `from` (its own included or not) in the collective it entered with `want`:
+// `from` (its own included or not; empty: got[r] is rank r's) in the
+// collective it entered with `want`:
 // "" when they agree, else the error. A bad argument wins (its own message on
 // its rank, "<name>: bad argument on rank r of P: ..." elsewhere), then a
 // missing header, a different root, then a different collective or size;

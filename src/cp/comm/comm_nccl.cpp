@@ -53,6 +53,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -350,16 +351,10 @@ class NcclCommunicator final : public Communicator {
       check_usable(entry);  // the watchdog aborts at the deadline
       pause(spins);
     }
-    std::vector<CollectiveHeader> got(static_cast<size_t>(size_));
-    std::memcpy(got.data(), block, all);
+    const std::vector<CollectiveHeader> got = headers_in(block);
     release_header_block(block);
-    std::vector<int> from(static_cast<size_t>(size_));
-    bool all_wait = true;
-    for (int r = 0; r < size_; ++r) {
-      from[static_cast<size_t>(r)] = r;
-      all_wait = all_wait && got[static_cast<size_t>(r)].flags == 1;
-    }
-    const std::string why = detail::header_verdict(got, from, h, rank_, size_, entry, -1, "", kRecordWord);
+    const bool all_wait = std::all_of(got.begin(), got.end(), [](const CollectiveHeader& g) { return g.flags == 1; });
+    const std::string why = verdict_on(got, h);
     // Agreed: the others, who did not wait, validated this record before; no exchange.
     if (why.empty()) return all_wait;
     if (all_wait) throw Error(why);  // nobody went on: the communicator stays usable
@@ -513,14 +508,16 @@ class NcclCommunicator final : public Communicator {
     std::lock_guard<std::mutex> lock(mu_);
     free_blocks_.push_back(b);
   }
-  // The verdict on a completed call header's block ("" when the ranks agree).
-  std::string header_verdict_of(const Watch& w) const {
+  // Every rank's call header in a completed pinned block.
+  std::vector<CollectiveHeader> headers_in(const void* block) const {
     std::vector<CollectiveHeader> got(static_cast<size_t>(size_));
-    std::memcpy(got.data(), w.headers, sizeof(CollectiveHeader) * got.size());
-    std::vector<int> from(got.size());
-    for (int r = 0; r < size_; ++r) from[static_cast<size_t>(r)] = r;
-    const std::string entry(w.want.name, strnlen(w.want.name, sizeof(w.want.name)));
-    return detail::header_verdict(got, from, w.want, rank_, size_, entry.c_str(), -1, "", kRecordWord);
+    std::memcpy(got.data(), block, sizeof(CollectiveHeader) * got.size());
+    return got;
+  }
+  // The verdict on the call headers against this rank's ("" when the ranks agree).
+  std::string verdict_on(const std::vector<CollectiveHeader>& got, const CollectiveHeader& want) const {
+    const std::string entry(want.name, strnlen(want.name, sizeof(want.name)));
+    return detail::header_verdict(got, {}, want, rank_, size_, entry.c_str(), -1, "", kRecordWord);
   }
   void enqueue(const Watch& w) {
     {
@@ -626,7 +623,7 @@ class NcclCommunicator final : public Communicator {
             stats_.seconds += ms * 1e-3;
           }
           if (w.headers) {  // Note [NCCL call headers]
-            const std::string why = header_verdict_of(w);
+            const std::string why = verdict_on(headers_in(w.headers), w.want);
             if (!why.empty())
               failure = why +
                         " (found by the call header's check; the other ranks do not join this rank's "
