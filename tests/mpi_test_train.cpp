@@ -7,6 +7,7 @@
 //   - save at step 10 + resume to 20 equals 20 uninterrupted steps bitwise;
 //   - uneven splits (5 frames on CP=2, 3 frames on CP=4 with an empty rank) and
 //     packed clips (--clips, a clip spanning two ranks) train, and equal one rank;
+//   - --overlap-exchange trains bitwise as without it on CPU ranks;
 //   - bad checkpoints and flags give UsageError on every rank, no hang.
 // Pass/fail is reduced over all ranks.
 // gdncp-mpi-np: 4
@@ -401,6 +402,23 @@ TEST_F(TrainTest, ActivationCheckpointingGivesBitwiseTheSameTraining) {
   c.checkpointing = "off";
   const train::Result off = run(c, g.comm());
   c.checkpointing = "on";
+  const train::Result on = run(c, g.comm());
+  ASSERT_EQ(off.losses.size(), 4u);
+  ASSERT_EQ(on.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(on.losses[i], off.losses[i]) << "step " << i + 1;
+  EXPECT_EQ(on.param_hash, off.param_hash);
+}
+
+// --overlap-exchange on CPU ranks: accepted, and the training is bitwise the same (the
+// option only reorders the sweeps around the all-gather; docs/design.md §6).
+TEST_F(TrainTest, OverlapExchangeGivesBitwiseTheSameTraining) {
+  NEEDS_FOUR_RANKS();
+  RankPairs pairs(2, 1);  // ranks {0,1}: CP=2; ranks {2,3}: DP=2 (no CP layer exchange)
+  train::Config& c = pairs.c;
+  SubGroup& g = pairs.g;
+  c.steps = 4;
+  const train::Result off = run(c, g.comm());
+  c.overlap_exchange = true;
   const train::Result on = run(c, g.comm());
   ASSERT_EQ(off.losses.size(), 4u);
   ASSERT_EQ(on.losses.size(), 4u);

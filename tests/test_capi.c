@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "gdncp/gdncp_c.h"
 
@@ -147,7 +148,8 @@ static void case_status(void) {
   EXPECT(o.deterministic == 0, "deterministic defaults to off, got %d", o.deterministic);
   gdncp_cp_options co;
   st = gdncp_cp_options_init(&co);
-  EXPECT(st == GDNCP_OK && co.struct_size == sizeof co && co.deterministic == 0, "cp defaults");
+  EXPECT(st == GDNCP_OK && co.struct_size == sizeof co && co.deterministic == 0 && co.overlap_exchange == 0,
+         "cp defaults");
   /* A NULL handle names the argument. */
   st = gdncp_comm_set_timeout(NULL, 1.0);
   EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "comm") != NULL, "%d '%s'", st, gdncp_last_error());
@@ -434,6 +436,128 @@ static void case_dlpack_in_place(void) {
   EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "t:") != NULL && b.deleted == 1, "%d '%s'", st,
          gdncp_last_error());
   cp_options_exchange(comm);
+  EXPECT(gdncp_comm_destroy(comm) == GDNCP_OK, "destroy");
+  EXPECT(gdncp_mpi_finalize() == GDNCP_OK, "finalize: '%s'", gdncp_last_error());
+}
+
+/* The hidden exchange (gdncp_cp_options.overlap_exchange) on the MPI world's CPU ranks: accepted and
+ * changing nothing — out and every gradient of the bidirectional layer and of one raw direction
+ * bitwise the same with it on and off, under the all-gather and the log exchange; a value other
+ * than 0 or 1 refused on every rank, naming the field; a struct of the size before it does not
+ * read it. Runs on any number of ranks (ctest: CApi.OverlapExchange and .np2 under mpirun). */
+static double* copy_out(const DLManagedTensor* t) {
+  const size_t bytes = (size_t)numel(&t->dl_tensor) * sizeof(double);
+  double* c = (double*)malloc(bytes);
+  memcpy(c, t->dl_tensor.data, bytes);
+  return c;
+}
+
+typedef struct ExchangeRun {
+  double* got[6]; /* out, then the gradients of qkv, beta, decay, q_norm_w, k_norm_w */
+  int64_t n[6];
+} ExchangeRun;
+
+/* One forward and backward of entry 0 (gdncp_bigdn_cp_ex) or 1 (gdncp_cp_gdn_raw, num only) on L,
+ * the output gradient sin(0.37 i + 0.1); copies of out and the five gradients into r. */
+static gdncp_status exchange_run(gdncp_comm* comm, Layer* L, int entry, const gdncp_cp_options* co, ExchangeRun* r) {
+  DLManagedTensor* in[7];
+  layer_wrap(L, in);
+  gdncp_layer_options o;
+  gdncp_layer_options_init(&o);
+  o.k_scale = 1.0 / sqrt((double)(D * S));
+  DLManagedTensor* outs[4] = {NULL, NULL, NULL, NULL};
+  gdncp_graph* g = NULL;
+  gdncp_status st = entry == 0 ? gdncp_bigdn_cp_ex(comm, in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL,
+                                                   NULL, F, S, &o, co, NULL, 0x1f, &outs[0], &g)
+                               : gdncp_cp_gdn_raw(comm, in[0], in[1], in[2], in[3], in[4], in[5], in[6], NULL, NULL,
+                                                  NULL, F, S, &o, co, NULL, 0x1f, outs, &g);
+  if (st != GDNCP_OK) return st;
+  Blob gb;
+  const DLTensor* y = &outs[0]->dl_tensor;
+  double* w = (double*)malloc((size_t)numel(y) * sizeof(double));
+  for (int64_t i = 0; i < numel(y); ++i) w[i] = sin(0.37 * (double)i + 0.1);
+  DLManagedTensor* grad_out[4] = {wrap_f64(&gb, w, y->ndim, y->shape), NULL, NULL, NULL};
+  DLManagedTensor* grads[5] = {0};
+  st = gdncp_graph_backward(g, grad_out, NULL, grads);
+  if (st == GDNCP_OK) {
+    r->got[0] = copy_out(outs[0]), r->n[0] = numel(y);
+    for (int k = 0; k < 5; ++k) r->got[k + 1] = copy_out(grads[k]), r->n[k + 1] = numel(&grads[k]->dl_tensor);
+  }
+  for (int k = 0; k < 5; ++k) release(grads[k]);
+  for (int k = 0; k < 4; ++k) release(outs[k]);
+  gdncp_graph_destroy(g);
+  free(w);
+  return st;
+}
+
+static void case_OverlapExchange(void) {
+  gdncp_comm* comm = NULL;
+  gdncp_status st = gdncp_comm_create_mpi_world(&comm);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  if (st != GDNCP_OK) return;
+  int rank = -1, size = -1;
+  gdncp_comm_rank(comm, &rank);
+  gdncp_comm_size(comm, &size);
+  g_rng ^= (uint64_t)time(NULL) * 0x2545F4914F6CDD1Dull + (uint64_t)rank; /* fresh inputs, each rank its own */
+  Layer* L = (Layer*)calloc(1, sizeof(Layer));
+  layer_init(L);
+  const char* names[6] = {"out", "d qkv", "d beta", "d decay", "d q_norm_w", "d k_norm_w"};
+  const int exchanges[2] = {GDNCP_EXCHANGE_ALLGATHER, GDNCP_EXCHANGE_LOG};
+  int compared = 0;
+  for (int entry = 0; entry < 2; ++entry)
+    for (int x = 0; x < 2; ++x) {
+      ExchangeRun run[2];
+      memset(run, 0, sizeof run);
+      for (int on = 0; on < 2; ++on) {
+        gdncp_cp_options co;
+        gdncp_cp_options_init(&co);
+        co.exchange = exchanges[x];
+        co.overlap_exchange = on;
+        st = exchange_run(comm, L, entry, &co, &run[on]);
+        EXPECT(st == GDNCP_OK, "entry %d exchange %d overlap %d: %d '%s'", entry, exchanges[x], on, st,
+               gdncp_last_error());
+      }
+      for (int k = 0; k < 6; ++k) {
+        if (!run[0].got[k] || !run[1].got[k]) continue;
+        EXPECT(run[0].n[k] == run[1].n[k] &&
+                   memcmp(run[0].got[k], run[1].got[k], (size_t)run[0].n[k] * sizeof(double)) == 0,
+               "rank %d, entry %d, exchange %d: %s differs with overlap_exchange on", rank, entry, exchanges[x],
+               names[k]);
+        ++compared;
+      }
+      for (int on = 0; on < 2; ++on)
+        for (int k = 0; k < 6; ++k) free(run[on].got[k]);
+    }
+  EXPECT(compared == 24, "compared %d of 24 tensors", compared);
+
+  /* A bad value on every rank: each names the field. On rank 0 alone: every rank fails, rank 0
+   * naming the field; the communicator stays usable. */
+  for (int only_rank0 = 0; only_rank0 < (size > 1 ? 2 : 1); ++only_rank0) {
+    gdncp_cp_options co;
+    gdncp_cp_options_init(&co);
+    if (!only_rank0 || rank == 0) co.overlap_exchange = 2;
+    ExchangeRun r;
+    memset(&r, 0, sizeof r);
+    st = exchange_run(comm, L, 0, &co, &r);
+    if (co.overlap_exchange == 2)
+      EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "cp_options->overlap_exchange 2") != NULL,
+             "rank %d: %d '%s'", rank, st, gdncp_last_error());
+    else
+      EXPECT(st != GDNCP_OK, "rank %d: a bad value on rank 0 fails here too", rank);
+    for (int k = 0; k < 6; ++k) free(r.got[k]);
+  }
+  /* A caller's struct of the size before overlap_exchange: the field is not read. */
+  gdncp_cp_options co;
+  gdncp_cp_options_init(&co);
+  co.overlap_exchange = 7;
+  co.struct_size = offsetof(gdncp_cp_options, overlap_exchange);
+  ExchangeRun r;
+  memset(&r, 0, sizeof r);
+  st = exchange_run(comm, L, 0, &co, &r);
+  EXPECT(st == GDNCP_OK, "older struct: %d '%s'", st, gdncp_last_error());
+  for (int k = 0; k < 6; ++k) free(r.got[k]);
+  printf("rank %d of %d: %d tensors bitwise equal with overlap_exchange on and off\n", rank, size, compared);
+  free(L);
   EXPECT(gdncp_comm_destroy(comm) == GDNCP_OK, "destroy");
   EXPECT(gdncp_mpi_finalize() == GDNCP_OK, "finalize: '%s'", gdncp_last_error());
 }
@@ -932,6 +1056,8 @@ int main(int argc, char** argv) {
     case_rope_q();
   else if (strcmp(c, "comm_callbacks") == 0)
     case_comm_callbacks();
+  else if (strcmp(c, "OverlapExchange") == 0)
+    case_OverlapExchange();
   else if (strcmp(c, "HardenHandles") == 0)
     case_HardenHandles();
   else if (strcmp(c, "HardenSameTensorTwice") == 0)

@@ -50,11 +50,12 @@ Dist::~Dist() {
 
 Tensor Dist::layer(const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                    const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
-                   const gdncp::BigdnOptions& options, const Tensor& clip_starts) {
+                   const gdncp::BigdnOptions& options, const Tensor& clip_starts,
+                   const gdncp::cp::CpOptions& cp_options) {
   if (!cp_comm_)
     return gdncp::bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options, clip_starts);
   return gdncp::cp::bigdn_cp(*cp_comm_, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, options,
-                             clip_starts);
+                             clip_starts, Tensor(), Tensor(), cp_options);
 }
 
 void Dist::reduce_grads(const std::vector<Tensor>& params) {

@@ -37,11 +37,11 @@ class Dist {
 
   // The bidirectional layer over this rank's F frames (the only CP call of the
   // trainer): bigdn_cp over the CP group, or the single-rank bigdn when CP = 1.
-  // clip_starts: the clip-start mask (B, F), or undefined.
+  // clip_starts: the clip-start mask (B, F), or undefined. cp_options: bigdn_cp's (unused when CP = 1).
   gdncp::Tensor layer(const gdncp::Tensor& qkv, const gdncp::Tensor& beta, const gdncp::Tensor& decay,
                       const gdncp::Tensor& q_norm_w, const gdncp::Tensor& k_norm_w, const gdncp::Tensor& rope_cos,
                       const gdncp::Tensor& rope_sin, int64_t F, int64_t S, const gdncp::BigdnOptions& options,
-                      const gdncp::Tensor& clip_starts = gdncp::Tensor());
+                      const gdncp::Tensor& clip_starts = gdncp::Tensor(), const gdncp::cp::CpOptions& cp_options = {});
 
   // Sums the parameter gradients over all ranks (CP partial sums and DP
   // replicas in one all-reduce); the optimizer divides by DP.

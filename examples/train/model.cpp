@@ -67,8 +67,9 @@ Tensor forward(const Model& model, const Tensor& x_in, const ForwardContext& ctx
         if (gdncp::autograd::grad_enabled()) t.requires_grad_();
         return t;
       };
-      const Tensor out = ctx.dist->layer(leaf({B, 0, 3, H, D}), leaf({B, H, 0, S}), leaf({B, H, 0}), p.q_norm, p.k_norm,
-                                         ctx.rope_cos, ctx.rope_sin, 0, S, ctx.options, ctx.clip_starts);
+      const Tensor out =
+          ctx.dist->layer(leaf({B, 0, 3, H, D}), leaf({B, H, 0, S}), leaf({B, H, 0}), p.q_norm, p.k_norm, ctx.rope_cos,
+                          ctx.rope_sin, 0, S, ctx.options, ctx.clip_starts, ctx.cp_options);
       if (empty_outs && out.requires_grad()) empty_outs->push_back(out);
     }
     return x_in;
@@ -89,7 +90,7 @@ Tensor forward(const Model& model, const Tensor& x_in, const ForwardContext& ctx
     const Tensor beta = gdncp::nn::sigmoid(beta_logit);
     const Tensor decay = gdncp::nn::sigmoid(gdncp::nn::frame_mean(gate_logit));  // (B, H, F)
     const Tensor out = ctx.dist->layer(qkv, beta, decay, p.q_norm, p.k_norm, ctx.rope_cos, ctx.rope_sin, F, S,
-                                       ctx.options, ctx.clip_starts);  // (B, N, H, D)
+                                       ctx.options, ctx.clip_starts, ctx.cp_options);  // (B, N, H, D)
     x = gdncp::nn::add(x, project(out.reshape({B, N, C}), p.w_out));
   }
   return x;

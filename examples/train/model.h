@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gdncp/bigdn.h>
+#include <gdncp/cp.h>
 #include <gdncp/tensor.h>
 
 #include <cstdint>
@@ -54,6 +55,7 @@ struct ForwardContext {
   gdncp::Tensor rope_cos, rope_sin;        // (F·S, D) rows of this rank's tokens
   gdncp::Tensor clip_starts;               // (B, F) f32, 1 where a frame begins a clip; undefined = one clip
   gdncp::BigdnOptions options;
+  gdncp::cp::CpOptions cp_options;  // --overlap-exchange
   // --deterministic: the projections' weight gradients go here per frame (frame_grads.h).
   FrameGrads* frame_grads = nullptr;
 };

@@ -205,6 +205,10 @@ const std::vector<Flag>& flags() {
                   "the layer's deterministic mode: losses and parameters bitwise the same for every --cp (a run "
                   "resumed on another --cp continues bitwise)",
                   &Config::deterministic),
+      switch_flag("overlap-exchange",
+                  "CUDA: the CP layer's all-gather exchange runs on a communication stream beside the sweeps it "
+                  "does not read (bitwise the same results; log and hierarchical exchanges and CPU runs unchanged)",
+                  &Config::overlap_exchange),
       real_flag("timeout",
                 "deadline in seconds of every collective: a lost or hung rank ends the run with an error on the others",
                 &Config::timeout, 1e-3, 1e6),
@@ -485,12 +489,13 @@ std::string usage() {
        "usage: mpirun -np <ranks> gdncp_train [--flag value | --flag=value]...\n"
        "  ranks = DP x CP: consecutive ranks form a context-parallel group (--cp) that splits each\n"
        "  video's frames; the groups are data-parallel replicas training on different videos.\n\n";
-  for (const Flag& f : flags()) {
+  const auto name = [](const std::string& flag) {  // the flags' column, the longest name and a space wide
     char line[64];
-    std::snprintf(line, sizeof line, "  --%-15s", f.name.c_str());
-    o << line << f.help << " [" << f.get(d) << "]\n";
-  }
-  o << "  --help           this text\n";
+    std::snprintf(line, sizeof line, "  --%-17s", flag.c_str());
+    return std::string(line);
+  };
+  for (const Flag& f : flags()) o << name(f.name) << f.help << " [" << f.get(d) << "]\n";
+  o << name("help") << "this text\n";
   return o.str();
 }
 
@@ -552,6 +557,7 @@ Result train(const Config& cfg, MPI_Comm world) {
                            : cfg.checkpointing == "off" ? gdncp::Checkpoint::off
                                                         : gdncp::Checkpoint::automatic;
   ctx.options.deterministic = cfg.deterministic;
+  ctx.cp_options.overlap_exchange = cfg.overlap_exchange;
   FrameGrads frame_grads;  // --deterministic: the projections' weight gradients in frame order
   if (cfg.deterministic) ctx.frame_grads = &frame_grads;
 
@@ -617,7 +623,8 @@ Result train(const Config& cfg, MPI_Comm world) {
       << ",\"heads\":" << cfg.heads << ",\"head_dim\":" << cfg.head_dim << ",\"frames\":" << cfg.frames
       << ",\"clips\":" << clips_json(cfg) << ",\"tokens\":" << cfg.tokens << ",\"batch\":" << cfg.batch
       << ",\"lr\":" << cfg.lr << ",\"checkpointing\":\"" << cfg.checkpointing << "\",\"seed\":" << cfg.seed
-      << ",\"deterministic\":" << (cfg.deterministic ? "true" : "false");
+      << ",\"deterministic\":" << (cfg.deterministic ? "true" : "false")
+      << ",\"overlap_exchange\":" << (cfg.overlap_exchange ? "true" : "false");
     if (start > 0)
       e << ",\"checkpoint\":\"" << json_escape(res.resumed_from)
         << "\",\"skipped_checkpoints\":" << res.skipped_checkpoints.size();

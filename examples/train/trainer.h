@@ -59,6 +59,9 @@ struct Config {
   // The layer's deterministic mode (docs/design.md §12): the same losses and
   // parameters bitwise for every --cp (Note [layout] in trainer.cpp).
   bool deterministic = false;
+  // The CP layer's all-gather exchange on a communication stream (gdncp/cp.h
+  // CpOptions::overlap_exchange): bitwise the same results; nothing changes on the CPU.
+  bool overlap_exchange = false;
 };
 
 // A bad flag or a bad checkpoint: raised identically on every rank (so the

@@ -420,7 +420,8 @@ std::vector<Tensor> cp_bidi_scan(Communicator& comm, const Tensor& P, const Tens
 
 // The bidirectional CP layer: out = num/(den+eps) (B, N, H, D) in qkv's dtype,
 // equal to bigdn() on the gathered sequence, for this rank's frames. cp_options: only the
-// exchange and node size apply (reverse_rank_order, truncate_to_active: error).
+// exchange, node size, overlap_exchange and deterministic apply (reverse_rank_order,
+// truncate_to_active: error).
 Tensor bigdn_cp(Communicator& comm, const Tensor& qkv, const Tensor& beta, const Tensor& decay, const Tensor& q_norm_w,
                 const Tensor& k_norm_w, const Tensor& rope_cos, const Tensor& rope_sin, int64_t F, int64_t S,
                 const BigdnOptions& options = {}, const Tensor& clip_starts = Tensor(),

@@ -101,6 +101,12 @@ typedef struct gdncp_cp_options {
   int exchange;               /* gdncp_exchange (gdncp/cp.h Exchange); init: GDNCP_EXCHANGE_AUTO */
   int node_size;              /* ranks per node for the exchange, 0 = detect */
   int deterministic;          /* 0 | 1 (default 0): docs/design.md §12 */
+  /* 0 | 1 (default 0), gdncp/cp.h CpOptions::overlap_exchange: on CUDA the all-gather exchange runs on a
+   * communication stream beside the sweeps it does not read (bitwise the same results; the log and
+   * hierarchical exchanges run as without it); on the CPU it changes nothing. Another value:
+   * GDNCP_ERROR_ARGUMENT naming it. It lies in the tail padding of the struct before it, so struct_size
+   * cannot tell an older caller's struct: fill the struct with gdncp_cp_options_init. */
+  int overlap_exchange;
 } gdncp_cp_options;
 typedef enum gdncp_exchange {
   GDNCP_EXCHANGE_AUTO = 0,
@@ -230,8 +236,8 @@ gdncp_status gdncp_bigdn_cp(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTen
                             DLManagedTensor* rope_sin, DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q,
                             DLManagedTensor* clip_starts, int64_t F, int64_t S, const gdncp_layer_options* options,
                             void* stream, uint32_t requires_grad, DLManagedTensor** out, gdncp_graph** graph);
-/* The same with CP options: only exchange and node_size apply (reverse_rank_order and
- * truncate_to_active: GDNCP_ERROR_ARGUMENT); cp_options NULL = gdncp_bigdn_cp. */
+/* The same with CP options: only exchange, node_size and overlap_exchange apply (reverse_rank_order
+ * and truncate_to_active: GDNCP_ERROR_ARGUMENT); cp_options NULL = gdncp_bigdn_cp. */
 gdncp_status gdncp_bigdn_cp_ex(gdncp_comm* comm, DLManagedTensor* qkv, DLManagedTensor* beta, DLManagedTensor* decay,
                                DLManagedTensor* q_norm_w, DLManagedTensor* k_norm_w, DLManagedTensor* rope_cos,
                                DLManagedTensor* rope_sin, DLManagedTensor* rope_cos_q, DLManagedTensor* rope_sin_q,

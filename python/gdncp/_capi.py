@@ -107,6 +107,7 @@ class CpOptions(ctypes.Structure):
         ("exchange", ctypes.c_int),
         ("node_size", ctypes.c_int),
         ("deterministic", ctypes.c_int),
+        ("overlap_exchange", ctypes.c_int),
     ]
 
 
@@ -213,7 +214,15 @@ def layer_options(k_scale=1.0, norm_eps=1e-5, eps=1e-6, precision="auto", checkp
     return o
 
 
-def cp_options(reverse_rank_order=False, truncate_to_active=0, exchange="auto", node_size=0, deterministic=False):
+def flag(fn, name, value):
+    """value, which must be a bool (True or False): a TypeError naming name otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError("%s: %s must be True or False, got %r" % (fn, name, value))
+    return value
+
+
+def cp_options(reverse_rank_order=False, truncate_to_active=0, exchange="auto", node_size=0, deterministic=False,
+               overlap_exchange=False):
     o = CpOptions()
     call("cp_options_init", ctypes.byref(o))
     o.reverse_rank_order = int(bool(reverse_rank_order))
@@ -223,6 +232,7 @@ def cp_options(reverse_rank_order=False, truncate_to_active=0, exchange="auto", 
     o.exchange = EXCHANGES[exchange]
     o.node_size = int(node_size)
     o.deterministic = int(bool(deterministic))
+    o.overlap_exchange = int(flag("gdncp", "overlap_exchange", overlap_exchange))
     return o
 
 

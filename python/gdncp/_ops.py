@@ -50,7 +50,7 @@ _TENSORS = {
 }
 _SCALAR_TYPES = {"F": "int", "S": "int", "k_scale": "float", "norm_eps": "float", "eps": "float",
                  "precision": "str", "checkpoint": "str", "reverse_rank_order": "bool", "truncate_to_active": "int",
-                 "exchange": "str", "deterministic": "bool"}
+                 "exchange": "str", "deterministic": "bool", "overlap_exchange": "bool"}
 
 
 def _tuple_of(n):

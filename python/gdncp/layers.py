@@ -64,10 +64,10 @@ class _Graph(_capi.OwnedHandle):
 
 # name: (inputs, differentiable inputs (the leading ones), output slots, scalar arguments)
 _LAYER_SCALARS = ("F", "S", "k_scale", "norm_eps", "eps", "precision", "checkpoint", "deterministic")
-_CP_SCALARS = ("reverse_rank_order", "truncate_to_active", "exchange")
+_CP_SCALARS = ("reverse_rank_order", "truncate_to_active", "exchange", "overlap_exchange")
 ENTRIES = {
     "bigdn": (10, 5, 1, _LAYER_SCALARS),
-    "bigdn_cp": (10, 5, 1, _LAYER_SCALARS + ("exchange",)),
+    "bigdn_cp": (10, 5, 1, _LAYER_SCALARS + ("exchange", "overlap_exchange")),
     "cp_gdn_raw": (10, 5, 4, _LAYER_SCALARS + _CP_SCALARS),
     "cp_cam_gdn_num": (5, 5, 2, ("F", "S") + _CP_SCALARS + ("checkpoint",)),
     "cp_scan": (6, 5, 4, _CP_SCALARS),
@@ -93,7 +93,7 @@ class _Call:
         self.present = present(entry, self.scalars)
         # The C arguments between the tensors and the stream (ctypes.byref keeps the structs alive).
         cp = ((ctypes.byref(_capi.cp_options(s.get("reverse_rank_order", False), s.get("truncate_to_active", 0),
-                                             s["exchange"])),)
+                                             s["exchange"], overlap_exchange=s["overlap_exchange"])),)
               if "exchange" in s else ())
         self.c_entry = "bigdn_cp_ex" if entry == "bigdn_cp" else entry  # the bidirectional layer's CP options
         if entry == "cp_scan":
@@ -255,65 +255,81 @@ def bigdn(qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scal
 
 def bigdn_cp(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5,
              eps=1e-6, precision="auto", checkpoint="off", clip_starts=None, rope_cos_q=None, rope_sin_q=None,
-             exchange="auto", deterministic=False):
+             exchange="auto", deterministic=False, overlap_exchange=False):
     """The bidirectional CP layer (gdncp/cp.h bigdn_cp) on this rank's F frames.
     Forward and backward are collective over comm; the norm weights' gradients
     are this rank's part (sum them over the group). exchange: how the ranks
     exchange the scan's composites, "auto" | "allgather" | "log" |
     "hierarchical" (gdncp/cp.h Exchange; the node size from
     GDNCP_CP_NODE_SIZE or the MPI shared-memory split). deterministic:
-    bitwise the same for every CP degree and frame split (docs/design.md §12)."""
+    bitwise the same for every CP degree and frame split (docs/design.md §12).
+    overlap_exchange: True runs the all-gather exchange on a communication
+    stream beside the sweeps it does not read (gdncp/cp.h
+    CpOptions::overlap_exchange; CUDA only, bitwise the same results; the
+    log and hierarchical exchanges run as without it); on the CPU it changes
+    nothing. A bool; rank-local (ranks may differ)."""
     fn = "gdncp.bigdn_cp"
     comm = _comm_of(comm, fn)
+    _capi.flag(fn, "overlap_exchange", overlap_exchange)
     inputs = _layer_inputs(fn, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q,
                            clip_starts)
-    (out,) = _apply("bigdn_cp", comm, (F, S, k_scale, norm_eps, eps, precision, checkpoint, deterministic, exchange),
+    (out,) = _apply("bigdn_cp", comm,
+                    (F, S, k_scale, norm_eps, eps, precision, checkpoint, deterministic, exchange, overlap_exchange),
                     inputs)
     return out
 
 
 def cp_gdn_raw(comm, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, F, S, k_scale=1.0, norm_eps=1e-5,
                precision="auto", checkpoint="off", reverse_rank_order=False, truncate_to_active=None,
-               clip_starts=None, rope_cos_q=None, rope_sin_q=None, exchange="auto", deterministic=False):
+               clip_starts=None, rope_cos_q=None, rope_sin_q=None, exchange="auto", deterministic=False,
+               overlap_exchange=False):
     """One direction, raw (gdncp/cp.h cp_gdn_raw): RawResult(num (B, N, H, D),
     den (B, H, N), terminal_M (B·H, D, D) [key][value], terminal_z (B·H, D)),
     the terminal states only with truncate_to_active (else None), identical on
-    every rank and differentiable. Collective over comm."""
+    every rank and differentiable. Collective over comm. exchange and
+    overlap_exchange as for bigdn_cp."""
     fn = "gdncp.cp_gdn_raw"
     comm = _comm_of(comm, fn)
+    _capi.flag(fn, "overlap_exchange", overlap_exchange)
     inputs = _layer_inputs(fn, qkv, beta, decay, q_norm_w, k_norm_w, rope_cos, rope_sin, rope_cos_q, rope_sin_q,
                            clip_starts)
     outs = _apply("cp_gdn_raw", comm, (F, S, k_scale, norm_eps, 1e-6, precision, checkpoint, deterministic,
-                                       bool(reverse_rank_order), _truncate(truncate_to_active), exchange), inputs)
+                                       bool(reverse_rank_order), _truncate(truncate_to_active), exchange,
+                                       overlap_exchange), inputs)
     return RawResult(*outs, *([None] * (4 - len(outs))))
 
 
 def cp_cam_gdn_num(comm, q, k, v, beta, decay, F, S, reverse_rank_order=False, truncate_to_active=None,
-                   checkpoint="off", exchange="auto"):
+                   checkpoint="off", exchange="auto", overlap_exchange=False):
     """The camera branch, numerator only (gdncp/cp.h cp_cam_gdn_num): q, k, v
     (B, H, D, N) already rotated, beta (B, H, F, S) or (B, H, F), decay (B, H,
     F). CamResult(out (B, H, D, N), terminal_M (B·H, D, D) [key][value] with
-    truncate_to_active, else None). Collective over comm; no clip mask."""
+    truncate_to_active, else None). Collective over comm; no clip mask.
+    exchange and overlap_exchange as for bigdn_cp."""
     fn = "gdncp.cp_cam_gdn_num"
     comm = _comm_of(comm, fn)
+    _capi.flag(fn, "overlap_exchange", overlap_exchange)
     if checkpoint not in _capi.CHECKPOINTS:
         raise ValueError("%s: checkpoint must be one of %s, got %r" % (fn, sorted(_capi.CHECKPOINTS), checkpoint))
     outs = _apply("cp_cam_gdn_num", comm,
-                  (F, S, bool(reverse_rank_order), _truncate(truncate_to_active), exchange, checkpoint),
+                  (F, S, bool(reverse_rank_order), _truncate(truncate_to_active), exchange, overlap_exchange,
+                   checkpoint),
                   [q, k, v, beta, decay])
     return CamResult(*outs, *([None] * (2 - len(outs))))
 
 
 def cp_scan(comm, P, A, Pz, bz, decay, clip_starts=None, reverse_rank_order=False, truncate_to_active=None,
-            exchange="auto"):
+            exchange="auto", overlap_exchange=False):
     """The distributed frame scan (gdncp/cp.h cp_scan), left-multiplied:
     M_t = g_t (I − P_t) M_{t−1} + A_t, z_t = g_t (I − Pz_t) z_{t−1} + bz_t.
     P, A, Pz (B·H, F, D, D), bz (B·H, F, D), decay (B, H, F). ScanResult(M, z,
     terminal_M, terminal_z) (terminal states with truncate_to_active, else
-    None). Collective over comm."""
+    None). Collective over comm. exchange and overlap_exchange as for bigdn_cp."""
     fn = "gdncp.cp_scan"
     comm = _comm_of(comm, fn)
-    outs = _apply("cp_scan", comm, (bool(reverse_rank_order), _truncate(truncate_to_active), exchange),
+    _capi.flag(fn, "overlap_exchange", overlap_exchange)
+    outs = _apply("cp_scan", comm, (bool(reverse_rank_order), _truncate(truncate_to_active), exchange,
+                                    overlap_exchange),
                   [P, A, Pz, bz, decay, _clip_mask(clip_starts, fn)])
     return ScanResult(*outs, *([None] * (4 - len(outs))))
 

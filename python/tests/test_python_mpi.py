@@ -318,3 +318,57 @@ def test_retain_graph_rerecords_collectively(comm):
     again = torch.autograd.grad((out * w).sum(), [y["qkv"], y["decay"]])  # recorded again, collectively
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+# --- the hidden exchange (overlap_exchange) on CPU ranks: accepted, changes nothing --------------------------
+
+@pytest.mark.parametrize("name", ["bigdn_cp", "cp_gdn_raw", "cp_cam_gdn_num", "cp_scan"])
+@pytest.mark.parametrize("exchange", ["allgather", "log"])
+def test_OverlapExchange_changes_nothing_on_cpu(comm, name, exchange):
+    """overlap_exchange=True (gdncp/cp.h CpOptions::overlap_exchange) has no stream to use on the CPU:
+    out and every gradient bitwise those with it off, on fresh inputs (each rank its own)."""
+    P, r = comm.size, comm.rank
+    F_total = 2 * P + 1
+    F, off = eager.balanced_split(F_total, P, r)
+    base = "cp_gdn_raw" if name == "bigdn_cp" else name
+    x, names = entry_case_inputs(base, F_total, seed=int(torch.randint(1 << 30, (1,))))
+    x = frames_of(base, x, off, F)
+
+    def step(overlap):
+        y = {k: (v.clone().requires_grad_(True) if k in names and v is not None else v) for k, v in x.items()}
+        kw = dict(exchange=exchange, overlap_exchange=overlap)
+        if name == "bigdn_cp":
+            outs = [gdncp.bigdn_cp(comm, *(y[k] for k in GRADS), y["rope_cos"], y["rope_sin"], F, S,
+                                   k_scale=y["k_scale"], **kw)]
+        elif name == "cp_gdn_raw":
+            outs = list(gdncp.cp_gdn_raw(comm, *(y[k] for k in GRADS), y["rope_cos"], y["rope_sin"], F, S,
+                                         k_scale=y["k_scale"], **kw)[:2])
+        elif name == "cp_cam_gdn_num":
+            outs = [gdncp.cp_cam_gdn_num(comm, *(y[k] for k in names), F, S, **kw).out]
+        else:
+            outs = list(gdncp.cp_scan(comm, *(y[k] for k in names), **kw)[:2])
+        gw = torch.Generator().manual_seed(3)
+        sum((o * torch.randn(o.shape, generator=gw, dtype=o.dtype)).sum() for o in outs).backward()
+        return [o.detach() for o in outs], {k: y[k].grad for k in names if y[k] is not None}
+
+    off_outs, off_grads = step(False)
+    on_outs, on_grads = step(True)
+    assert len(off_outs) == len(on_outs) and set(off_grads) == set(on_grads) and off_grads
+    for i, (a, b) in enumerate(zip(off_outs, on_outs)):
+        assert torch.equal(a, b), "rank %d: output %d differs with overlap_exchange=True" % (r, i)
+    for k in off_grads:
+        assert torch.equal(off_grads[k], on_grads[k]), "rank %d: d %s differs with overlap_exchange=True" % (r, k)
+
+
+def test_OverlapExchange_must_be_a_bool(comm):
+    """A value other than True or False is refused on every rank (before any collective), naming it."""
+    x = local(eager.inputs(B, H, D, 2 * comm.size, S, seed=5), 2 * comm.rank, 2)
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="gdncp.bigdn_cp: overlap_exchange must be True or False"):
+            gdncp.bigdn_cp(comm, *(x[k] for k in GRADS), x["rope_cos"], x["rope_sin"], 2, S, k_scale=x["k_scale"],
+                           overlap_exchange=bad)
+    with pytest.raises(TypeError, match="overlap_exchange"):
+        gdncp._capi.cp_options(overlap_exchange=2)
+    assert gdncp._capi.cp_options().overlap_exchange == 0
+    assert gdncp._capi.cp_options(overlap_exchange=True).overlap_exchange == 1
+    assert not comm.aborted

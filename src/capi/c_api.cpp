@@ -262,15 +262,20 @@ gdncp::cp::CpOptions cp_options_of(const gdncp_cp_options* o, const char* fn) {
   if (o->struct_size < first_size)
     argument_error(fn, ": cp_options->struct_size ", o->struct_size, " < ", first_size,
                    " (fill cp_options with gdncp_cp_options_init)");
-  opt.deterministic = o->struct_size >= sizeof(gdncp_cp_options) && o->deterministic != 0;
+  const auto has = [&](size_t offset) { return o->struct_size >= offset + sizeof(int); };
+  opt.deterministic = has(offsetof(gdncp_cp_options, deterministic)) && o->deterministic != 0;
   opt.reverse_rank_order = o->reverse_rank_order != 0;
   opt.truncate_to_active = o->truncate_to_active;
-  if (o->struct_size < offsetof(gdncp_cp_options, node_size) + sizeof(int)) return opt;
+  if (!has(offsetof(gdncp_cp_options, node_size))) return opt;
   if (o->exchange < GDNCP_EXCHANGE_AUTO || o->exchange > GDNCP_EXCHANGE_HIERARCHICAL)
     argument_error(fn, ": cp_options->exchange ", o->exchange, " is not a gdncp_exchange");
   if (o->node_size < 0) argument_error(fn, ": cp_options->node_size ", o->node_size, " < 0 (0: detect)");
   opt.exchange = static_cast<gdncp::cp::Exchange>(o->exchange);
   opt.node_size = o->node_size;
+  if (!has(offsetof(gdncp_cp_options, overlap_exchange))) return opt;
+  if (o->overlap_exchange != 0 && o->overlap_exchange != 1)
+    argument_error(fn, ": cp_options->overlap_exchange ", o->overlap_exchange, " is not 0 or 1");
+  opt.overlap_exchange = o->overlap_exchange != 0;
   return opt;
 }
 
@@ -488,6 +493,7 @@ gdncp_status gdncp_cp_options_init(gdncp_cp_options* options) {
     options->exchange = GDNCP_EXCHANGE_AUTO;
     options->node_size = 0;
     options->deterministic = 0;
+    options->overlap_exchange = 0;
   });
 }
 
