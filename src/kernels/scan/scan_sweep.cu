@@ -6,8 +6,8 @@
 //
 //   sweep_kernel   one block per (sweep, column block, b·h): Note [column blocks]; a pair of
 //                  sweeps (Sweep::partner) runs as a cluster of 2 that writes their sum.
-//   z_gemm_kernel  the transition gradients' Gr_t = L_t R'_tᵀ of the KV states (E = D):
-//                  batched 3xTF32 products over all frames (Note [Z GEMMs]);
+//   Z GEMMs        the transition gradients' Gr_t = L_t R'_tᵀ of the KV states (E = D):
+//                  strided-batched cuBLAS f32 GEMMs over all frames (Note [Z GEMMs]);
 //   outer_kernel   then dP (=, +=) −g Gr and dg (=, +=) ⟨Gr, I − P⟩, one block per frame; for the
 //                  z vector (E = 1) it forms the rank ≤ 2 Gr itself. dg in f64 (Note [dg in f64]).
 //
@@ -46,11 +46,13 @@
 // accumulator layout; a copy in shared memory is the B operand of the next step, and the thread
 // writes its own elements of each frame to global memory.
 #include <cooperative_groups.h>
+#include <cublas_v2.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "kernels/common/cublas_handle.h"
 #include "kernels/common/cuda_common.cuh"
 #include "kernels/cp_kernels.h"
 #include "kernels/kernels.h"
@@ -566,8 +568,8 @@ void scan_sweep(Tensor& out_before, Tensor& out_after, Tensor& final_state, cons
 // --- transition gradients -----------------------------------------------------------------------
 namespace {
 
-// Note [Z GEMMs]. For a KV group (E = D) Gr_t = Σ_src L_t R'_tᵀ is formed by batched products
-// (frame_gemm_nt) over the flat frames j = b·h·F + t into a buffer Z (dP itself when dP is
+// Note [Z GEMMs]. For a KV group (E = D) Gr_t = Σ_src L_t R'_tᵀ is formed by strided-batched
+// cuBLAS f32 GEMMs over the flat frames j = b·h·F + t into a buffer Z (dP itself when dP is
 // overwritten), one Z per distinct `active` of the sources (outer_kernel counts frame t of a Z
 // only when t < its active). A shifted source is one GEMM over all frames, Z_j += L_j R_jᵀ. An
 // unshifted one reads R_{j−1}: one GEMM over j ≥ 1, wrong at t = 0 of b·h ≥ 1 (the previous
@@ -706,89 +708,17 @@ __global__ void __launch_bounds__(kOuterThreads) outer_kernel(const __grid_const
   flush();
 }
 
-// C_j = A_j·B_jᵀ (+ C_j when accumulate) for row-major D×D frames j (strides in floats), one
-// block a frame, as 3xTF32 (Note [3xTF32 steps]: f32 accuracy): 16 warps in a 4×4 grid of 32×32
-// tiles over D rounded up to 16 rows and columns, both operands staged whole in shared memory
-// as f32 rows of kZPitch (pitch_mk: conflict-free pair loads), their k beyond D zeroed. The
-// small terms run in a second accumulator chain, added to the large ones once at the end.
-constexpr int kZThreads = 512, kZPitch = pitch_mk(kMaxHeadDim, MathMode::tf32);
-constexpr size_t kZSmem = 2 * static_cast<size_t>(kMaxHeadDim) * kZPitch * sizeof(float);
-
-__global__ void __launch_bounds__(kZThreads, 1)
-    z_gemm_kernel(float* __restrict__ C, int64_t sc, const float* __restrict__ A, int64_t sa,
-                  const float* __restrict__ B, int64_t sb, int D, bool accumulate) {
-  extern __shared__ __align__(16) float zsm[];
-  float *As = zsm, *Bs = zsm + kMaxHeadDim * kZPitch;
-  const int64_t j = blockIdx.x;
-  const float *a = A + j * sa, *b = B + j * sb;
-  float* c = C + j * sc;
-  const int KP = (D + 7) / 8 * 8, RP = (D + 15) / 16 * 16;
-  for (int e = threadIdx.x; e < RP * KP; e += kZThreads) {
-    const int r = e / KP, k = e - r * KP;
-    const bool ok = r < D && k < D;
-    As[r * kZPitch + k] = ok ? __ldg(a + r * D + k) : 0.f;
-    Bs[r * kZPitch + k] = ok ? __ldg(b + r * D + k) : 0.f;
-  }
-  __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int m0 = (warp >> 2) * 32, n0 = (warp & 3) * 32;
-  if (m0 >= D || n0 >= D) return;
-  float hi[2][4][4] = {}, lo[2][4][4] = {};
-  for (int k0 = 0; k0 < KP; k0 += 8) {
-    uint32_t ahi[2][4] = {}, alo[2][4] = {};
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      if (m0 + 16 * i < D) {  // slot t: k0 + 2t, slot t + 4: k0 + 2t + 1 (Note [warp tiles])
-        const float* r = As + (m0 + 16 * i + g) * kZPitch + k0 + 2 * t;
-        const float2 p = ld2(r), q = ld2(r + 8 * kZPitch);
-        split_tf32(p.x, ahi[i][0], alo[i][0]);
-        split_tf32(q.x, ahi[i][1], alo[i][1]);
-        split_tf32(p.y, ahi[i][2], alo[i][2]);
-        split_tf32(q.y, ahi[i][3], alo[i][3]);
-      }
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj)
-      if (n0 + 8 * jj < D) {
-        const float2 p = ld2(Bs + (n0 + 8 * jj + g) * kZPitch + k0 + 2 * t);
-        uint32_t bhi[2], blo[2];
-        split_tf32(p.x, bhi[0], blo[0]);
-        split_tf32(p.y, bhi[1], blo[1]);
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-          if (m0 + 16 * i < D) {
-            mma_tf32(lo[i][jj], alo[i], bhi);
-            mma_tf32(lo[i][jj], ahi[i], blo);
-            mma_tf32(hi[i][jj], ahi[i], bhi);
-          }
-      }
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      const int col = n0 + 8 * jj + 2 * t;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = m0 + 16 * i + g + 8 * h;
-#pragma unroll
-        for (int q = 0; q < 2; ++q)
-          if (row < D && col + q < D) {
-            float* o = c + row * D + col + q;
-            const float v = hi[i][jj][2 * h + q] + lo[i][jj][2 * h + q];
-            *o = accumulate ? v + *o : v;
-          }
-      }
-    }
-}
-
+// C_j = A_j·B_jᵀ (+ C_j when accumulate) for `batch` row-major D×D frames, strides in floats, in
+// IEEE f32. Column-major, the buffers hold A_jᵀ, B_jᵀ, C_jᵀ, and C_jᵀ = B_j·A_jᵀ = op_T(B_jᵀ)·op_N(A_jᵀ)
+// (Note [row-major through cuBLAS] in matmul.cu).
 void frame_gemm_nt(float* C, int64_t sc, const float* A, int64_t sa, const float* B, int64_t sb, int D, int64_t batch,
                    bool accumulate) {
   if (batch <= 0) return;
-  GDNCP_CHECK(batch <= INT32_MAX, "cuda scan: ", batch, " frames exceed the grid");
-  GDNCP_CHECK(D >= 1 && D <= kMaxHeadDim, "cuda scan: Z GEMMs need D in [1, ", kMaxHeadDim, "], got ", D);
-  allow_smem(z_gemm_kernel, kZSmem);
-  z_gemm_kernel<<<static_cast<unsigned>(batch), kZThreads, kZSmem, stream()>>>(C, sc, A, sa, B, sb, D, accumulate);
-  GDNCP_CUDA_CHECK_LAUNCH("z_gemm_kernel");
+  GDNCP_CHECK(batch <= INT32_MAX, "cuda scan: ", batch, " frames exceed cuBLAS's 32-bit batch count");
+  const float one = 1.f, beta = accumulate ? 1.f : 0.f;
+  GDNCP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(::gdncp::cuda::cublas_handle(), CUBLAS_OP_T, CUBLAS_OP_N, D, D, D, &one,
+                                                B, CUDA_R_32F, D, sb, A, CUDA_R_32F, D, sa, &beta, C, CUDA_R_32F, D, sc,
+                                                static_cast<int>(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 // Z = Σ_srcs L R'ᵀ over every frame (Note [Z GEMMs]).
