@@ -371,22 +371,18 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // the 16-byte piece e = threadIdx.x + i·kThreadsT of the chunk, at row e / (D/kPer). Those
 // offsets are the same for every chunk, so they are computed once: a division and a 64-bit
 // row index per copy per chunk cost more issue slots than the copies themselves.
-// kCopies ≥ ⌈rows·D/kPer / kThreadsT⌉; the host checks rows·stride < 2³¹. kPitched: the rows
-// land dst_pitch elements apart (a padded operand tile) rather than packed D apart.
-template <int kThreadsT, typename T, int kCopies, bool kPitched = false>
+// kCopies ≥ ⌈rows·D/kPer / kThreadsT⌉; the host checks rows·stride < 2³¹.
+template <int kThreadsT, typename T, int kCopies>
 struct RowStager {
   static constexpr int kPer = 16 / sizeof(T);
-  int off[kCopies];                  // source offset of copy i from the chunk's first row (elements)
-  int doff[kPitched ? kCopies : 1];  // its destination offset (kPitched)
-  int per_row, n;                    // 16-byte pieces a row, a chunk
+  int off[kCopies];  // source offset of copy i from the chunk's first row (elements)
+  int per_row, n;    // 16-byte pieces a row, a chunk
 
-  __device__ __forceinline__ RowStager(int rows, int D, int stride, int dst_pitch = 0)
-      : per_row(D / kPer), n(rows * (D / kPer)) {
+  __device__ __forceinline__ RowStager(int rows, int D, int stride) : per_row(D / kPer), n(rows * (D / kPer)) {
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
-      const int e = threadIdx.x + i * kThreadsT, r = e / per_row, c = (e - r * per_row) * kPer;
-      off[i] = r * stride + c;
-      if constexpr (kPitched) doff[i] = r * dst_pitch + c;
+      const int e = threadIdx.x + i * kThreadsT, r = e / per_row;
+      off[i] = r * stride + (e - r * per_row) * kPer;
     }
   }
   // Issues the copies of the chunk whose first row is src; rows at or beyond valid_rows are
@@ -396,8 +392,7 @@ struct RowStager {
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int e = threadIdx.x + i * kThreadsT;
-      T* to = dst + (kPitched ? doff[kPitched ? i : 0] : e * kPer);
-      if (e < n) cp_async16(to, e < valid ? src + off[i] : src, e < valid);
+      if (e < n) cp_async16(dst + e * kPer, e < valid ? src + off[i] : src, e < valid);
     }
   }
 };

@@ -12,7 +12,7 @@
 // Gradient rule: dk_hat, the v channel of dqkv and dbeta are overwritten.
 //
 // Two codings, one file each: phase_a_f32.cu (f32 tiles, every matrix-unit mode) and
-// phase_a_bf16.cu (bf16 mode, bf16 qkv, D % 8 == 0, D > 32: a fused prep-and-product
+// phase_a_bf16.cu (bf16 mode, bf16 qkv, D % 8 == 0, D > 32: a prep pass and cuBLAS
 // forward, a staged ldmatrix backward). The launchers below check the arguments and pick
 // the coding.
 #include "kernels/common/cuda_common.cuh"

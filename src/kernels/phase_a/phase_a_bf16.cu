@@ -1,13 +1,18 @@
 // src/kernels/phase_a/phase_a_bf16.cu — phase A's bf16 coding (phase_a.cu has the math and picks
 // the coding): bf16 mode with bf16 qkv and D % 8 == 0 at a padded head dim of 64 or 128.
 //
-// Forward: one kernel preps the k rows and multiplies them on the matrix unit, a frame and a
-// product set a block (Note [fused forward]); the operands never leave shared memory.
+// Forward: the k prep runs once per token (phase_a_prep_kernel), not once per product, and
+// writes the bf16 k operands of the three products; the products are batched GEMMs on cuBLAS
+// (one matrix per frame, all S tokens at once) rather than blocks that multiply chunks of 32
+// tokens between rounds of prep. v is read where it lies in qkv, not copied.
 // Backward: the raw rows of the next token tile are staged with cp.async while the current
 // one is multiplied (Note [staged loads]); operand tiles are bf16 in shared memory, read with
 // ldmatrix (Note [ldmatrix tiles]).
+#include <cublas_v2.h>
+
 #include <algorithm>
 
+#include "kernels/common/cublas_handle.h"
 #include "kernels/common/cuda_common.cuh"
 #include "kernels/phase_a/phase_a_cuda.cuh"
 
@@ -19,207 +24,220 @@ using namespace detail;
 using namespace phase_a;
 
 // ---------------------------------------------------------------------------
-// forward: the k prep and the three products in one kernel
+// forward: prep, then P = Xᵀ kʳ, A = Xᵀ v, Pz = Xpᵀ k⁺ on cuBLAS
 // ---------------------------------------------------------------------------
-// Note [fused forward]: a block owns one frame (b, h, f) and one of two product sets, so that
-// its accumulators fit in registers:
-//   rope = true:  u = kʳ,  P = (β·u)ᵀ u  and  A = (β·u)ᵀ v   (one left operand for both)
-//   rope = false: u = k⁺,  Pz = (β·u)ᵀ u  and  b_f = Σ_s β_s k⁺_s  (f32, unrounded values)
-// It walks the frame's tokens in tiles of KS: the raw rows of the next tile (k, and for the
-// rope set v and the RoPE rows) are staged with cp.async while the current one is prepped
-// and multiplied; v lands directly in its padded operand tile (nothing to prep). The prep
-// writes the tile's bf16 operands L = bf16(β·u) and U = bf16(u), and the 8 warps multiply
-// them with ldmatrix fragments, the tokens being the products' k. Nothing goes through global
-// memory between the prep and the products (four bf16 operand copies written and read back
-// would be 180 MB each way at the production shape). b_f's per-thread sums are added in a
-// fixed order at the end, so every result is bitwise the same run to run.
-template <int DP, int KS_>
-struct FTile {
-  static constexpr int KS = KS_, WM = 2, WN = 4, TM = DP / (16 * WM), TN = DP / (8 * WN), LH = pitch_ld(DP);
-  static constexpr int OPR = DP / 8, RSTEP = kThreads / OPR, TPT = KS / RSTEP;  // octets a row, rows a pass
-  static_assert(is_padded_dim(DP) && DP >= 64 && DP <= 128, "FTile: the bf16 coding's padded dims");
-  static_assert(TM >= 1 && TN % 2 == 0 && KS % 16 == 0 && KS % RSTEP == 0, "FTile: 8 warps cover DP×DP");
-};
+// The prep writes four operands, per (b, h, f) S rows of D bf16 channels each ((B, H, F, S, D)
+// layout):
+//   X = bf16(β·kʳ),  Kr = bf16(kʳ),  Xp = bf16(β·k⁺),  Kp = bf16(k⁺)
+// with kʳ, k⁺ the f32 values of prep_octet; and b_f = Σ_s β_s k⁺_s in f32 from the unrounded
+// values. A thread owns one octet of channels (16-byte accesses) of one head; the threads of a
+// row group cover hg adjacent heads of one token row, so a warp reads that row's RoPE octets
+// once for all hg heads (the f32 cos/sin rows are the largest read and come from L2) and the
+// heads' k octets as one contiguous piece of qkv. A block owns a chunk of one frame's tokens,
+// prep_chunk_rows of them, and walks it a row per row group at a time, the next row's loads
+// issued before the current row's math and stores; its threads add Σ β k⁺ over their rows in
+// registers, so a block writes one part of b_f per head, and phase_a_bz_kernel adds the chunks
+// in order (no atomics, so b is bitwise the same run to run and under graph capture). A = Xᵀ v
+// reads v in place in qkv through a pointer-array batched GEMM (frame_gemm_v): a copy of v
+// would cost a read and a write of it and its memory.
+constexpr int kPrepChunk = 144;  // tokens a block walks, about: enough to amortize its start and its sum
 
-// Shared memory of phase_a_fwd_kernel, in bytes from the start (all 16-byte aligned).
-struct FLayout {
-  size_t L, U, V, stage0, stage_bytes, total;
-};
-template <int DP, int KS>
-constexpr FLayout f_layout(int D) {
-  const size_t tile = static_cast<size_t>(KS) * pitch_ld(DP) * 2;
-  FLayout l{};
-  l.L = 0, l.U = tile, l.V = 2 * tile, l.stage0 = 4 * tile;                // L, U, 2 × V (bf16)
-  l.stage_bytes = static_cast<size_t>(KS) * D * (2 + 4 + 4) + 2 * KS * 4;  // k (bf16), cos, sin, r, β
-  l.total = l.stage0 + 2 * l.stage_bytes;
-  return l;
+// Heads a row group covers: 4 where they fill the block's row groups exactly, else 2, else 1
+// (they must divide H).
+inline int prep_heads(int H, int D) {
+  const int opr = D / 8;
+  if (H % 4 == 0 && kThreads % (4 * opr) == 0) return 4;
+  return H % 2 == 0 ? 2 : 1;
 }
-// One staged buffer: the raw rows of a tile.
-struct FRaw {
-  __nv_bfloat16* k;
-  float *cs, *sn, *r, *bt;
-};
-__device__ __forceinline__ FRaw f_raw(unsigned char* base, int KS, int D) {
-  FRaw s;
-  s.cs = reinterpret_cast<float*>(base);
-  s.sn = s.cs + KS * D;
-  s.k = reinterpret_cast<__nv_bfloat16*>(s.sn + KS * D);
-  s.r = reinterpret_cast<float*>(s.k + KS * D);
-  s.bt = s.r + KS;
-  return s;
+// Tokens of a chunk: S split into ⌈S / kPrepChunk⌉ near-equal chunks (the last one is not a
+// short straggler), rounded up to whole steps of the row groups.
+inline int prep_chunk_rows(int H, int D, int S) {
+  const int rg = kThreads / (prep_heads(H, D) * (D / 8)), chunks = 1 + (S - 1) / kPrepChunk,
+            rows = 1 + (S - 1) / chunks;
+  return (rows + rg - 1) / rg * rg;
 }
 
-template <int DP, int KS>
-__global__ void __launch_bounds__(kThreads, 1)
-    phase_a_fwd_kernel(float* __restrict__ P, float* __restrict__ A, float* __restrict__ Pz, float* __restrict__ bz,
-                       const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ rstd,
-                       const float* __restrict__ kw, const float* __restrict__ rope_cos,
-                       const float* __restrict__ rope_sin, In beta, int H, int D, int F, int S, float k_scale,
-                       FLayout lay) {
-  using Tl = FTile<DP, KS>;
-  constexpr int TM = Tl::TM, TN = Tl::TN, LH = Tl::LH, RSTEP = Tl::RSTEP;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  __nv_bfloat16* Lt = reinterpret_cast<__nv_bfloat16*>(smem_raw + lay.L);  // β·u [s][d]: A as (m = d, k = s)
-  __nv_bfloat16* Ut = reinterpret_cast<__nv_bfloat16*>(smem_raw + lay.U);  // u [s][d]: B as (n = d, k = s)
-  __nv_bfloat16* Vt = reinterpret_cast<__nv_bfloat16*>(smem_raw + lay.V);  // 2 × v [s][d]: B of Lᵀ v
+// One token row's loads of a thread: its k octet, the row's RoPE octets, rstd and β.
+struct PrepRow {
+  uint4 k;
+  float4 c[2], s[2];
+  float rk, bt;
+};
 
-  const bool rope = blockIdx.y == 0;  // uniform over the block
-  const int64_t bhf = blockIdx.x, bh = bhf / F, b = bh / H, N = static_cast<int64_t>(F) * S;
-  const int f = static_cast<int>(bhf % F), h = static_cast<int>(bh % H);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+// 3 blocks an SM: a thread holds two rows' loads (80 registers); 4 blocks would spill.
+__global__ void __launch_bounds__(kThreads, 3)
+    phase_a_prep_kernel(__nv_bfloat16* __restrict__ X, __nv_bfloat16* __restrict__ Kr, __nv_bfloat16* __restrict__ Xp,
+                        __nv_bfloat16* __restrict__ Kp, float* __restrict__ b_part,
+                        const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ rstd,
+                        const float* __restrict__ kw, const float* __restrict__ rope_cos,
+                        const float* __restrict__ rope_sin, In beta, int H, int D, int F, int S, int hg, int chunk_rows,
+                        int chunks, float k_scale) {
+  __shared__ __align__(16) float part[8 * kThreads];  // Σ β k⁺ per row group [g][j·D + d]; rg·hg·D ≤ 8·kThreads
+  const int opr = D / 8, per_row = hg * opr, rg = kThreads / per_row, tid = threadIdx.x, g = tid / per_row,
+            j = tid % per_row / opr, d0 = 8 * (tid % opr);
+  // Block → (b, f, chunk, head group), head group fastest: the heads of one token chunk run
+  // side by side and share its RoPE rows in L2.
+  const int groups = H / hg;
+  int64_t blk = blockIdx.x;
+  const int h0 = static_cast<int>(blk % groups) * hg;
+  blk /= groups;
+  const int c = static_cast<int>(blk % chunks);
+  blk /= chunks;
+  const int f = static_cast<int>(blk % F);
+  const int64_t b = blk / F, N = static_cast<int64_t>(F) * S;
+  const int h = h0 + j;
+  const int64_t bhf = (b * H + h) * F + f;
+  const int s_begin = c * chunk_rows, s_last = min(s_begin + chunk_rows, S) - 1;
 
-  // The copies of a tile: k and v rows lie 3·H·D apart in qkv, the RoPE rows D apart.
-  constexpr int kCopiesH = (KS * DP / 8 + kThreads - 1) / kThreads, kCopiesF = (KS * DP / 4 + kThreads - 1) / kThreads;
-  const RowStager<kThreads, __nv_bfloat16, kCopiesH> k_rows(KS, D, 3 * H * D);
-  const RowStager<kThreads, __nv_bfloat16, kCopiesH, true> v_rows(KS, D, 3 * H * D, LH);
-  const RowStager<kThreads, float, kCopiesF> rope_rows(KS, D, D);
-  float pr = 0.f, pb = 0.f;
-  auto stage = [&](int s0, int buf) {
-    const int valid = min(KS, S - s0);
-    const int64_t n0f = static_cast<int64_t>(f) * S + s0;
-    const FRaw st = f_raw(smem_raw + lay.stage0 + buf * lay.stage_bytes, KS, D);
-    const __nv_bfloat16* k0 = qkv + qkv_index(b, n0f, 1, h, 0, N, H, D);
-    k_rows.issue(st.k, k0, valid);
-    if (rope) {
-      v_rows.issue(Vt + buf * KS * LH, k0 + static_cast<int64_t>(H) * D, valid);  // channel group 2: v
-      rope_rows.issue(st.cs, rope_cos + n0f * D, valid);
-      rope_rows.issue(st.sn, rope_sin + n0f * D, valid);
-    }
-    cp_async_commit();
-    if (tid < KS) {
-      const bool ok = tid < valid;
-      pr = ok ? __ldg(rstd + (b * N + n0f + tid) * 2 + 1) : 0.f;
-      pb = ok ? beta[bhf * S + s0 + tid] : 0.f;
-    }
+  const auto load = [&](int s) {
+    const int64_t n = static_cast<int64_t>(f) * S + s;
+    PrepRow r;
+    r.k = __ldg(reinterpret_cast<const uint4*>(qkv + qkv_index(b, n, 1, h, d0, N, H, D)));
+    r.c[0] = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0));
+    r.c[1] = __ldg(reinterpret_cast<const float4*>(rope_cos + n * D + d0 + 4));
+    r.s[0] = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0));
+    r.s[1] = __ldg(reinterpret_cast<const float4*>(rope_sin + n * D + d0 + 4));
+    r.rk = __ldg(rstd + (b * N + n) * 2 + 1);
+    r.bt = beta[bhf * S + s];
+    return r;
   };
 
-  const int d0 = 8 * (tid % Tl::OPR), row0 = tid / Tl::OPR;
-  float w[8];
+  float bsum[8] = {};
+  if (g < rg) {
+    float w[8];
 #pragma unroll
-  for (int q = 0; q < 8; ++q) w[q] = d0 < D ? (kw ? __ldg(kw + h * D + d0 + q) : 1.f) : 0.f;
-  const int wm = warp / Tl::WN, wn = warp % Tl::WN, m0 = wm * TM * 16, n0 = wn * TN * 8;
-  const LdCol aL{Lt, LH}, bU{Ut, LH};
-  float acc0[TM][TN][4] = {}, acc1[TM][TN][4] = {}, bsum[8] = {};
-
-  const int ntiles = (S + KS - 1) / KS;
-  stage(0, 0);
-  for (int tile = 0; tile < ntiles; ++tile) {
-    const int s0 = tile * KS, buf = tile & 1;
-    const FRaw st = f_raw(smem_raw + lay.stage0 + buf * lay.stage_bytes, KS, D);
-    cp_async_wait<0>();
-    if (tid < KS) st.r[tid] = pr, st.bt[tid] = pb;
-    __syncthreads();  // tile staged; the previous tile's operands and staged rows consumed
-    if (tile + 1 < ntiles) stage(s0 + KS, buf ^ 1);
+    for (int q = 0; q < 8; ++q) w[q] = kw ? __ldg(kw + h * D + d0 + q) : 1.f;
+    PrepRow cur = load(min(s_begin + g, s_last));
+    for (int s = s_begin + g; s <= s_last; s += rg) {
+      // The next row's loads are in flight during this row's math and stores (past the
+      // chunk's end: its last row again, stored by nobody).
+      const PrepRow nxt = load(min(s + rg, s_last));
+      float k[8], c8[8], s8[8], kp[8], kr[8], x[8], xp[8];
+      ld8h(k, reinterpret_cast<const __nv_bfloat16*>(&cur.k));
+      ld8f(c8, reinterpret_cast<const float*>(cur.c));
+      ld8f(s8, reinterpret_cast<const float*>(cur.s));
+      prep_octet(k, cur.rk, w, k_scale, c8, s8, kp, kr);
 #pragma unroll
-    for (int i = 0; i < Tl::TPT; ++i) {
-      const int r = row0 + RSTEP * i;
-      float u[8] = {}, l[8] = {};
-      if (d0 < D) {
-        float k[8], c[8] = {}, sn[8] = {}, kp[8], kr[8];
-        ld8h(k, st.k + r * D + d0);
-        if (rope) ld8f(c, st.cs + r * D + d0), ld8f(sn, st.sn + r * D + d0);
-        prep_octet(k, st.r[r], w, k_scale, c, sn, kp, kr);
-        const float bt = st.bt[r];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          u[q] = rope ? kr[q] : kp[q];
-          l[q] = bt * u[q];
-          bsum[q] += l[q];  // b_f's share (kept by the k⁺ set only)
-        }
+      for (int q = 0; q < 8; ++q) {
+        x[q] = cur.bt * kr[q];
+        xp[q] = cur.bt * kp[q];
+        bsum[q] += xp[q];
       }
-      st8h(Lt + r * LH + d0, l);
-      st8h(Ut + r * LH + d0, u);
+      const int64_t o = (bhf * S + s) * D + d0;
+      st8h(X + o, x);
+      st8h(Kr + o, kr);
+      st8h(Xp + o, xp);
+      st8h(Kp + o, kp);
+      cur = nxt;
     }
-    __syncthreads();  // operands ready
-
-    const LdCol bV{Vt + buf * KS * LH, LH};
-    const int kend = round16(min(KS, S - s0));  // rows past S are zero
-    for (int k = 0; k < kend; k += 16) {
-      uint32_t af[TM][4] = {}, bu[TN][2] = {};
 #pragma unroll
-      for (int i = 0; i < TM; ++i)
-        if (m0 + 16 * i < D) aL.a(af[i], m0 + 16 * i, k, lane);
-#pragma unroll
-      for (int j = 0; j < TN; j += 2)
-        if (n0 + 8 * j < D) bU.b2(bu[j], bu[j + 1], n0 + 8 * j, k, lane);
-#pragma unroll
-      for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int j = 0; j < TN; ++j)
-          if (m0 + 16 * i < D && n0 + 8 * j < D) mma_bf16(acc0[i][j], af[i], bu[j]);
-      if (rope) {
-        uint32_t bv[TN][2] = {};
-#pragma unroll
-        for (int j = 0; j < TN; j += 2)
-          if (n0 + 8 * j < D) bV.b2(bv[j], bv[j + 1], n0 + 8 * j, k, lane);
-#pragma unroll
-        for (int i = 0; i < TM; ++i)
-#pragma unroll
-          for (int j = 0; j < TN; ++j)
-            if (m0 + 16 * i < D && n0 + 8 * j < D) mma_bf16(acc1[i][j], af[i], bv[j]);
-      }
-    }
-  }
-
-  const int64_t DD = static_cast<int64_t>(D) * D;
-  store_tile((rope ? P : Pz) + bhf * DD, acc0, m0, n0, D);
-  if (rope) store_tile(A + bhf * DD, acc1, m0, n0, D);
-  // b_f: the threads' sums of a channel (RSTEP of them) added in row order, in the staged
-  // buffers, free now.
-  __syncthreads();
-  float* part = reinterpret_cast<float*>(smem_raw + lay.stage0);  // [RSTEP][DP]
-  if (!rope) {
-#pragma unroll
-    for (int q = 0; q < 8; ++q) part[row0 * DP + d0 + q] = bsum[q];
+    for (int q = 0; q < 8; ++q) part[(g * hg + j) * D + d0 + q] = bsum[q];
   }
   __syncthreads();
-  if (!rope && tid < D) {
+  for (int e = tid; e < hg * D; e += kThreads) {  // hg·D can reach 4·128
+    const int je = e / D, d = e % D;
     float v = 0.f;
-    for (int r = 0; r < RSTEP; ++r) v += part[r * DP + tid];
-    bz[bhf * D + tid] = v;
+    for (int gg = 0; gg < rg; ++gg) v += part[(gg * hg + je) * D + d];
+    b_part[(((b * H + h0 + je) * F + f) * chunks + c) * D + d] = v;
   }
 }
 
-template <int DP, int KS>
+// b_f = Σ over the chunks of b_part, in chunk order.
+__global__ void phase_a_bz_kernel(float* __restrict__ bz, const float* __restrict__ b_part, int64_t n, int D,
+                                  int chunks) {
+  GDNCP_GRID_STRIDE(i, n) {
+    const int64_t bhf = i / D, d = i % D;
+    float v = 0.f;
+    for (int c = 0; c < chunks; ++c) v += b_part[(bhf * chunks + c) * D + d];
+    bz[i] = v;
+  }
+}
+
+// C_f = Σ_s Xf[s]ᵀ Yf[s] for every frame f (row-major D×D, f32), Xf, Yf the frame's S×D bf16
+// rows. Note [row-major through cuBLAS]: a row-major S×D frame is the column-major D×S
+// matrix (ld D), and row-major C[i][j] = Σ_s X[s][i] Y[s][j] is column-major Y·Xᵀ.
+void frame_gemm(cublasHandle_t handle, float* C, const __nv_bfloat16* Xf, const __nv_bfloat16* Yf, int D, int S,
+                int frames, int64_t frame_stride) {
+  const float one = 1.f, zero = 0.f;
+  GDNCP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, D, D, S, &one, Yf, CUDA_R_16BF, D,
+                                                frame_stride, Xf, CUDA_R_16BF, D, frame_stride, &zero, C, CUDA_R_32F, D,
+                                                static_cast<int64_t>(D) * D, frames, CUBLAS_COMPUTE_32F,
+                                                CUBLAS_GEMM_DEFAULT));
+}
+
+// The pointer arrays of frame_gemm_v, per frame bhf = (b·H + h)·F + f: xs[bhf] its X rows,
+// vs[bhf] its first v row in qkv (rows 3·H·D apart), cs[bhf] its D×D block of A.
+__global__ void phase_a_ptrs_kernel(const void** __restrict__ xs, const void** __restrict__ vs, void** __restrict__ cs,
+                                    const __nv_bfloat16* X, const __nv_bfloat16* qkv, float* A, int H, int D, int F,
+                                    int S, int64_t BHF) {
+  const int64_t N = static_cast<int64_t>(F) * S;
+  GDNCP_GRID_STRIDE(bhf, BHF) {
+    const int64_t bh = bhf / F, b = bh / H;
+    const int f = static_cast<int>(bhf % F), h = static_cast<int>(bh % H);
+    xs[bhf] = X + bhf * S * D;
+    vs[bhf] = qkv + qkv_index(b, static_cast<int64_t>(f) * S, 2, h, 0, N, H, D);
+    cs[bhf] = A + bhf * D * D;
+  }
+}
+
+// frame_gemm with Yf the frames' v rows in qkv: the column-major D×S matrix of a frame has
+// ld 3·H·D, and the frames are not one stride apart, so the batch goes by pointer arrays. A v
+// row starts at a multiple of D elements, 16-byte aligned with D % 8 == 0 (cuBLAS's fast path).
+void frame_gemm_v(cublasHandle_t handle, void* const* cs, const void* const* xs, const void* const* vs, int D, int S,
+                  int ldv, int frames) {
+  const float one = 1.f, zero = 0.f;
+  GDNCP_CUBLAS_CHECK(cublasGemmBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, D, D, S, &one, vs, CUDA_R_16BF, ldv, xs,
+                                         CUDA_R_16BF, D, &zero, cs, CUDA_R_32F, D, frames, CUBLAS_COMPUTE_32F,
+                                         CUBLAS_GEMM_DEFAULT));
+}
+
 void fwd(const FwdArgs& a) {
   const FrameSizes& z = a.z;
-  // RowStager's 32-bit offsets within a tile: rows up to KS·3·H·D elements apart.
-  const int64_t HD = checked_mul(z.H, z.D, "cuda phase A: H·D");
-  GDNCP_CHECK(checked_mul(3 * KS, HD, "cuda phase A: a tile's span of qkv") <= INT32_MAX,
-              "cuda phase A: a tile of qkv rows spans more than 2^31 elements (H·D = ", HD, ")");
-  GDNCP_CHECK(z.BHF <= INT32_MAX, "cuda phase A: B·H·F = ", z.BHF, " exceeds the grid's limit");
-  const FLayout lay = f_layout<DP, KS>(z.D);
-  constexpr size_t b_part_bytes = FTile<DP, KS>::RSTEP * DP * sizeof(float);
-  GDNCP_CHECK(b_part_bytes <= 2 * lay.stage_bytes, "cuda phase A: b_f's partials exceed the staged buffers");
-  allow_smem(phase_a_fwd_kernel<DP, KS>, lay.total);
-  phase_a_fwd_kernel<DP, KS><<<dim3(static_cast<unsigned>(z.BHF), 2), kThreads, lay.total, stream()>>>(
-      a.P, a.A, a.Pz, a.bz, static_cast<const __nv_bfloat16*>(a.qkv.p), a.rstd, a.kw, a.cos, a.sin, a.beta, z.H, z.D,
-      z.F, z.S, a.k_scale, lay);
-  GDNCP_CUDA_CHECK_LAUNCH("phase_a_fwd_kernel");
+  GDNCP_CHECK(z.BHF <= INT32_MAX, "cuda phase A: B·H·F = ", z.BHF, " exceeds cuBLAS's 32-bit batch count");
+  const int hg = prep_heads(z.H, z.D), chunk_rows = prep_chunk_rows(z.H, z.D, z.S);
+  const int chunks = 1 + (z.S - 1) / chunk_rows;
+  const int64_t frame_stride = checked_mul(z.S, z.D, "cuda phase A: S·D");
+  const int64_t blocks = checked_mul(z.BHF / hg, chunks, "cuda phase A: prep blocks");
+  GDNCP_CHECK(blocks <= INT32_MAX, "cuda phase A: ", blocks, " prep blocks exceed the grid's limit");
+  const int64_t ldv = checked_mul(3, checked_mul(z.H, z.D, "cuda phase A: H·D"), "cuda phase A: 3·H·D");
+  GDNCP_CHECK(ldv <= INT32_MAX, "cuda phase A: qkv's row stride 3·H·D = ", ldv, " exceeds cuBLAS's 32-bit ld");
+  // The four operands live only inside this call (4 · B·H·F·S·D bf16, ≈ 0.17 GiB at the
+  // production shape, B = 1, where the layer's peak is still in its backward; at B = 8 they
+  // raise the peak: docs/perf.md).
+  const Shape rows = {z.BHF, z.S, z.D};
+  Tensor X = Tensor::empty(rows, DType::bf16, Device::cuda), Kr = Tensor::empty(rows, DType::bf16, Device::cuda),
+         Xp = Tensor::empty(rows, DType::bf16, Device::cuda), Kp = Tensor::empty(rows, DType::bf16, Device::cuda);
+  // frame_gemm_v's pointer arrays [xs | vs | cs], B·H·F pointers each, in a buffer of 8-byte
+  // elements (f64: Tensor has no pointer dtype).
+  static_assert(sizeof(double) == sizeof(void*), "a pointer array element is 8 bytes");
+  Tensor ptrs = Tensor::empty({checked_mul(3, z.BHF, "cuda phase A: 3·B·H·F")}, DType::f64, Device::cuda);
+  // One chunk per frame: the block's sum is b_f itself.
+  Tensor b_part;
+  if (chunks > 1) b_part = Tensor::empty({z.BHF, chunks, z.D}, DType::f32, Device::cuda);
+  float* bp = chunks > 1 ? static_cast<float*>(b_part.data()) : a.bz;
+  const auto bf = [](Tensor& t) { return static_cast<__nv_bfloat16*>(t.data()); };
+  phase_a_prep_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
+      bf(X), bf(Kr), bf(Xp), bf(Kp), bp, static_cast<const __nv_bfloat16*>(a.qkv.p), a.rstd, a.kw, a.cos, a.sin, a.beta,
+      z.H, z.D, z.F, z.S, hg, chunk_rows, chunks, a.k_scale);
+  GDNCP_CUDA_CHECK_LAUNCH("phase_a_prep_kernel");
+  if (chunks > 1) {
+    const int64_t n = z.BHF * z.D;
+    phase_a_bz_kernel<<<blocks_for(n), kGridThreads, 0, stream()>>>(a.bz, bp, n, z.D, chunks);
+    GDNCP_CUDA_CHECK_LAUNCH("phase_a_bz_kernel");
+  }
+  void** const xs = static_cast<void**>(ptrs.data());
+  void** const vs = xs + z.BHF;
+  void** const cs = vs + z.BHF;
+  phase_a_ptrs_kernel<<<blocks_for(z.BHF), kGridThreads, 0, stream()>>>(
+      const_cast<const void**>(xs), const_cast<const void**>(vs), cs, bf(X), static_cast<const __nv_bfloat16*>(a.qkv.p),
+      a.A, z.H, z.D, z.F, z.S, z.BHF);
+  GDNCP_CUDA_CHECK_LAUNCH("phase_a_ptrs_kernel");
+  const int frames = static_cast<int>(z.BHF);
+  cublasHandle_t handle = cublas_handle();
+  frame_gemm(handle, a.P, bf(X), bf(Kr), z.D, z.S, frames, frame_stride);     // P  = Xᵀ kʳ
+  frame_gemm_v(handle, cs, xs, vs, z.D, z.S, static_cast<int>(ldv), frames);  // A  = Xᵀ v
+  frame_gemm(handle, a.Pz, bf(Xp), bf(Kp), z.D, z.S, frames, frame_stride);   // Pz = Xpᵀ k⁺
 }
-
-// The widest tile of tokens whose buffers fit in a block's shared memory (227 KB on sm_90).
-constexpr size_t kMaxBlockSmem = 227 * 1024;
 
 // ---------------------------------------------------------------------------
 // backward
@@ -536,14 +554,7 @@ void bwd(const BwdArgs& a) {
 
 namespace phase_a {
 
-void fwd_bf16(const FwdArgs& a) {
-  if (padded_dim(a.z.D) == 64)
-    fwd<64, 64>(a);
-  else if (f_layout<128, 64>(a.z.D).total <= kMaxBlockSmem)
-    fwd<128, 64>(a);
-  else
-    fwd<128, 32>(a);
-}
+void fwd_bf16(const FwdArgs& a) { fwd(a); }
 
 void bwd_bf16(const BwdArgs& a) {
   if (padded_dim(a.z.D) == 64)

@@ -1,7 +1,7 @@
 // src/kernels/phase_a/phase_a_cuda.cuh — what the two CUDA codings of phase A share: the
 // block size, the f32 forward's product map, the launch arguments and the typed launchers of
 // phase_a_f32.cu (f32 tiles, per-pair loads, every matrix-unit mode) and phase_a_bf16.cu
-// (bf16 mode only: one prep-and-product kernel forward; bf16 tiles read with ldmatrix
+// (bf16 mode only: a prep kernel and cuBLAS products forward; bf16 tiles read with ldmatrix
 // and staged loads backward). phase_a.cu picks.
 #pragma once
 
