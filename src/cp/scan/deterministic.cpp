@@ -196,7 +196,9 @@ void deterministic_scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
 
   // The one exchange (kept: a checkpoint recompute passes it back in).
   if (!ctx.gathered.defined()) {
-    Tensor pack = Tensor::zeros({L.slice}, dt, dev);
+    // Every piece this rank holds is written; a rank with fewer frames than the longest
+    // zeroes its padding, which no rank reads, so that no undefined bytes travel.
+    Tensor pack = F < L.Fmax ? Tensor::zeros({L.slice}, dt, dev) : Tensor::empty({L.slice}, dt, dev);
     for (size_t i = 0; i < jobs.size(); ++i) {
       if (std::find(L.P.begin(), L.P.begin() + static_cast<std::ptrdiff_t>(i), L.P[i]) != L.P.begin() + i) continue;
       put(pack, L.P[i], jobs[i].P, BH, F, L.Fmax, D * D);  // once per shared transition
@@ -254,7 +256,10 @@ void deterministic_scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, T
     dt_off.push_back(j.terminal ? slice : -1);
     if (j.terminal) slice += BH * D * j.E;
   }
-  Tensor pack = Tensor::zeros({std::max<int64_t>(slice, 1)}, dt, dev);
+  bool every_piece = F == Fmax;  // else zeros stand for the padding and the absent gradients
+  for (const ScanJob& j : jobs) every_piece = every_piece && j.dY.defined() && (!j.terminal || j.dT.defined());
+  const Shape pack_shape = {std::max<int64_t>(slice, 1)};
+  Tensor pack = every_piece ? Tensor::empty(pack_shape, dt, dev) : Tensor::zeros(pack_shape, dt, dev);
   for (size_t i = 0; i < jobs.size(); ++i) {
     const ScanJob& j = jobs[i];
     put(pack, y_off[i], j.Y, BH, F, Fmax, D * j.E);
@@ -288,13 +293,14 @@ void deterministic_scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, T
       g.push_back(gj);
     }
     if (g.empty()) continue;
-    // The transition gradients shared the way the jobs share them.
+    // The transition gradients shared the way the jobs share them: the first job of a shared
+    // one writes it whole (the engine's outer products overwrite), the others add to it.
     for (size_t k = 0; k < g.size(); ++k) {
       const ScanJob& j = jobs[idx[k]];
       size_t s = 0;
       while (s < k && !jobs[idx[s]].dP.same_as(j.dP)) ++s;
-      g[k].dP = s < k ? g[s].dP : Tensor::zeros(g[k].P.shape(), dt, dev);
-      g[k].dP_accumulate = j.dP_accumulate;
+      g[k].dP = s < k ? g[s].dP : Tensor::empty(g[k].P.shape(), dt, dev);
+      g[k].dP_accumulate = s < k;
     }
     ScanContext gc = G.context(ctx, rev);
     Tensor gdg = Tensor::zeros({BH, G.Ft}, dt, dev);
