@@ -13,10 +13,7 @@
 #include <vector>
 
 #include "mpi_cp_fixtures.h"
-
-#if GDNCP_WITH_CUDA
-#include <cuda_runtime.h>
-#endif
+#include "util/gpu_world.h"
 
 namespace gdncp {
 namespace test {
@@ -123,86 +120,8 @@ TEST(CpDeterministicGpu, TenRunsGiveTheSameBits) {
 }  // namespace test
 }  // namespace gdncp
 
-#if GDNCP_WITH_CUDA
-namespace gdncp {
-namespace test {
-namespace {
-
-// "" or what failed: the callbacks' error strings.
-std::string staged(cudaError_t e, const char* what) {
-  return e == cudaSuccess ? std::string() : std::string(what) + ": " + cudaGetErrorString(e);
-}
-std::string staged(int e, const char* what) { return e == MPI_SUCCESS ? std::string() : std::string(what) + " failed"; }
-
-// MPI_COMM_WORLD for CUDA tensors through host buffers: the ranks may share a GPU.
-std::shared_ptr<cp::Communicator> make_staged_cuda_world() {
-  cp::CollectiveCallbacks cb;
-  cb.all_gather = [](void* out, const void* in, size_t bytes, void* stream) -> std::string {
-    if (bytes > static_cast<size_t>(INT32_MAX)) return "all_gather: more than 2^31 bytes";
-    const int P = nranks();
-    std::vector<char> mine(bytes), all(bytes * static_cast<size_t>(P));
-    const auto s = static_cast<cudaStream_t>(stream);
-    std::string e = staged(cudaMemcpyAsync(mine.data(), in, bytes, cudaMemcpyDeviceToHost, s), "all_gather: copy in");
-    if (e.empty()) e = staged(cudaStreamSynchronize(s), "all_gather: wait");
-    if (e.empty())
-      e = staged(MPI_Allgather(mine.data(), static_cast<int>(bytes), MPI_BYTE, all.data(), static_cast<int>(bytes),
-                               MPI_BYTE, MPI_COMM_WORLD),
-                 "MPI_Allgather");
-    if (e.empty()) e = staged(cudaMemcpyAsync(out, all.data(), all.size(), cudaMemcpyHostToDevice, s), "copy out");
-    if (e.empty()) e = staged(cudaStreamSynchronize(s), "all_gather: wait");
-    return e;
-  };
-  cb.broadcast = [](void* data, size_t bytes, int root, void* stream) -> std::string {
-    if (bytes > static_cast<size_t>(INT32_MAX)) return "broadcast: more than 2^31 bytes";
-    std::vector<char> h(bytes);
-    const auto s = static_cast<cudaStream_t>(stream);
-    std::string e = staged(cudaMemcpyAsync(h.data(), data, bytes, cudaMemcpyDeviceToHost, s), "broadcast: copy in");
-    if (e.empty()) e = staged(cudaStreamSynchronize(s), "broadcast: wait");
-    if (e.empty())
-      e = staged(MPI_Bcast(h.data(), static_cast<int>(bytes), MPI_BYTE, root, MPI_COMM_WORLD), "MPI_Bcast");
-    if (e.empty()) e = staged(cudaMemcpyAsync(data, h.data(), bytes, cudaMemcpyHostToDevice, s), "broadcast: copy out");
-    if (e.empty()) e = staged(cudaStreamSynchronize(s), "broadcast: wait");
-    return e;
-  };
-  cb.send_recv = [](const void* send, size_t sb, int dst, void* recv, size_t rb, int src, void* stream) -> std::string {
-    if (sb > static_cast<size_t>(INT32_MAX) || rb > static_cast<size_t>(INT32_MAX)) return "send_recv: too large";
-    std::vector<char> hs(sb), hr(rb);
-    const auto s = static_cast<cudaStream_t>(stream);
-    std::string e = sb ? staged(cudaMemcpyAsync(hs.data(), send, sb, cudaMemcpyDeviceToHost, s), "send_recv: copy in")
-                       : std::string();
-    if (e.empty()) e = staged(cudaStreamSynchronize(s), "send_recv: wait");
-    if (e.empty())
-      e = staged(MPI_Sendrecv(hs.data(), static_cast<int>(sb), MPI_BYTE, dst < 0 ? MPI_PROC_NULL : dst, 0, hr.data(),
-                              static_cast<int>(rb), MPI_BYTE, src < 0 ? MPI_PROC_NULL : src, 0, MPI_COMM_WORLD,
-                              MPI_STATUS_IGNORE),
-                 "MPI_Sendrecv");
-    if (e.empty() && rb) e = staged(cudaMemcpyAsync(recv, hr.data(), rb, cudaMemcpyHostToDevice, s), "copy out");
-    if (e.empty()) e = staged(cudaStreamSynchronize(s), "send_recv: wait");
-    return e;
-  };
-  return cp::make_callback_communicator(std::move(cb), rank(), nranks(), Device::cuda);
-}
-
-}  // namespace
-}  // namespace test
-}  // namespace gdncp
-#endif
-
 int main(int argc, char** argv) {
   using namespace gdncp;
-  auto setup = [] {
-#if GDNCP_WITH_CUDA
-    int ok = cuda_device_count() >= test::nranks() ? 1 : 0, all = 0, gpu = cuda_available() ? 1 : 0, any = 0;
-    GDNCP_MPI_CHECK(MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
-    GDNCP_MPI_CHECK(MPI_Allreduce(&gpu, &any, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
-    if (all)
-      test::nccl_world() = cp::make_nccl_communicator(MPI_COMM_WORLD);  // sets this rank's device
-    else if (any)
-      test::nccl_world() = test::make_staged_cuda_world();  // ranks sharing GPUs
-    else
-      return;
-    test::nccl_world()->set_timeout_seconds(120);
-#endif
-  };
-  return test::run_mpi_tests(argc, argv, setup, [] { test::nccl_world().reset(); });
+  return test::run_mpi_tests(
+      argc, argv, [] { test::nccl_world() = test::make_gpu_world(); }, [] { test::nccl_world().reset(); });
 }
