@@ -21,17 +21,18 @@ import math
 import os
 
 # --- measured inputs (H200, B = 1, H = 20, D = 112, bf16) -------------------------------
-# One GPU, bigdn forward+backward over 22 frames, S = 920: 2.553 ms (2026-12-03, the
-# stand-in-peer run that also gave the ranks below).
-T1_22 = 2.553
-# A rank's layer work over 11 frames (bigdn_cp on one GPU, its frames): 1.38 ms, and the
-# CP-only work of a rank of 2 (Wcum/Rcum sweeps, corrections, halo): 0.18 ms (2026-12-03;
-# ranks 1.554 / 1.560 ms = 1.38 + 0.18).
-W_11 = 1.38
-C_11 = 0.18
-# The scan phases of one GPU at 11 frames (S-independent, D^3 work): scan_bidi_fwd 0.098 +
-# scan_bidi_bwd 0.163 ms (docs/perf.md, 2026-12-02); the rest of the layer scales with S.
-SCAN_11 = 0.098 + 0.163
+# One CP bench call (2026-12-03 12:35 UTC, `gdncp_bench --cp --emulate 2 --frames 22`, at
+# a229873): one GPU, bigdn forward+backward over 22 frames, S = 920: 2.166 ms; the slowest
+# stand-in-peer rank of 2 over its 11 frames: 1.401 ms, of which 1.180 ms is bigdn on one GPU
+# over those 11 frames (a rank's layer work W) and 0.221 ms the CP-only work C (under ncu: the
+# second cumulative-product sweep of each kind, +143 us, and two cuBLAS f32 GEMMs applying
+# them, 60 us).
+T1_22 = 2.166
+W_11 = 1.180
+C_11 = 0.221
+# The scan phases of one GPU at 11 frames (S-independent, D^3 work): scan_bidi_fwd 0.086 +
+# scan_bidi_bwd 0.182 ms (gdncp_bench, the same day); the rest of the layer scales with S.
+SCAN_11 = 0.0857 + 0.1820
 # The one real 2-GPU run (2026-11-30, docs/history.md): 22 frames, 76-80 % strong,
 # NCCL device time 0.11-0.17 ms a step (two all-gathers).
 REAL_P2 = (0.76, 0.80)
@@ -277,6 +278,14 @@ def main():
         "@CEIL84@": fmt(T1(84, 920) / (8 * (W(11, 920) + C(11)))),
         "@CEIL240@": fmt(T1(240, 3600) / (64 * (W(4, 3600) + C(4)))),
         "@CEILWEAK@": fmt(W(11, 920) / (W(11, 920) + C(11))),
+        "@T1_22@": "%.3f" % T1_22,
+        "@RANK_11@": "%.3f" % (W_11 + C_11),
+        "@WPF@": "%.3f" % (W(11, 920) / 11),
+        "@T1PF@": "%.3f" % (T1(22, 920) / 22),
+        "@WOVER@": "%.0f %%" % (100 * (W(11, 920) / 11 / (T1(22, 920) / 22) - 1)),
+        "@COFW@": "%.0f %%" % (100 * C(11) / W(11, 920)),
+        "@SCAN11@": "%.3f" % SCAN_11,
+        "@RANK240@": "%.2f" % (W(4, 3600) + C(4)),
     }
     for k, v in subs.items():
         text = text.replace(k, v)
