@@ -29,7 +29,9 @@ namespace staged_detail {
 inline std::string staged(cudaError_t e, const char* what) {
   return e == cudaSuccess ? std::string() : std::string(what) + ": " + cudaGetErrorString(e);
 }
-inline std::string staged(int e, const char* what) { return e == MPI_SUCCESS ? std::string() : std::string(what) + " failed"; }
+inline std::string staged(int e, const char* what) {
+  return e == MPI_SUCCESS ? std::string() : std::string(what) + " failed";
+}
 
 // MPI_COMM_WORLD for CUDA tensors through host buffers: the ranks may share a GPU.
 inline std::shared_ptr<cp::Communicator> make_staged_cuda_world() {
