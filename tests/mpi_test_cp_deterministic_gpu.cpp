@@ -120,8 +120,4 @@ TEST(CpDeterministicGpu, TenRunsGiveTheSameBits) {
 }  // namespace test
 }  // namespace gdncp
 
-int main(int argc, char** argv) {
-  using namespace gdncp;
-  return test::run_mpi_tests(
-      argc, argv, [] { test::nccl_world() = test::make_gpu_world(); }, [] { test::nccl_world().reset(); });
-}
+int main(int argc, char** argv) { return gdncp::test::run_gpu_mpi_tests(argc, argv); }

@@ -12,6 +12,7 @@
 
 #include "gdncp/cp.h"
 #include "gdncp/gdncp.h"
+#include "mpi_cp_fixtures.h"
 
 #if GDNCP_WITH_CUDA
 #include <cuda_runtime.h>
@@ -106,6 +107,12 @@ inline std::shared_ptr<cp::Communicator> make_gpu_world() {
 #else
   return nullptr;
 #endif
+}
+
+// The main() of a multi-rank GPU test binary: nccl_world() is the GPU group while its tests run.
+inline int run_gpu_mpi_tests(int argc, char** argv) {
+  return run_mpi_tests(
+      argc, argv, [] { nccl_world() = make_gpu_world(); }, [] { nccl_world().reset(); });
 }
 
 }  // namespace test
