@@ -341,13 +341,23 @@ class BiGDN(torch.nn.Module):
             rope_cos, rope_sin (F·S, D), F, S, clip_starts=None) -> out (B, F·S, H, D).
     With comm (a gdncp.Communicator), the context-parallel layer: the inputs
     are this rank's F frames, and the weights' gradients are this rank's part
-    (sum them over the group before the optimizer step).
+    (sum them over the group before the optimizer step); exchange and
+    overlap_exchange choose how the ranks exchange the scan's composites (as
+    bigdn_cp takes them; they apply only with comm).
     k_scale None: D^-1/2·S^-1/2 (Sana's production blocks), taken per call.
     """
 
     def __init__(self, heads, head_dim, comm=None, norm=True, k_scale=None, norm_eps=1e-5, eps=1e-6,
-                 precision="auto", checkpoint="off", device=None, dtype=torch.float32, deterministic=False):
+                 precision="auto", checkpoint="off", device=None, dtype=torch.float32, deterministic=False,
+                 exchange="auto", overlap_exchange=False):
         super().__init__()
+        if exchange not in _capi.EXCHANGES:
+            raise ValueError("gdncp.BiGDN: exchange must be one of %s, got %r" % (sorted(_capi.EXCHANGES), exchange))
+        if not isinstance(overlap_exchange, bool):
+            raise TypeError("gdncp.BiGDN: overlap_exchange must be True or False, got %r" % (overlap_exchange,))
+        if comm is None and (exchange != "auto" or overlap_exchange):
+            raise ValueError("gdncp.BiGDN: exchange and overlap_exchange apply only with comm (the CP layer)")
+        self.exchange, self.overlap_exchange = exchange, overlap_exchange
         C = heads * head_dim
         self.heads, self.head_dim, self.comm = heads, head_dim, comm
         self.k_scale, self.norm_eps, self.eps = k_scale, norm_eps, eps
@@ -374,11 +384,12 @@ class BiGDN(torch.nn.Module):
         args = (qkv, beta, decay, self.q_norm_w, self.k_norm_w, rope_cos, rope_sin, F, S)
         if self.comm is None:
             return bigdn(*args, **kw)
-        return bigdn_cp(self.comm, *args, **kw)
+        return bigdn_cp(self.comm, *args, exchange=self.exchange, overlap_exchange=self.overlap_exchange, **kw)
 
     def extra_repr(self):
-        return "heads=%d, head_dim=%d, cp=%s" % (
-            self.heads, self.head_dim, "off" if self.comm is None else "%d ranks" % self.comm.size)
+        cp = "off" if self.comm is None else "%d ranks, exchange %s%s" % (
+            self.comm.size, self.exchange, ", hidden" if self.overlap_exchange else "")
+        return "heads=%d, head_dim=%d, cp=%s" % (self.heads, self.head_dim, cp)
 
 
 _ops._register_all()

@@ -86,6 +86,19 @@ def test_checkpoint_on_equals_off_bitwise():
         assert torch.equal(got["off"][1][k], got["on"][1][k]), k
 
 
+def test_module_exchange_options_need_comm():
+    """The exchange options of the CP layer are refused without comm, and bad values at construction."""
+    with pytest.raises(ValueError, match="apply only with comm"):
+        gdncp.BiGDN(H, D, exchange="log")
+    with pytest.raises(ValueError, match="apply only with comm"):
+        gdncp.BiGDN(H, D, overlap_exchange=True)
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        gdncp.BiGDN(H, D, exchange="ring")
+    with pytest.raises(TypeError, match="overlap_exchange must be True or False"):
+        gdncp.BiGDN(H, D, overlap_exchange=1)
+    assert "cp=off" in repr(gdncp.BiGDN(H, D))
+
+
 def test_module_and_partial_grads():
     x = eager.inputs(B, H, D, F, S, seed=7)
     layer = gdncp.BiGDN(H, D, dtype=torch.float64)

@@ -360,6 +360,33 @@ def test_OverlapExchange_changes_nothing_on_cpu(comm, name, exchange):
         assert torch.equal(off_grads[k], on_grads[k]), "rank %d: d %s differs with overlap_exchange=True" % (r, k)
 
 
+def test_OverlapExchange_and_exchange_reach_the_BiGDN_module(comm):
+    """gdncp.BiGDN(comm=..., exchange=..., overlap_exchange=...) is bigdn_cp with those options, bitwise,
+    and its repr names them."""
+    F = 2
+    x = local(eager.inputs(B, H, D, F * comm.size, S, seed=11), F * comm.rank, F)
+    for exchange in ("log", "hierarchical", "allgather"):
+        layer = gdncp.BiGDN(H, D, comm=comm, k_scale=x["k_scale"], dtype=torch.float64, exchange=exchange,
+                            overlap_exchange=True)
+        assert ("exchange %s, hidden" % exchange) in repr(layer)
+        with torch.no_grad():
+            layer.q_norm_w.copy_(x["q_norm_w"])
+            layer.k_norm_w.copy_(x["k_norm_w"])
+        qkv = x["qkv"].clone().requires_grad_(True)
+        out = layer(qkv, x["beta"], x["decay"], x["rope_cos"], x["rope_sin"], F, S)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
+        (out * w).sum().backward()
+        y = leaves(x)
+        ref = gdncp.bigdn_cp(comm, y["qkv"], y["beta"], y["decay"], y["q_norm_w"], y["k_norm_w"], y["rope_cos"],
+                             y["rope_sin"], F, S, k_scale=x["k_scale"], exchange=exchange, overlap_exchange=True)
+        (ref * w).sum().backward()
+        assert torch.equal(out, ref), "rank %d, %s: the module's output differs from bigdn_cp's" % (comm.rank, exchange)
+        assert torch.equal(qkv.grad, y["qkv"].grad), exchange
+        assert torch.equal(layer.q_norm_w.grad, y["q_norm_w"].grad), exchange
+        assert torch.equal(layer.k_norm_w.grad, y["k_norm_w"].grad), exchange
+    assert not comm.aborted
+
+
 def test_OverlapExchange_must_be_a_bool(comm):
     """A value other than True or False is refused on every rank (before any collective), naming it."""
     x = local(eager.inputs(B, H, D, 2 * comm.size, S, seed=5), 2 * comm.rank, 2)
