@@ -260,7 +260,7 @@ std::pair<Dims, detail::FrameLayout> validate_layer(Communicator& comm, const ch
     d = validate_bigdn_inputs(entry, in[kQkv], in[kBeta], in[kDecay], in[kQNormW], in[kKNormW], in[kRopeCos],
                               in[kRopeSin], F, S, opt, /*allow_empty=*/true);
     validate_rope_q(entry, in[kRopeCosQ], in[kRopeSinQ], d, in[kRopeCos], in[kQkv].device());
-    detail::check_clip_starts(entry, clip_starts, d.B, d.F, in[kQkv].device());
+    validate_clip_starts(entry, clip_starts, d.B, d.F, in[kQkv].device());
     detail::check_cp_options(entry, cpo);
     r.B = d.B;
     r.H = d.H;

@@ -15,6 +15,7 @@
 #include "cp/validate_cp.h"
 #include "gdncp/cp.h"
 #include "gdncp/error.h"
+#include "layer/validate.h"
 
 namespace gdncp {
 namespace cp {
@@ -53,7 +54,7 @@ void check_scan_inputs(const char* entry, const Tensor& P, const Tensor& A, cons
   GDNCP_CHECK(decay.device() == P.device(), entry, ": decay: on ", device_name(decay.device()), ", P on ",
               device_name(P.device()));
   GDNCP_CHECK(decay.dtype() != DType::f64 || P.dtype() == DType::f64, entry, ": decay: f64 needs f64 P");
-  detail::check_clip_starts(entry, clip_starts, decay.size(0), F, P.device());
+  validate_clip_starts(entry, clip_starts, decay.size(0), F, P.device());
   rec.B = decay.size(0);
   rec.H = decay.size(1);
   rec.D = D;

@@ -8,8 +8,6 @@
 #include <vector>
 
 #include "gdncp/error.h"
-#include "kernels/common/clip_guard.h"
-#include "layer/validate.h"
 
 namespace gdncp {
 namespace cp {
@@ -194,17 +192,6 @@ FrameLayout validate_collective(Communicator& comm, const char* entry, CallRecor
   checked_mul(f.total, std::max<int64_t>(rec.S, 1), (std::string(entry) + ": F_total·S (global tokens)").c_str());
   ValidationMemory::remember(comm, mine.entry_hash, &key, sizeof(Wire));
   return f;
-}
-
-void check_clip_starts(const char* entry, const Tensor& c, int64_t B, int64_t F, Device device) {
-  kernels::report_clip_fault(entry);  // inside the local validation: every rank raises it at once
-  if (!c.defined()) return;
-  GDNCP_CHECK(c.shape() == Shape({B, F}), entry, ": clip_starts: must be (B, F) = (", B, ", ", F,
-              ") (1 where a frame begins a clip), got ", c.str());
-  GDNCP_CHECK(c.dtype() == DType::f32, entry, ": clip_starts: must be f32, got ", dtype_name(c.dtype()));
-  GDNCP_CHECK(c.device() == device, entry, ": clip_starts: on ", device_name(c.device()), ", the inputs on ",
-              device_name(device));
-  validate_clip_values(entry, c);
 }
 
 void check_cp_options(const char* entry, const CpOptions& o) {

@@ -83,10 +83,6 @@ void forget_validated(Communicator& comm, const char* entry);
 void exchange_or_explain(Communicator& comm, const char* entry, void* all, const void* rec, size_t bytes, bool ok,
                          const char* local_error);
 
-// The clip mask of an entry: undefined, or (B, F) f32 on `device`, holding 0
-// or 1; first raises a clip fault of an earlier call (Note [clip mask values]).
-void check_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, int64_t F, Device device);
-
 // truncate_to_active / reverse_rank_order checks shared by the entries: the
 // local part (before the exchange) ...
 void check_cp_options(const char* entry, const CpOptions& o);

@@ -144,14 +144,15 @@ void validate_rope_q(const char* entry, const Tensor& rope_cos_q, const Tensor& 
 }
 
 void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t B, int64_t F, Device device) {
-  kernels::report_clip_fault(entry);
+  kernels::report_clip_fault(entry);  // in the local checks: in CP entries every rank raises it at once
   if (!clip_starts.defined()) return;
-  const Arg a{entry, "clip_starts"};
-  require_shape(a, clip_starts, {B, F}, "(B, F)");
-  GDNCP_CHECK(clip_starts.dtype() == DType::f32, entry,
-              ": clip_starts: must be f32 (1 = the frame begins a clip), got ", dtype_name(clip_starts.dtype()));
-  require_device(a, clip_starts, device);
-  validate_clip_values(entry, clip_starts);
+  const Tensor& c = clip_starts;
+  GDNCP_CHECK(c.shape() == Shape({B, F}), entry, ": clip_starts: must be (B, F) = (", B, ", ", F,
+              ") (1 where a frame begins a clip), got ", c.str());
+  GDNCP_CHECK(c.dtype() == DType::f32, entry, ": clip_starts: must be f32, got ", dtype_name(c.dtype()));
+  GDNCP_CHECK(c.device() == device, entry, ": clip_starts: on ", device_name(c.device()), ", the inputs on ",
+              device_name(device));
+  validate_clip_values(entry, c);
 }
 
 void validate_clip_values(const char* entry, const Tensor& clip_starts) {
