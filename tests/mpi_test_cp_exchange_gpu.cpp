@@ -66,6 +66,18 @@ struct Step {
   }
 };
 
+// The f64 layer on the CPU over every frame of g, backward of ⟨w, out⟩: out, then the gradients
+// of qkv, beta, decay, q_norm_w and k_norm_w (kGradNames).
+const char* const kGradNames[] = {"dqkv", "dbeta", "ddecay", "dq_norm_w", "dk_norm_w"};
+std::vector<Tensor> f64_reference(const LayerInputs& g, const Tensor& w) {
+  const LayerInputs o = convert(g, DType::f64);
+  std::vector<Tensor> x = {leaf(o.qkv), leaf(o.beta), leaf(o.decay), leaf(o.q_norm_w), leaf(o.k_norm_w)};
+  std::vector<Tensor> r = {bigdn(x[0], x[1], x[2], x[3], x[4], o.rope_cos, o.rope_sin, o.d.F, o.d.S, o.opt)};
+  backward(r[0], cpu(w).to(DType::f64));
+  for (const Tensor& t : x) r.push_back(t.grad());
+  return r;
+}
+
 #if GDNCP_WITH_CUDA
 // Every rank of 2 (the all-gather behind Wcum forward, Rcum backward) and of 3 (the forward
 // composites in two all-gathers), over an NVLink model.
@@ -132,7 +144,6 @@ TEST(CpExchangeGpu, EveryExchangeMatchesOneRank) {
     u.back() = 0;
     splits.push_back(u);
   }
-  const char* names[] = {"dqkv", "dbeta", "ddecay", "dq_norm_w", "dk_norm_w"};
   uint64_t seed = 1400;
   for (const std::vector<int64_t>& split : splits) {
     const int64_t Ft = std::accumulate(split.begin(), split.end(), int64_t{0}), S = 37, D = 112;
@@ -141,11 +152,7 @@ TEST(CpExchangeGpu, EveryExchangeMatchesOneRank) {
     LayerInputs g = make_layer_inputs(dims(1, 2, D, Ft, S), DType::f32, seed);
     g.opt.precision = Precision::ieee;
     const Tensor w = Tensor::randn({1, Ft * S, 2, D}, DType::f32, Device::cpu, seed + 9);
-    // The oracle: the f64 layer over every frame on the CPU.
-    const LayerInputs o = convert(g, DType::f64);
-    std::vector<Tensor> xr = {leaf(o.qkv), leaf(o.beta), leaf(o.decay), leaf(o.q_norm_w), leaf(o.k_norm_w)};
-    const Tensor ref = bigdn(xr[0], xr[1], xr[2], xr[3], xr[4], o.rope_cos, o.rope_sin, Ft, S, o.opt);
-    backward(ref, w.to(DType::f64));
+    const std::vector<Tensor> ref = f64_reference(g, w);  // over every frame
     const auto mine = [&](const Tensor& t, int axis, int64_t per) {
       return slice(t, axis, off * per, (off + F) * per);
     };
@@ -165,13 +172,13 @@ TEST(CpExchangeGpu, EveryExchangeMatchesOneRank) {
       backward(out, mine(w, 1, S).to(Device::cuda));
       cp::all_reduce_grads(c, {xs[3], xs[4]});
       if (F > 0) {
-        EXPECT_TRUE(close_rel(out.to(Device::cpu), mine(ref, 1, S), tol::f32_layer, "out"));
-        EXPECT_TRUE(close_rel(xs[0].grad().to(Device::cpu), mine(xr[0].grad(), 1, S), tol::f32_layer, names[0]));
-        EXPECT_TRUE(close_rel(xs[1].grad().to(Device::cpu), mine(xr[1].grad(), 2, 1), tol::f32_layer, names[1]));
-        EXPECT_TRUE(close_rel(xs[2].grad().to(Device::cpu), mine(xr[2].grad(), 2, 1), tol::f32_layer, names[2]));
+        EXPECT_TRUE(close_rel(cpu(out), mine(ref[0], 1, S), tol::f32_layer, "out"));
+        EXPECT_TRUE(close_rel(cpu(xs[0].grad()), mine(ref[1], 1, S), tol::f32_layer, kGradNames[0]));
+        EXPECT_TRUE(close_rel(cpu(xs[1].grad()), mine(ref[2], 2, 1), tol::f32_layer, kGradNames[1]));
+        EXPECT_TRUE(close_rel(cpu(xs[2].grad()), mine(ref[3], 2, 1), tol::f32_layer, kGradNames[2]));
       }
       for (size_t k = 3; k < 5; ++k)  // the norm weights' gradients, summed over the ranks
-        EXPECT_TRUE(close_rel(xs[k].grad().to(Device::cpu), xr[k].grad(), tol::f32_layer, names[k]));
+        EXPECT_TRUE(close_rel(cpu(xs[k].grad()), ref[k + 1], tol::f32_layer, kGradNames[k]));
     }
     seed += 17;
   }
@@ -187,13 +194,10 @@ TEST(CpExchangePrecisionGpu, F32LayerWithin1e6OfF64) {
     SCOPED_TRACE("F = " + std::to_string(F));
     Step step(F, 37, 112, 1300 + static_cast<uint64_t>(F));
     const Tensor out = step.run(*c, cp::CpOptions());
-    const LayerInputs o = convert(step.l, DType::f64);
-    std::vector<Tensor> x = {leaf(o.qkv), leaf(o.beta), leaf(o.decay), leaf(o.q_norm_w), leaf(o.k_norm_w)};
-    const Tensor ref = bigdn(x[0], x[1], x[2], x[3], x[4], o.rope_cos, o.rope_sin, F, o.d.S, o.opt);
-    backward(ref, cpu(step.w).to(DType::f64));
-    EXPECT_TRUE(close_rel(cpu(out), ref, tol::f32_layer, "out"));
-    const char* names[] = {"dqkv", "dbeta", "ddecay", "dq_norm_w", "dk_norm_w"};
-    for (size_t k = 0; k < 5; ++k) EXPECT_TRUE(close_rel(cpu(step.x[k].grad()), x[k].grad(), tol::f32_layer, names[k]));
+    const std::vector<Tensor> ref = f64_reference(step.l, step.w);
+    EXPECT_TRUE(close_rel(cpu(out), ref[0], tol::f32_layer, "out"));
+    for (size_t k = 0; k < 5; ++k)
+      EXPECT_TRUE(close_rel(cpu(step.x[k].grad()), ref[k + 1], tol::f32_layer, kGradNames[k]));
   }
 }
 
