@@ -221,15 +221,20 @@ def flag(fn, name, value):
     return value
 
 
+def exchange_of(fn, exchange):
+    """The gdncp_exchange code of an exchange name: a ValueError naming the choices otherwise."""
+    if exchange not in EXCHANGES:
+        raise ValueError("%s: exchange must be one of %s, got %r" % (fn, sorted(EXCHANGES), exchange))
+    return EXCHANGES[exchange]
+
+
 def cp_options(reverse_rank_order=False, truncate_to_active=0, exchange="auto", node_size=0, deterministic=False,
                overlap_exchange=False):
     o = CpOptions()
     call("cp_options_init", ctypes.byref(o))
     o.reverse_rank_order = int(bool(reverse_rank_order))
     o.truncate_to_active = int(truncate_to_active)
-    if exchange not in EXCHANGES:
-        raise ValueError("gdncp: exchange must be one of %s, got %r" % (sorted(EXCHANGES), exchange))
-    o.exchange = EXCHANGES[exchange]
+    o.exchange = exchange_of("gdncp", exchange)
     o.node_size = int(node_size)
     o.deterministic = int(bool(deterministic))
     o.overlap_exchange = int(flag("gdncp", "overlap_exchange", overlap_exchange))

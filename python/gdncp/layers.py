@@ -351,10 +351,8 @@ class BiGDN(torch.nn.Module):
                  precision="auto", checkpoint="off", device=None, dtype=torch.float32, deterministic=False,
                  exchange="auto", overlap_exchange=False):
         super().__init__()
-        if exchange not in _capi.EXCHANGES:
-            raise ValueError("gdncp.BiGDN: exchange must be one of %s, got %r" % (sorted(_capi.EXCHANGES), exchange))
-        if not isinstance(overlap_exchange, bool):
-            raise TypeError("gdncp.BiGDN: overlap_exchange must be True or False, got %r" % (overlap_exchange,))
+        _capi.exchange_of("gdncp.BiGDN", exchange)
+        _capi.flag("gdncp.BiGDN", "overlap_exchange", overlap_exchange)
         if comm is None and (exchange != "auto" or overlap_exchange):
             raise ValueError("gdncp.BiGDN: exchange and overlap_exchange apply only with comm (the CP layer)")
         self.exchange, self.overlap_exchange = exchange, overlap_exchange
