@@ -150,8 +150,8 @@ void validate_clip_starts(const char* entry, const Tensor& clip_starts, int64_t 
   GDNCP_CHECK(c.shape() == Shape({B, F}), entry, ": clip_starts: must be (B, F) = (", B, ", ", F,
               ") (1 where a frame begins a clip), got ", c.str());
   GDNCP_CHECK(c.dtype() == DType::f32, entry, ": clip_starts: must be f32, got ", dtype_name(c.dtype()));
-  GDNCP_CHECK(c.device() == device, entry, ": clip_starts: on ", device_name(c.device()), ", the inputs on ",
-              device_name(device));
+  GDNCP_CHECK(c.device() == device, entry, ": clip_starts: is on ", device_name(c.device()), " but the inputs are on ",
+              device_name(device), " (all tensors must be on one device)");
   validate_clip_values(entry, c);
 }
 
