@@ -47,16 +47,29 @@ SweepSpec spec_of(const ScanContext& c, const ScanJob& j, bool adjoint) {
 // product of transitions beyond the Wcum its correction needs.
 bool gathers_M(const ScanJob& j, int P) { return P > 2 || j.terminal; }
 
-// Note [rescan of one column]. A job of one state column (E = 1: the z of the Z stream) gets
-// its states from X0 by a second sweep of that one column once X0 is known, instead of the
-// cumulative products Wcum (a sweep of D columns, written for every frame) and the correction:
-// D times less CP-only work for one more short sweep after the exchange (beside the KV jobs'
-// corrections). Its Wcum sweep then runs only where its M travels (Note [which composites
-// travel]), for M alone. Backward likewise: the adjoint sweep rerun from the arriving adjoint a
-// replaces Rcum and its correction, and no Rcum is swept at all (M comes from the forward).
-// The same linear map as the correction: results equal up to rounding. Jobs of D columns (KV)
-// keep Wcum, whose sweep runs beside the local scan and whose correction is one GEMM.
+// Note [rescan]. A rank whose incoming state X0 comes from earlier ranks gets its states either by
+// the correction Y_t = Y_loc,t + Wcum_t X0 (the local scan from zero beside a sweep of the
+// cumulative products Wcum, D columns written for every frame, then one GEMM) or by a second sweep
+// from X0 once it is known (the same linear map: results equal up to rounding). The rescan is
+// chosen
+//  - for a job of one column (E = 1: the z of the Z stream): D times less CP-only work for one
+//    more short sweep after the exchange. Its sweep from zero then runs for the composite h
+//    alone, and its Wcum only where its M travels (Note [which composites travel]), for M alone;
+//  - for a job whose composite no rank reads (the logically last rank, no terminal state) on a
+//    rank that has sweeps of other jobs to run before the exchange (the other direction of a
+//    bidirectional call: at P = 2 every rank is first in one direction and last in the other).
+//    Nothing of such a job is swept before the exchange, and its one sweep from X0 is all its
+//    scan: no CP-only sweep at all. Where the rank has no other sweep (a one-directional call),
+//    the local scan and Wcum run while the earlier ranks sweep, and only the correction waits.
+// Backward likewise: the adjoint sweep rerun from the arriving adjoint a replaces Rcum and its
+// correction (M comes from the forward); a job of one column reruns wherever a arrives, a job
+// whose X0 came from no rank (the logically first, which sends no dX0) on a rank with other
+// sweeps to run before the exchange.
 bool rescans(const ScanJob& j, int64_t D) { return j.E < D; }
+
+// A rank's composite of job j at logical position pos is read by a later rank's fold, or by the
+// terminal fold (Note [which composites travel]).
+bool composite_read(const ScanJob& j, int pos, int P) { return pos < P - 1 || j.terminal; }
 
 // How many all-gathers carry the forward composites: with overlap at P > 2, where every Wcum
 // feeds a travelling M and so nothing of the forward is left to hide the one all-gather behind,
@@ -142,7 +155,7 @@ void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
 }
 
 // Forward step 4: Y_t = Y_loc,t + Wcum_t X0 for every frame of the jobs with cumulative products,
-// the sweep from X0 for those of one column (Note [rescan of one column]).
+// the sweep from X0 for those that rescan (Note [rescan]).
 void correct_from_X0(std::vector<ScanJob>& jobs, const std::vector<Tensor>& cum, std::vector<Sweep>& redo,
                      const Tensor& decay, int64_t BH, int64_t F, int64_t D) {
   std::vector<Correction> cs;
@@ -197,8 +210,9 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   //    written straight into the all-gather's pack; where a correction will
   //    follow (X0 ≠ 0), the cumulative products Wcum per frame, whose last is
   //    the composite transition M (into the pack where it travels: Note [which
-  //    composites travel]). A job of one column writes h alone here: its states
-  //    come from X0 (Note [rescan of one column]). A checkpoint recompute
+  //    composites travel]). A job that rescans (Note [rescan]) writes at most h and M
+  //    here: its states come from X0; one whose composite no rank reads writes nothing (its
+  //    slots of the pack are zeros). A checkpoint recompute
   //    (composites kept) writes no composites. With overlap, the sweeps the all-gather does not read (Wcum
   //    where M does not travel) run after it is issued, and with two parts
   //    (forward_parts) the second part's sweeps after the first part's
@@ -208,7 +222,15 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   Tensor pack = gather ? Tensor::empty({L.fwd_total}, dt, dev) : Tensor();
   std::vector<Sweep> batch[2], later;  // by part of the pack; later: read by no all-gather
   std::vector<Tensor> cum(jobs.size());
-  std::vector<Sweep> redo(jobs.size());  // Note [rescan of one column]: from X0 (spec.E = 0: none)
+  std::vector<Sweep> redo(jobs.size());  // Note [rescan]: from X0 (spec.E = 0: none)
+  // Jobs with nothing to sweep before the exchange (Note [rescan]): corrected, composite unread,
+  // and the rank has other jobs' sweeps to run meanwhile. The same on a checkpoint recompute.
+  std::vector<char> idle(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const int pos = logical(jobs[i], r, P);
+    idle[i] = P > 1 && pos > 0 && !composite_read(jobs[i], pos, P);
+  }
+  const bool others = std::find(idle.begin(), idle.end(), 0) != idle.end();
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
     j.Y = Tensor::empty(states_shape(BH, F, D, j.E), dt, dev);
@@ -224,18 +246,25 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
       sh.final_state = j.T;
     }
-    const bool corrected = P > 1 && logical(j, r, P) > 0;  // X0 ≠ 0 here
-    const bool rescan = corrected && rescans(j, D);
+    const int pos = logical(j, r, P);
+    const bool corrected = P > 1 && pos > 0;  // X0 ≠ 0 here
+    const bool skip = idle[i] && others;
+    const bool rescan = corrected && (rescans(j, D) || skip);
+    const bool M_swept = corrected && (!rescan || (L.M[i] >= 0 && composite_read(j, pos, P)));
     if (rescan) {  // the states come from the sweep from X0; this one gives the composite only
       redo[i] = sh;
       redo[i].spec.init = Init::given;
       sh.out_before = sh.out_after = Tensor();
     }
+    if (gather) {  // the slots no sweep writes travel as zeros (read by no rank)
+      if (skip) region(pack, L.h[i], BH * D * j.E).fill_(0.0);
+      if (L.M[i] >= 0 && !M_swept) region(pack, L.M[i], BH * D * D).fill_(0.0);
+    }
     if (P > 1) {
       sh.final_state = pack;
       sh.final_offset = L.h[i];
     }
-    if (corrected && (!rescan || L.M[i] >= 0)) {  // Wcum for the correction, or M alone where it travels
+    if (M_swept) {  // Wcum for the correction, or M alone where it travels
       Sweep sm = sh;
       sm.out_before = sm.out_after = Tensor();
       if (!rescan) {
@@ -249,7 +278,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       sm.spec.E = D;
       (hide && L.M[i] < 0 ? later : batch[L.part(i)]).push_back(sm);
     }
-    batch[L.part(i)].push_back(sh);
+    if (!skip) batch[L.part(i)].push_back(sh);
   }
   CommStream lane(hide && dev == Device::cuda);
   if (hide) {
@@ -357,8 +386,9 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   // Does the adjoint arriving from later ranks (a) exist for job j?
   auto seeded = [&](const ScanJob& j) { return j.terminal || logical(j, r, P) < P - 1; };
   std::vector<Tensor> rcum(jobs.size());
-  // Step 4: the adjoint seeded with a is λ_t + Rcum_t a, all frames at once, or for a job of one
-  // column the adjoint sweep rerun from a (Note [rescan of one column]).
+  std::vector<char> rerun(jobs.size());
+  // Step 4: the adjoint seeded with a is λ_t + Rcum_t a, all frames at once, or for a job that
+  // reruns the adjoint sweep from a (Note [rescan]).
   auto seed_adjoints = [&](const std::vector<Tensor>& seed) {
     std::vector<Correction> cs;
     std::vector<Sweep> again;
@@ -369,7 +399,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
         cs.push_back(Correction{jobs[i].dU, rcum[i], a, jobs[i].E});
       else
         again.push_back(adjoint(jobs[i], jobs[i].dU, Tensor(), a));
-      GDNCP_CHECK(rcum[i].defined() || rescans(jobs[i], D), "cp scan backward: missing cumulative products");
+      GDNCP_CHECK(rcum[i].defined() || rerun[i], "cp scan backward: missing cumulative products");
     }
     kern::scan_correct(cs, BH, F, D);
     if (!again.empty()) kern::scan_sweeps(again, ctx.decay);
@@ -384,6 +414,10 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   const bool hide = ctx.overlap && P > 1 && plan.algo == Exchange::all_gather;
   std::vector<Sweep> sweeps, later;
   Tensor pack = P > 1 ? Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev) : Tensor();
+  // Jobs that sweep nothing before the exchange (Note [rescan]): no dX0 to send (the logically
+  // first rank), on a rank whose other jobs send theirs meanwhile.
+  bool others = false;
+  for (const ScanJob& j : jobs) others = others || logical(j, r, P) > 0;
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
     j.dU = Tensor::empty(states_shape(BH, F, D, j.E), dt, dev);
@@ -391,13 +425,13 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       sweeps.push_back(adjoint(j, j.dU, Tensor(), j.terminal ? j.dT : Tensor()));
       continue;
     }
-    const bool has_dX0 = logical(j, r, P) > 0;      // the adjoint of X0, where X0 came from earlier ranks
-    const bool rerun = seeded(j) && rescans(j, D);  // Note [rescan of one column]: dU from the rerun
-    if (!rerun || has_dX0) {
-      sweeps.push_back(adjoint(j, rerun ? Tensor() : j.dU, has_dX0 ? pack : Tensor(), Tensor()));
+    const bool has_dX0 = logical(j, r, P) > 0;  // the adjoint of X0, where X0 came from earlier ranks
+    rerun[i] = seeded(j) && (rescans(j, D) || (!has_dX0 && others));  // Note [rescan]: dU from the rerun
+    if (!rerun[i] || has_dX0) {
+      sweeps.push_back(adjoint(j, rerun[i] ? Tensor() : j.dU, has_dX0 ? pack : Tensor(), Tensor()));
       sweeps.back().final_offset = L.dX0[i];
     }
-    if (seeded(j) && !rerun) {
+    if (seeded(j) && !rerun[i]) {
       rcum[i] = Tensor::empty({BH, F, D, D}, dt, dev);
       Sweep w = adjoint(j, rcum[i], Tensor(), Tensor());
       w.add_before = w.add_after = Tensor();

@@ -14,8 +14,9 @@
 //      X ← M_j X + h_j (and the terminal state, with truncation, the fold over
 //      all ranks: identical on every rank, no broadcast needed);
 //   4. the correction Y_t = Y_loc,t + Wcum_t X0 of docs/design.md §6 step 5, all frames
-//      at once; a job of one state column (z) is instead swept again from X0
-//      (Note [rescan of one column] in scan_engine.cpp: the same linear map).
+//      at once; a job of one state column (z), and one whose composite no rank reads on a
+//      rank with other sweeps before the exchange, is instead swept again from X0
+//      (Note [rescan] in scan_engine.cpp: the same linear map).
 // Backward, per job, with λ the state adjoint:
 //   1. dX0 = the adjoint of the rescan's initial state (a transposed sweep);
 //   2. ONE all-gather of every job's dX0 (and dT of the terminal states);
