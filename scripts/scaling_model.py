@@ -8,31 +8,50 @@ plot, drawn by hand: no matplotlib here). Run from the repository root:
 
 A rank's time per layer call (forward + backward) is modeled as
 
-    T_rank(P, F_r) = W(F_r) + C(F_r) + X_alg(P)
+    T_rank(P, F_r) = W(F_r) + C(P, F_r) + X_alg(P)
 
-W the layer work of a rank's frames (measured), C the CP-only work that
-grows with the rank's frames (measured at P = 2), X the exchange of the
-chosen algorithm: link time per round (alpha + bytes / beta), the folds
-and compositions on the device, and kernel launches, nothing overlapped
-(the layer overlaps nothing with the exchange). Strong scaling
+W the layer work of a rank's frames (bigdn on one GPU over them, measured), C the
+CP-only work of the slowest rank on the device (its correction sweeps; measured on
+emulated ranks at P = 2, 4 and 8), X the exchange of the chosen algorithm: link time
+(alpha + bytes / beta a transfer) plus its device work (folds, compositions, copies;
+per step and per round from the emulated ranks), nothing overlapped. Strong scaling
 E = T_1(F_total) / (P * max_r T_rank); weak scaling E = W(11) / T_rank(P, 11).
 """
 import math
 import os
 
-# --- measured inputs (H200, B = 1, H = 20, D = 112, bf16) -------------------------------
-# One CP bench call (2026-12-03 12:35 UTC, `gdncp_bench --cp --emulate 2 --frames 22`, at
-# a229873): one GPU, bigdn forward+backward over 22 frames, S = 920: 2.166 ms; the slowest
-# stand-in-peer rank of 2 over its 11 frames: 1.401 ms, of which 1.180 ms is bigdn on one GPU
-# over those 11 frames (a rank's layer work W) and 0.221 ms the CP-only work C (under ncu: the
-# second cumulative-product sweep of each kind, +143 us, and two cuBLAS f32 GEMMs applying
-# them, 60 us).
-T1_22 = 2.166
-W_11 = 1.180
-C_11 = 0.221
-# The scan phases of one GPU at 11 frames (S-independent, D^3 work): scan_bidi_fwd 0.086 +
-# scan_bidi_bwd 0.182 ms (gdncp_bench, the same day); the rest of the layer scales with S.
-SCAN_11 = 0.0857 + 0.1820
+# --- measured inputs (H200, B = 1, H = 20, D = 112, bf16, S = 920) ------------------------
+# One call, 2026-12-03 15:00 UTC, `gdncp_bench --cp --emulate P --frames 11P` for P = 2, 4, 8
+# and `--emulate 8 --frames 84` (stand-in peers, no link time), at ff3ebb8.
+# One GPU, bigdn forward+backward: T1 over 22, 44, 84, 88 frames. A line through 22 and 88
+# frames gives 44 and 84 within 0.2 % (a fixed part of 0.19 ms: launches, the RMSNorm
+# weights' sums).
+T1_MEAS = {22: 2.180, 44: 4.175, 84: 7.778, 88: 8.151}
+T1_B = (T1_MEAS[88] - T1_MEAS[22]) / 66  # ms a frame
+T1_A = T1_MEAS[22] - 22 * T1_B  # ms
+# bigdn_cp at P = 1 over one rank's 11 frames in those calls (a rank's layer work W):
+# 1.203, 1.187, 1.176, 1.193 ms; the line gives 1.185. W(F) is the line.
+W_11_MEAS = (1.203, 1.187, 1.176, 1.193)
+# CP-only time of each emulated rank at 11 frames (its time minus W of its call), ms.
+# Ends: the first and last rank (one direction local, one rescanned from X0, Note [rescan]);
+# middles: both directions corrected (cumulative products and a GEMM each), P > 2 only.
+CP_ONLY = {
+    2: {"end": (0.096, 0.116)},
+    4: {"end": (0.207, 0.219), "mid": (0.420, 0.419)},
+    8: {"end": (0.356, 0.386), "mid": (0.574, 0.522, 0.514, 0.511, 0.521, 0.589)},
+}
+# The fold over the gathered composites grows by one product step (forward and backward) a
+# rank: from the ends' growth between P = 2 and 8 (each end folds P - 2 products).
+PHI = (sum(CP_ONLY[8]["end"]) / 2 - sum(CP_ONLY[2]["end"]) / 2) / 6
+C_END = max(CP_ONLY[2]["end"])  # P = 2: no fold product, nothing corrected
+C_MID = max(CP_ONLY[4]["mid"]) - PHI  # a middle rank of P folds P - 3 products
+# The log exchange, slowest rank of 8 over 84 frames with modeled NVLink (docs/perf.md): the
+# device work of one round (compositions, copies, launches) is what is left after W, C_MID
+# and the link time of its 2 x 3 rounds.
+LOG_8_84 = 2.589
+# The scan phases of one GPU at 11 frames (S-independent, D^3 work): scan_bidi_fwd 0.0877 +
+# scan_bidi_bwd 0.1864 ms (gdncp_bench, 2026-12-03 14:55 UTC, two runs each).
+SCAN_11 = 0.0877 + 0.1864
 # The one real 2-GPU run (2026-11-30, docs/history.md): 22 frames, 76-80 % strong,
 # NCCL device time 0.11-0.17 ms a step (two all-gathers).
 REAL_P2 = (0.76, 0.80)
@@ -46,9 +65,7 @@ F32 = 4
 NVLINK = (8e-3, 365e6)  # alpha ms, beta bytes per ms (365 GB/s)
 IB = (20e-3, 45e6)  # alpha ms, beta bytes per ms (45 GB/s)
 NODE = 8
-# Device time of one sequential fold step over all heads (a D x D by D x D product per head,
-# the batch of jobs in one launch): assumed 2 us; one small kernel launch (copy or fold) 3 us.
-TAU = 2e-3
+# One small kernel launch (a copy of the ring's steps): assumed 3 us.
 KAPPA = 3e-3
 
 # Bytes of the composites (src/cp/scan/scan_engine.cpp layout): per scan direction the KV and
@@ -57,23 +74,21 @@ H_BYTES = BH * (D * D + D) * F32
 M_BYTES = BH * 2 * D * D * F32
 
 
-def per_frame(ms_11_or_22, frames, S, scan_11=SCAN_11):
-    """ms per frame at S tokens a frame: the scan part stays, the rest scales with S."""
-    scan = scan_11 / 11
-    rest = ms_11_or_22 / frames - scan
-    return scan + rest * S / S_REF
-
-
 def T1(F, S):
-    return F * per_frame(T1_22, 22, S)
+    """One GPU over F frames of S tokens: the scan part stays, the rest of a frame scales with S."""
+    scan = SCAN_11 / 11
+    return T1_A + F * (scan + (T1_B - scan) * S / S_REF)
 
 
 def W(F, S):
-    return F * per_frame(W_11, 11, S)
+    return T1(F, S)  # bigdn_cp at P = 1 is bigdn (W_11_MEAS against T1(11): within 1.5 %)
 
 
-def C(F):
-    return F * C_11 / 11  # D^3 work per frame: independent of S
+def C(P, F):
+    """CP-only device work of the slowest rank beside the exchange (D^3 a frame: S-independent)."""
+    if P == 1:
+        return 0.0
+    return (C_END if P == 2 else C_MID) * F / 11
 
 
 def link(P_span):
@@ -86,38 +101,32 @@ def x_allgather(P):
     a, b = link(P)
     fwd = 2 * (H_BYTES + (M_BYTES if P > 2 else 0))  # both directions in one pack
     bwd = 2 * H_BYTES
-    t = 2 * a + (P - 1) * (fwd + bwd) / b
-    t += 2 * (P - 1) * TAU  # the folds over up to P - 1 composites, forward and backward
-    t += 2 * 4 * KAPPA  # pack/fold launches around the two collectives
-    return t
+    return 2 * a + (P - 1) * (fwd + bwd) / b + max(P - 3, 0) * PHI  # the folds' products
 
 
-# The implementation as it is: the two rank orders of a round go in one grouped send/recv
-# (ncclSend/ncclRecv in one group: the links' full duplex), and a round launches about 20
-# small kernels (16 copies packing and unpacking the 4 maps, their 16 compositions in batched
-# fold launches of 4, src/cp/scan/exchange.cpp). IMPROVED models what is not built: the maps
-# composed straight out of and into the message buffers (no copies: 8 launches a round).
-IMPROVED = False
-
-
-def log_rounds(G, a, b, init_M=False):
-    """One scan (forward or backward) of the log algorithm over G positions: h and M of both
-    jobs of each rank order a round, h alone in the last round."""
+def log_links(G, a, b, init_M=False):
+    """Link time of one scan (forward or backward) of the log algorithm over G positions: h and
+    M of both jobs of each rank order a round, h alone in the last round."""
     R = math.ceil(math.log2(G)) if G > 1 else 0
-    launches = 8 if IMPROVED else 20
     t = 0.0
     for k in range(R):
         last = k == R - 1
-        bytes_dir = H_BYTES + (M_BYTES if (not last or init_M) else 0)
-        t += a + bytes_dir / b + 2 * TAU + launches * KAPPA  # the two orders at once
+        t += a + (H_BYTES + (M_BYTES if (not last or init_M) else 0)) / b  # the two orders at once
     return t
+
+
+def rounds(G):
+    return math.ceil(math.log2(G)) if G > 1 else 0
+
+
+ROUND_DEV = (LOG_8_84 - W(11, S_REF) - C_MID - 2 * log_links(8, *NVLINK)) / (2 * rounds(8))
 
 
 def x_log(P):
     if P == 1:
         return 0.0
     a, b = link(P)
-    return 2 * log_rounds(P, a, b)
+    return 2 * (log_links(P, a, b) + rounds(P) * ROUND_DEV)
 
 
 def x_hier(P, n=NODE):
@@ -129,9 +138,9 @@ def x_hier(P, n=NODE):
     fwd_pack = 2 * (H_BYTES + (M_BYTES if P > 2 else 0))
     bwd_pack = 2 * H_BYTES
     ring = (n - 1) * (2 * a_n + (fwd_pack + bwd_pack) / b_n) + 2 * (n - 1) * 2 * KAPPA
-    folds = 2 * (2 * n * TAU + 8 * KAPPA)  # the node's map (h and the product), the fold into X0
+    folds = (n - 1) * PHI + max(n - 3, 0) * PHI  # the node's map, then the fold into X0
     a, b = IB if G > 1 else NVLINK
-    return ring + folds + 2 * log_rounds(G, a, b)
+    return ring + folds + 2 * (log_links(G, a, b) + rounds(G) * ROUND_DEV)
 
 
 ALGS = {"allgather": x_allgather, "log": x_log, "hierarchical": x_hier}
@@ -141,7 +150,7 @@ PS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 def rank_time(P, F_r, S, alg):
     if P == 1:
         return W(F_r, S)
-    return W(F_r, S) + C(F_r) + ALGS[alg](P)
+    return W(F_r, S) + C(P, F_r) + ALGS[alg](P)
 
 
 def strong(Ft, S, P, alg):
@@ -176,20 +185,6 @@ def tables():
             es = [strong(Ft, S, P, a) for a in ALGS]
             ts = [rank_time(P, F_r, S, a) for a in ALGS]
             out.append("| %d | %s | %s |" % (P, " | ".join(fmt(e) for e in es), " / ".join("%.2f" % t for t in ts)))
-    global IMPROVED
-    IMPROVED = True
-    out.append("\n**Not built — compositions straight out of and into the message buffers** (log and "
-               "hierarchical only; "
-               "strong 240 × 3 600 / 84 × 920, weak 11 × 920)\n")
-    out.append("| P | log 240×3600 | hier 240×3600 | log 84×920 | hier 84×920 | log weak | hier weak |")
-    out.append("|---|---|---|---|---|---|---|")
-    for P in PS[1:]:
-        out.append("| %d | %s | %s | %s | %s | %s | %s |" % (
-            P, fmt(strong(240, 3600, P, "log")), fmt(strong(240, 3600, P, "hierarchical")),
-            fmt(strong(84, 920, P, "log") if P <= 84 else None),
-            fmt(strong(84, 920, P, "hierarchical") if P <= 84 else None), fmt(weak(P, "log")),
-            fmt(weak(P, "hierarchical"))))
-    IMPROVED = False
     out.append("\n**Weak scaling, 11 frames of 920 tokens a rank** (P = 1: W(11) = %.2f ms)\n" % W(11, 920))
     out.append("| P | " + " | ".join(ALGS) + " | exchange ms (allgather / log / hier) |")
     out.append("|---|" + "---|" * (len(ALGS) + 1))
@@ -235,12 +230,21 @@ def svg(path):
         fh.write("\n".join(s) + "\n")
 
 
+def emulated(P, F, alg="allgather", links=False):
+    """The model of an emulated rank (`gdncp_bench --cp --emulate P`): without links, the device
+    work of the exchange alone."""
+    F_r = math.ceil(F / P)
+    if links:
+        return rank_time(P, F_r, S_REF, alg)
+    return W(F_r, S_REF) + C(P, F_r) + max(P - 3, 0) * PHI
+
+
 def check_p2():
     """The model against the real 2-GPU run (22 frames)."""
     model = strong(22, 920, 2, "allgather")
     x = x_allgather(2)
-    lo = T1(22, 920) / (2 * (W(11, 920) + C(11) + REAL_P2_NCCL[1]))
-    hi = T1(22, 920) / (2 * (W(11, 920) + C(11) + REAL_P2_NCCL[0]))
+    lo = T1(22, 920) / (2 * (W(11, 920) + C(2, 11) + REAL_P2_NCCL[1]))
+    hi = T1(22, 920) / (2 * (W(11, 920) + C(2, 11) + REAL_P2_NCCL[0]))
     return model, x, lo, hi
 
 
@@ -270,22 +274,36 @@ def main():
         "@GWEAK@": fmt(goals["GWEAK"]),
         "@GWEAKMAX@": fmt(goals["GWEAKMAX"]),
         "@W11@": "%.2f" % W(11, 920),
-        "@C11@": "%.2f" % C(11),
+        "@E2@": "%.3f" % emulated(2, 22),
+        "@E4@": "%.3f" % emulated(4, 44),
+        "@E8@": "%.3f" % emulated(8, 88),
+        "@E8NV@": "%.3f" % emulated(8, 84, links=True),
+        "@C2@": "%.3f" % C_END,
+        "@CMID@": "%.3f" % C_MID,
+        "@PHI@": "%.0f" % (1000 * PHI),
+        "@ROUND@": "%.0f" % (1000 * ROUND_DEV),
+        "@T1A@": "%.3f" % T1_A,
+        "@T1B@": "%.4f" % T1_B,
+        "@T1_88@": "%.3f" % T1_MEAS[88],
+        "@C8MID@": "%.3f" % max(CP_ONLY[8]["mid"]),
+        "@C8MODEL@": "%.3f" % (C(8, 11) + max(8 - 3, 0) * PHI),
+        "@C4END@": "%.3f" % max(CP_ONLY[4]["end"]),
+        "@C8END@": "%.3f" % max(CP_ONLY[8]["end"]),
+        "@W11M@": ", ".join("%.3f" % w for w in W_11_MEAS),
         "@T1_84@": "%.2f" % T1(84, 920),
         "@T1_240@": "%.1f" % T1(240, 3600),
         "@W4_3600@": "%.2f" % W(4, 3600),
         "@X64@": " / ".join("%.2f" % ALGS[a](64) for a in ALGS),
-        "@CEIL84@": fmt(T1(84, 920) / (8 * (W(11, 920) + C(11)))),
-        "@CEIL240@": fmt(T1(240, 3600) / (64 * (W(4, 3600) + C(4)))),
-        "@CEILWEAK@": fmt(W(11, 920) / (W(11, 920) + C(11))),
-        "@T1_22@": "%.3f" % T1_22,
-        "@RANK_11@": "%.3f" % (W_11 + C_11),
-        "@WPF@": "%.3f" % (W(11, 920) / 11),
-        "@T1PF@": "%.3f" % (T1(22, 920) / 22),
-        "@WOVER@": "%.0f %%" % (100 * (W(11, 920) / 11 / (T1(22, 920) / 22) - 1)),
-        "@COFW@": "%.0f %%" % (100 * C(11) / W(11, 920)),
+        "@CEIL84@": fmt(T1(84, 920) / (8 * (W(11, 920) + C(8, 11)))),
+        "@CEIL240@": fmt(T1(240, 3600) / (64 * (W(4, 3600) + C(64, 4)))),
+        "@CEILWEAK@": fmt(W(11, 920) / (W(11, 920) + C(8, 11))),
+        "@CEILWEAK2@": fmt(W(11, 920) / (W(11, 920) + C(2, 11))),
+        "@T1_22@": "%.3f" % T1_MEAS[22],
+        "@P2RANK@": "%.3f" % (W(11, 920) + C(2, 11)),
+        "@COFW@": "%.0f %%" % (100 * C(8, 11) / W(11, 920)),
+        "@C2OFW@": "%.0f %%" % (100 * C(2, 11) / W(11, 920)),
         "@SCAN11@": "%.3f" % SCAN_11,
-        "@RANK240@": "%.2f" % (W(4, 3600) + C(4)),
+        "@RANK240@": "%.2f" % (W(4, 3600) + C(64, 4)),
     }
     for k, v in subs.items():
         text = text.replace(k, v)
