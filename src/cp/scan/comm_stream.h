@@ -7,7 +7,9 @@
 // stream made current (the NCCL and callback backends and the bench's modeled links run on the
 // current stream), and meanwhile the current stream runs the sweeps the collective does not read —
 // forward the cumulative products Wcum whose last product M does not travel (Note [which
-// composites travel]), backward the cumulative products Rcum of the adjoint. At P > 2 every Wcum
+// composites travel]), backward the cumulative products Rcum of the adjoint (none for a job that
+// rescans from X0, Note [rescan] in scan_engine.cpp: a bidirectional call at P = 2 has nothing to
+// run beside its exchange). At P > 2 every Wcum
 // of the forward feeds a travelling M, so the forward composites travel in two all-gathers
 // instead: the first half of the jobs' (a bidirectional call's forward direction) while the
 // second half is swept (forward_parts in scan_engine.cpp; the gathered buffer holds the same
