@@ -1,9 +1,10 @@
 // bench/scan_bench.cpp — times the CUDA kernels of the CP scan (src/kernels/scan/scan_sweep.cu,
 // src/kernels/scan/fold.cu) on the launches one forward and one backward of the bidirectional CP layer give them (the
 // jobs KV fwd, Z fwd, KV anti, Z anti of cp_layers.cpp, batched as scan_engine.cpp batches them), at P = 1 (all frames
-// on one rank) and at P = 2 (rank 0's half): the sequential sweeps, the corrections, the folds and the transition
-// gradients. One GPU, no communication. Prints per launch the median time (CUDA events, warm-up first) and, for sweeps,
-// the time per frame step; a checksum of the P = 1 forward states lets two builds be compared.
+// on one rank), at P = 2 (rank 0's half) and for a middle rank of P > 2 on as many frames: the sequential sweeps, the
+// corrections, a fold step and the transition gradients. One GPU, no communication. Prints per launch the median time
+// (CUDA events, warm-up first) and, for sweeps, the time per frame step; a checksum of the P = 1 forward states lets
+// two builds be compared.
 //
 //   scan_bench [--bh 20] [--dim 112] [--frames 22] [--warmup 3] [--iters 20]
 //
@@ -162,36 +163,71 @@ int run(const Cfg& c) {
   });
   const double sum_du = checksum(one[0].dU) + checksum(one[2].dU);
 
-  // P = 2, rank 0: logical position 0 for the forward-order jobs, 1 for the anti ones.
-  time("P=2 fwd sweeps (6 wide + 2 narrow)", F2, [&] {
+  // P = 2, rank 0: logical position 0 for the forward-order jobs, 1 for the anti ones, so each
+  // direction is swept once (Note [rescan] in scan_engine.cpp): before the exchange the forward
+  // jobs from zero (their h travels) and the anti jobs' adjoints (their dX0 travels), after it the
+  // anti jobs from X0 and the forward jobs' adjoints from the arriving adjoint (X0 stands in).
+  const auto from = [](Sweep w, const Tensor& init) {
+    w.init = init;
+    w.spec.init = Init::given;
+    return w;
+  };
+  time("P=2 fwd sweeps before exchange (1w + 1n)", F2, [&] {
+    std::vector<Sweep> s;
+    for (Job& j : two)
+      if (!j.anti) s.push_back(local_sweep(c, F2, j, true));
+    cp::cuda::scan_sweeps(s, decay2);
+  });
+  time("P=2 fwd sweeps from X0 (1w + 1n)", F2, [&] {
+    std::vector<Sweep> s;
+    for (Job& j : two)
+      if (j.anti) s.push_back(from(local_sweep(c, F2, j, false), j.X0));
+    cp::cuda::scan_sweeps(s, decay2);
+  });
+  time("P=2 bwd sweeps before exchange (1w + 1n)", F2, [&] {
+    std::vector<Sweep> s;
+    for (Job& j : two)
+      if (j.anti) s.push_back(adjoint_sweep(c, F2, j, true));
+    cp::cuda::scan_sweeps(s, decay2);
+  });
+  time("P=2 bwd sweeps from the adjoint (1w + 1n)", F2, [&] {
+    std::vector<Sweep> s;
+    for (Job& j : two)
+      if (!j.anti) s.push_back(from(adjoint_sweep(c, F2, j, false), j.X0));
+    cp::cuda::scan_sweeps(s, decay2);
+  });
+
+  // A middle rank of P > 2 (both directions corrected, every M travels; z rescans from X0 and
+  // its adjoint reruns, Note [rescan]), on the same frames.
+  time("P>2 mid fwd sweeps (6 wide + 2 narrow)", F2, [&] {
     std::vector<Sweep> s;
     for (Job& j : two) {
-      s.push_back(composite_sweep(c, F2, j, /*cum=*/j.anti));
+      s.push_back(composite_sweep(c, F2, j, /*cum=*/j.E > 1));
       s.push_back(local_sweep(c, F2, j, true));
     }
     cp::cuda::scan_sweeps(s, decay2);
   });
-  time("P=2 bwd sweeps (4 wide + 2 narrow)", F2, [&] {
+  time("P>2 mid bwd sweeps (4 wide + 2 narrow)", F2, [&] {
     std::vector<Sweep> s;
     for (Job& j : two) {
-      s.push_back(adjoint_sweep(c, F2, j, /*dX0=*/j.anti));
-      if (!j.anti) s.push_back(rcum_sweep(c, F2, j));
+      s.push_back(adjoint_sweep(c, F2, j, /*dX0=*/true));
+      if (j.E > 1) s.push_back(rcum_sweep(c, F2, j));
     }
     cp::cuda::scan_sweeps(s, decay2);
   });
-  time("P=2 fwd corrections (KV + Z)", 0, [&] {
+  time("P>2 mid fwd corrections (KV, both)", 0, [&] {
     std::vector<Correction> cs;
     for (Job& j : two)
-      if (j.anti) cs.push_back(Correction{j.Y, j.cum, j.X0, j.E});
+      if (j.E > 1) cs.push_back(Correction{j.Y, j.cum, j.X0, j.E});
     cp::cuda::scan_correct(cs, BH, F2, D);
   });
-  time("P=2 bwd corrections (KV + Z)", 0, [&] {
+  time("P>2 mid bwd corrections (KV, both)", 0, [&] {
     std::vector<Correction> cs;
     for (Job& j : two)
-      if (!j.anti) cs.push_back(Correction{j.dU, j.rcum, j.X0, j.E});
+      if (j.E > 1) cs.push_back(Correction{j.dU, j.rcum, j.X0, j.E});
     cp::cuda::scan_correct(cs, BH, F2, D);
   });
-  // The gathered composites of 2 ranks, packed like scan_engine.cpp (h, M per job).
+  // Two ranks' composites packed like scan_engine.cpp (h, M per job); one fold step from X0.
   int64_t per_rank = 0;
   std::vector<int64_t> h_off, m_off;
   for (const Job& j : two) {
@@ -201,11 +237,12 @@ int run(const Cfg& c) {
     per_rank += BH * D * D;
   }
   const Tensor gathered = rnd({2 * per_rank}, 9, 0.05);
-  time("P=2 fwd folds (4, one rank each)", 0, [&] {
+  time("P>2 fwd fold step (4 jobs, one rank)", 0, [&] {
     std::vector<Fold> fs;
     for (size_t i = 0; i < two.size(); ++i) {
       Fold f;
-      f.X = two[i].X0;
+      f.X = two[i].dX0;
+      f.init = two[i].X0;
       f.Mbuf = f.Hbuf = gathered;
       f.m_off = m_off[i];
       f.h_off = h_off[i];
