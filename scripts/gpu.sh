@@ -21,6 +21,9 @@
 #     bench     gdncp_bench (the layer on one GPU) and scan_bench (the CP scan kernels)
 #     door      the Python door: its CPU and CUDA tests under faulthandler, then its overhead
 #               over the C++ entry (python/examples/bench_door.py, bar 5 %)
+#     scaling   the measured inputs of scripts/scaling_model.py (docs/scaling.md): emulated
+#               ranks of P = 2, 4, 8 over 11 frames each, and of 8 over 84 frames with modeled
+#               NVLink, all-gather and log-depth exchanges (gdncp_bench --cp --emulate)
 #     all       every test (ctest), then bench, door, cp, train, sanitize
 #
 # A/B against a base commit: BASE=<commit> checks BASE out with `git worktree add`
@@ -42,10 +45,10 @@ ROOT=$PWD
 suites=()
 for s in "$@"; do
   case $s in
-    tests | kernels | cp | train | sanitize | bench | door) suites+=("$s") ;;
+    tests | kernels | cp | train | sanitize | bench | door | scaling) suites+=("$s") ;;
     all) suites+=(tests bench door cp train sanitize) ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
-    *) echo "gpu.sh: unknown suite '$s' (tests, kernels, cp, train, sanitize, bench, door, all)"; exit 2 ;;
+    *) echo "gpu.sh: unknown suite '$s' (tests, kernels, cp, train, sanitize, bench, door, scaling, all)"; exit 2 ;;
   esac
 done
 
@@ -84,6 +87,7 @@ if [ ${#targets[@]} -eq 0 ]; then
   has sanitize && targets+=(test_cuda_kernels test_nn_cuda)
   has bench && targets+=(gdncp_bench scan_bench)
   has door && targets+=(gdncp door_reference)
+  has scaling && targets+=(gdncp_bench)
 fi
 build() {  # source-dir build-dir targets...
   local src=$1 dir=$2
@@ -238,6 +242,18 @@ if has cp; then
         "$OUT/ncu_sweep.txt" | head -60 | tee -a "$SUMMARY"
     fi
   fi
+fi
+
+# --- scaling: the emulated ranks the scaling model takes as inputs ------------------------------
+if has scaling; then
+  for run in "2 22" "4 44" "8 88" "8 84 --link nvlink --exchange allgather" "8 84 --link nvlink --exchange log"; do
+    set -- $run
+    t0=$(date +%s)
+    log="$OUT/scaling_P$1_F$2${3:+_link}${6:+_$6}.log"
+    timeout 300 "$(bin ours gdncp_bench)" --cp --emulate "$1" --frames "$2" --iters 20 "${@:3}" >"$log" 2>&1 || fail
+    say "### gdncp_bench --cp --emulate $* ($(($(date +%s) - t0)) s)"
+    grep -E "^  bigdn[^c]|^  bigdn_cp (P=1 F_0|rank)|^  off" "$log" | grep -v ckpt | tee -a "$SUMMARY"
+  done
 fi
 
 # --- train: CP=1 on 1 GPU vs CP=2 and DP=2 on 2 GPUs -------------------------------------------

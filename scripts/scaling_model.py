@@ -22,7 +22,8 @@ import os
 
 # --- measured inputs (H200, B = 1, H = 20, D = 112, bf16, S = 920) ------------------------
 # One call, 2026-12-03 15:00 UTC, `gdncp_bench --cp --emulate P --frames 11P` for P = 2, 4, 8
-# and `--emulate 8 --frames 84` (stand-in peers, no link time), at ff3ebb8.
+# and `--emulate 8 --frames 84` (stand-in peers, no link time), at ff3ebb8; `scripts/gpu.sh
+# scaling` runs these rows.
 # One GPU, bigdn forward+backward: T1 over 22, 44, 84, 88 frames. A line through 22 and 88
 # frames gives 44 and 84 within 0.2 % (a fixed part of 0.19 ms: launches, the RMSNorm
 # weights' sums).
