@@ -4,7 +4,8 @@
 Writes docs/scaling.md (the tables and their inputs) and docs/scaling.svg (the
 plot, drawn by hand: no matplotlib here). Run from the repository root:
 
-    /usr/bin/python3 scripts/scaling_model.py
+    /usr/bin/python3 scripts/scaling_model.py          # write them
+    /usr/bin/python3 scripts/scaling_model.py --check  # exit 1 if they are not what it writes
 
 A rank's time per layer call (forward + backward) is modeled as
 
@@ -19,6 +20,7 @@ E = T_1(F_total) / (P * max_r T_rank); weak scaling E = W(11) / T_rank(P, 11).
 """
 import math
 import os
+import sys
 
 # --- measured inputs (H200, B = 1, H = 20, D = 112, bf16, S = 920) ------------------------
 # One call, 2026-12-03 15:00 UTC, `gdncp_bench --cp --emulate P --frames 11P` for P = 2, 4, 8
@@ -195,7 +197,7 @@ def tables():
     return "\n".join(out)
 
 
-def svg(path):
+def svg():
     """Strong scaling at 240 frames of 3 600 tokens and weak scaling, efficiency against log2 P."""
     Wd, Ht, L, T, PW, PH = 860, 380, 60, 30, 340, 280
     colors = {"allgather": "#d62728", "log": "#1f77b4", "hierarchical": "#2ca02c"}
@@ -227,8 +229,7 @@ def svg(path):
     s.append('<text x="%d" y="%d" fill="#555">modeled from measured H200 rank times and modeled links '
              '(docs/scaling.md)</text>' % (L, Ht - 6))
     s.append("</svg>")
-    with open(path, "w") as fh:
-        fh.write("\n".join(s) + "\n")
+    return "\n".join(s) + "\n"
 
 
 def emulated(P, F, alg="allgather", links=False):
@@ -249,9 +250,8 @@ def check_p2():
     return model, x, lo, hi
 
 
-def main():
+def main(check):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    svg(os.path.join(root, "docs", "scaling.svg"))
     with open(os.path.join(root, "scripts", "scaling.md.in")) as fh:
         text = fh.read()
     model, x, lo, hi = check_p2()
@@ -308,10 +308,24 @@ def main():
     }
     for k, v in subs.items():
         text = text.replace(k, v)
-    with open(os.path.join(root, "docs", "scaling.md"), "w") as fh:
-        fh.write(text)
-    print("wrote docs/scaling.md and docs/scaling.svg")
+    outputs = {os.path.join("docs", "scaling.md"): text, os.path.join("docs", "scaling.svg"): svg()}
+    stale = []
+    for name, content in outputs.items():
+        path = os.path.join(root, name)
+        if check:
+            with open(path) as fh:
+                if fh.read() != content:
+                    stale.append(name)
+        else:
+            with open(path, "w") as fh:
+                fh.write(content)
+    if check and stale:
+        print("scaling_model.py --check: %s not what the model writes; run /usr/bin/python3 "
+              "scripts/scaling_model.py and commit the result" % " and ".join(stale))
+        return 1
+    print("%s docs/scaling.md and docs/scaling.svg" % ("checked" if check else "wrote"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main("--check" in sys.argv[1:]))
