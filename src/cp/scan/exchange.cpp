@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "cp/scan/region.h"
 #include "gdncp/error.h"
 #include "kernels/cp_kernels.h"
 
@@ -179,13 +180,11 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
       for (size_t i : mine) {
         Item& it = items[i];
         const bool init = it.init.defined();
-        Affine a;
-        a.h = ops.flat(it.E);
-        kern::copy_region(a.h, 0, recv, off, a.h.numel());
+        Affine a;  // the received map, read where it arrived
+        a.h = region(recv, off, ops.BH * ops.D * it.E);
         off += a.h.numel();
         if (carries_N(lo_recv, last, init)) {
-          a.N = ops.flat(ops.D);
-          kern::copy_region(a.N, 0, recv, off, a.N.numel());
+          a.N = region(recv, off, ops.BH * ops.D * ops.D);
           off += a.N.numel();
         }
         const bool keep_N = carries_N(lo_recv, last, init);  // the new composites start at lo_recv
@@ -244,19 +243,19 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
     }
 }
 
-// The n packs of this rank's node (slot l: lane l's), by a ring of n − 1 exchanges.
-Tensor node_gather(Communicator& comm, int n, const Tensor& pack) {
+// The n packs of this rank's node into all (slot l: lane l's), by a ring of n − 1 exchanges,
+// each received straight into its slot.
+void node_gather(Communicator& comm, int n, const Tensor& pack, Tensor all) {
   const int r = comm.rank(), base = r / n * n, lane = r % n;
   const int64_t m = pack.numel();
-  Tensor all = Tensor::empty({static_cast<int64_t>(n) * m}, pack.dtype(), pack.device());
+  GDNCP_CHECK(all.numel() == n * m, "cp exchange: a node buffer of ", all.numel(), " elements for ", n, " packs of ",
+              m);
   kern::copy_region(all, lane * m, pack, 0, m);
-  Tensor recv = n > 1 ? Tensor::empty({m}, pack.dtype(), pack.device()) : Tensor();
   for (int t = 1; t < n; ++t) {
     const int from = (lane - t + n) % n;
-    comm.send_recv(pack, base + (lane + t) % n, recv, base + from);
-    kern::copy_region(all, from * m, recv, 0, m);
+    Tensor slot = region(all, from * m, m);
+    comm.send_recv(pack, base + (lane + t) % n, slot, base + from);
   }
-  return all;
 }
 
 // The node's lanes in a job's logical order.
@@ -343,26 +342,33 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
                       std::vector<Tensor>& X0, std::vector<Tensor>& T) {
   const int P = comm.size(), r = comm.rank(), n = plan.node, G = P / n, g = r / n, lane = r % n;
   GDNCP_CHECK(n >= 1 && P % n == 0, "cp exchange: bad node size ", n);
-  int64_t kept_n = static_cast<int64_t>(n) * fwd_total;
-  for (size_t i = 0; i < jobs.size(); ++i) kept_n += X0[i].numel() + (jobs[i].terminal ? T[i].numel() : 0);
-  auto unpack = [&] {  // X0 and T out of kept
+  const int64_t node_n = static_cast<int64_t>(n) * fwd_total;
+  int64_t kept_n = node_n;
+  for (const ExchangeJob& j : jobs) kept_n += BH * D * j.E * (j.terminal ? 2 : 1);
+  X0.assign(jobs.size(), Tensor());
+  T.assign(jobs.size(), Tensor());
+  auto views = [&] {  // X0 and T as views into kept (the layout of Note [exchange])
+    int64_t off = node_n;
+    const auto next = [&](const ExchangeJob& j) {
+      Tensor v = region(kept, off, BH * D * j.E).reshape(j.E == 1 ? Shape{BH, D} : Shape{BH, D, j.E});
+      off += BH * D * j.E;
+      return v;
+    };
+    for (size_t i = 0; i < jobs.size(); ++i) X0[i] = next(jobs[i]);
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (jobs[i].terminal) T[i] = next(jobs[i]);
+  };
+  if (kept.defined()) {  // a checkpoint recompute: what the forward kept
     GDNCP_CHECK(kept.numel() == kept_n, "cp scan: kept composites do not match this call (", kept.numel(),
                 " elements)");
-    int64_t off = static_cast<int64_t>(n) * fwd_total;
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      kern::copy_region(X0[i], 0, kept, off, X0[i].numel());
-      off += X0[i].numel();
-    }
-    for (size_t i = 0; i < jobs.size(); ++i)
-      if (jobs[i].terminal) {
-        kern::copy_region(T[i], 0, kept, off, T[i].numel());
-        off += T[i].numel();
-      }
-  };
-  if (kept.defined()) return unpack();
+    return views();
+  }
 
   const Ops ops = ops_of(pack, BH, D, false);
-  const Tensor nodebuf = node_gather(comm, n, pack);
+  kept = Tensor::empty({kept_n}, pack.dtype(), pack.device());
+  views();
+  const Tensor nodebuf = region(kept, 0, node_n);
+  node_gather(comm, n, pack, nodebuf);
   std::vector<Item> items(jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i) {
     const ExchangeJob& j = jobs[i];
@@ -381,18 +387,6 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
                nodebuf, j.h_off, fwd_total, before, BH, D, j.E);
     if (j.terminal) kern::copy_region(T[i], 0, items[i].total, 0, T[i].numel());
   }
-  kept = Tensor::empty({kept_n}, pack.dtype(), pack.device());
-  kern::copy_region(kept, 0, nodebuf, 0, nodebuf.numel());
-  int64_t off = nodebuf.numel();
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    kern::copy_region(kept, off, X0[i], 0, X0[i].numel());
-    off += X0[i].numel();
-  }
-  for (size_t i = 0; i < jobs.size(); ++i)
-    if (jobs[i].terminal) {
-      kern::copy_region(kept, off, T[i], 0, T[i].numel());
-      off += T[i].numel();
-    }
 }
 
 void exchange_backward(Communicator& comm, const ExchangePlan& plan, const std::vector<ExchangeJob>& jobs,
@@ -429,7 +423,8 @@ void exchange_backward(Communicator& comm, const ExchangePlan& plan, const std::
   }
 
   // The adjoint maps run in the reverse logical order: within the node and over the nodes.
-  const Tensor nbuf = node_gather(comm, n, pack);
+  const Tensor nbuf = Tensor::empty({static_cast<int64_t>(n) * bwd_total}, ops.dt, ops.dev);
+  node_gather(comm, n, pack, nbuf);
   std::vector<Item> items(jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i) {
     const ExchangeJob& j = jobs[i];

@@ -29,8 +29,9 @@
 // same bits everywhere); Σ dT is an all-reduce (bitwise the same everywhere).
 //
 // Kept for the backward and a checkpoint recompute (ScanContext::gathered):
-// [the n node packs of the forward | X0 of every job | T of every terminal job];
-// a recompute copies X0 and T out of it and issues no collective.
+// [the n node packs of the forward | X0 of every job | T of every terminal job], each written in
+// place (the ring receives into the node packs' slots, the folds into X0); a recompute reads X0
+// and T where they are and issues no collective.
 #pragma once
 
 #include <cstdint>
@@ -66,9 +67,10 @@ struct ExchangeJob {
   int64_t dX0_off = 0, dT_off = -1;  // backward pack: adjoint of X0, of the terminal state (-1: none)
 };
 
-// Forward: X0[i] (BH, D, E) of every job and T[i] of every terminal job (preallocated) from this
-// rank's packed composites `pack` (fwd_total elements). kept undefined: exchanges and sets it;
-// defined (a checkpoint recompute): copies out of it, no collective.
+// Forward: X0[i] of every job and T[i] of every terminal job ((BH, D) for E = 1, else (BH, D, E);
+// views into kept, the vectors resized to the jobs) from this rank's packed composites `pack`
+// (fwd_total elements). kept undefined: exchanges and sets it; defined (a checkpoint recompute):
+// the views of what it holds, no collective.
 void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::vector<ExchangeJob>& jobs,
                       const Tensor& pack, int64_t fwd_total, int64_t BH, int64_t D, Tensor& kept,
                       std::vector<Tensor>& X0, std::vector<Tensor>& T);

@@ -10,6 +10,7 @@
 #include "cp/scan/comm_stream.h"
 #include "cp/scan/deterministic.h"
 #include "cp/scan/exchange.h"
+#include "cp/scan/region.h"
 #include "gdncp/error.h"
 
 namespace gdncp {
@@ -125,13 +126,6 @@ Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs, int P, 
   return L;
 }
 
-// Elements [off, off + n) of t as a tensor of its own, sharing t's storage.
-Tensor region(const Tensor& t, int64_t off, int64_t n) {
-  if (off == 0 && n == t.numel()) return t;
-  char* p = static_cast<char*>(const_cast<void*>(t.data())) + static_cast<size_t>(off) * dtype_size(t.dtype());
-  return Tensor::from_blob(p, {n}, t.dtype(), t.device(), [keep = t] {});
-}
-
 // (BH, D) for the Z stream (E = 1), else (BH, D, E); with frames: (BH, F, D[, E]).
 Shape state_shape(int64_t BH, int64_t D, int64_t E) { return E == 1 ? Shape{BH, D} : Shape{BH, D, E}; }
 Shape states_shape(int64_t BH, int64_t F, int64_t D, int64_t E) {
@@ -139,17 +133,25 @@ Shape states_shape(int64_t BH, int64_t F, int64_t D, int64_t E) {
 }
 
 // Folds over ranks; those without a product need no fold kernel: over no rank
-// from a zero state X = 0, over one rank from a zero state X = h of that rank
-// (a device copy out of the gathered buffer).
+// from a zero state X = 0, over one rank from a zero state X = h of that rank. A fold
+// without X gets one: over that one rank the view of h where it lies in the gathered
+// buffer (no copy), else a new (BH, D[, E]) tensor; a given X is written.
 void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
   std::vector<Fold> products;
   for (Fold& f : fs) {
-    if (f.init.defined() || f.order.size() > 1)
-      products.push_back(f);
-    else if (f.order.empty())
+    const bool one = !f.init.defined() && f.order.size() == 1;
+    const Shape shape = state_shape(BH, D, f.E);
+    if (!f.X.defined() && one) {
+      f.X = region(f.Hbuf, f.h_off + f.order[0] * f.h_stride, BH * D * f.E).reshape(shape);
+      continue;
+    }
+    if (!f.X.defined()) f.X = Tensor::empty(shape, f.Hbuf.dtype(), f.Hbuf.device());
+    if (one)
+      kern::copy_region(f.X, 0, f.Hbuf, f.h_off + f.order[0] * f.h_stride, f.X.numel());
+    else if (f.order.empty() && !f.init.defined())
       f.X.fill_(0.0);
     else
-      kern::copy_region(f.X, 0, f.Hbuf, f.h_off + f.order[0] * f.h_stride, f.X.numel());
+      products.push_back(f);
   }
   kern::folds(products, BH, D);
 }
@@ -303,12 +305,12 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
 
   // 2-3 by the log-depth or hierarchical exchange (exchange.h): X0 and T directly.
   if (plan.algo != Exchange::all_gather) {
-    std::vector<Tensor> X0s(jobs.size()), Ts(jobs.size());
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      X0s[i] = jobs[i].X0 = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
-      if (jobs[i].terminal) Ts[i] = jobs[i].T = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
-    }
+    std::vector<Tensor> X0s, Ts;  // views into ctx.gathered
     exchange_forward(comm, plan, exchange_jobs(jobs, L), pack, L.fwd_total, BH, D, ctx.gathered, X0s, Ts);
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      jobs[i].X0 = X0s[i];
+      if (jobs[i].terminal) jobs[i].T = Ts[i];
+    }
     return correct_from_X0(jobs, cum, redo, ctx.decay, BH, F, D);
   }
 
@@ -323,6 +325,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
 
   // 3. The incoming state of every job (and the terminal states): folds over the ranks.
   std::vector<Fold> fs;
+  std::vector<size_t> x0_at(jobs.size()), t_at(jobs.size());  // their folds in fs
   for (size_t i = 0; i < jobs.size(); ++i) {
     ScanJob& j = jobs[i];
     Fold f;
@@ -334,20 +337,22 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
     f.E = j.E;
     for (int pos = 0; pos < logical(j, r, P); ++pos) f.order.push_back(physical(j, pos, P));
     GDNCP_CHECK(f.Mbuf.defined() || f.order.size() <= 1, "cp scan: the fold needs composites that were not gathered");
-    j.X0 = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-    f.X = j.X0;
+    x0_at[i] = fs.size();
     fs.push_back(f);
     if (j.terminal) {
       GDNCP_CHECK(!j.anti && !j.rank_reverse, "cp scan: a terminal state needs the forward rank order");
       Fold ft = f;
       ft.order.clear();
       for (int p = 0; p < P; ++p) ft.order.push_back(p);
-      j.T = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-      ft.X = j.T;
+      t_at[i] = fs.size();
       fs.push_back(ft);
     }
   }
   run_folds(fs, BH, D);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    jobs[i].X0 = fs[x0_at[i]].X;
+    if (jobs[i].terminal) jobs[i].T = fs[t_at[i]].X;
+  }
 
   // 4. The correction of docs/design.md §6, all frames at once: Y_t = Y_loc,t + Wcum_t X0.
   correct_from_X0(jobs, cum, redo, ctx.decay, BH, F, D);
@@ -462,6 +467,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     // 3. Σ over ranks of dT (rank order: the same bits everywhere), then the
     //    adjoint a arriving from the logically later ranks: a ← dX0_j + M_jᵀ a.
     std::vector<Fold> sums, backs;
+    std::vector<size_t> back_of;  // the job of each fold in backs
     std::vector<Tensor> a0(jobs.size()), seed(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
       if (!jobs[i].terminal) continue;
@@ -486,8 +492,6 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       }
       GDNCP_CHECK(L.M[i] >= 0 || (f.order.size() == 1 && !a0[i].defined()),
                   "cp scan backward: the fold needs composites that were not gathered");
-      seed[i] = Tensor::empty(state_shape(BH, D, j.E), dt, dev);
-      f.X = seed[i];
       f.init = a0[i];
       if (L.M[i] >= 0) f.Mbuf = ctx.gathered;
       f.m_off = L.off(i, std::max<int64_t>(L.M[i], 0));
@@ -497,9 +501,11 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       f.h_off = L.dX0[i];
       f.h_stride = stride;
       f.E = j.E;
+      back_of.push_back(i);
       backs.push_back(f);
     }
     run_folds(backs, BH, D);
+    for (size_t k = 0; k < backs.size(); ++k) seed[back_of[k]] = backs[k].X;
     // 4. The composite's gradient folded into the last state (Note [CP scan]).
     seed_adjoints(seed);
   }
