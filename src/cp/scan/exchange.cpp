@@ -347,10 +347,10 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
   for (const ExchangeJob& j : jobs) kept_n += BH * D * j.E * (j.terminal ? 2 : 1);
   X0.assign(jobs.size(), Tensor());
   T.assign(jobs.size(), Tensor());
-  auto views = [&] {  // X0 and T as views into kept (the layout of Note [exchange])
+  auto views = [&](const Tensor& buf) {  // X0 and T as views into the kept buffer (Note [exchange])
     int64_t off = node_n;
     const auto next = [&](const ExchangeJob& j) {
-      Tensor v = region(kept, off, BH * D * j.E).reshape(j.E == 1 ? Shape{BH, D} : Shape{BH, D, j.E});
+      Tensor v = region(buf, off, BH * D * j.E).reshape(j.E == 1 ? Shape{BH, D} : Shape{BH, D, j.E});
       off += BH * D * j.E;
       return v;
     };
@@ -361,13 +361,13 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
   if (kept.defined()) {  // a checkpoint recompute: what the forward kept
     GDNCP_CHECK(kept.numel() == kept_n, "cp scan: kept composites do not match this call (", kept.numel(),
                 " elements)");
-    return views();
+    return views(kept);
   }
 
   const Ops ops = ops_of(pack, BH, D, false);
-  kept = Tensor::empty({kept_n}, pack.dtype(), pack.device());
-  views();
-  const Tensor nodebuf = region(kept, 0, node_n);
+  const Tensor buf = Tensor::empty({kept_n}, pack.dtype(), pack.device());  // kept once complete
+  views(buf);
+  const Tensor nodebuf = region(buf, 0, node_n);
   node_gather(comm, n, pack, nodebuf);
   std::vector<Item> items(jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i) {
@@ -387,6 +387,7 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
                nodebuf, j.h_off, fwd_total, before, BH, D, j.E);
     if (j.terminal) kern::copy_region(T[i], 0, items[i].total, 0, T[i].numel());
   }
+  kept = buf;
 }
 
 void exchange_backward(Communicator& comm, const ExchangePlan& plan, const std::vector<ExchangeJob>& jobs,
