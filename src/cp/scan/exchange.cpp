@@ -50,15 +50,19 @@ struct Ops {
   Tensor zeros;  // (BH·D·D): the additive part of a product
 
   Tensor flat(int64_t E) const { return Tensor::empty({BH * D * E}, dt, dev); }
-  // op(N) x + h (x undefined: h). With a batch, the result is computed when the batch runs.
-  Tensor apply(const Tensor& N, const Tensor& h, const Tensor& x, int64_t E, std::vector<Fold>* batch = nullptr) const {
+  // op(N) x + h (x undefined: h), into `into` where given. With a batch, the result is computed
+  // when the batch runs.
+  Tensor apply(const Tensor& N, const Tensor& h, const Tensor& x, int64_t E, std::vector<Fold>* batch = nullptr,
+               const Tensor& into = Tensor()) const {
     GDNCP_CHECK(!x.defined() || N.defined(), "cp exchange: a transition that did not travel is needed");
-    return submit(step(flat(E), x, N, transpose, h, E), batch);
+    return submit(step(into.defined() ? into : flat(E), x, N, transpose, h, E), batch);
   }
   // The linear part of b∘a (a applied first): N_b N_a, or N_a N_b for the transposed maps.
-  Tensor product(const Tensor& Nb, const Tensor& Na, std::vector<Fold>* batch = nullptr) const {
+  Tensor product(const Tensor& Nb, const Tensor& Na, std::vector<Fold>* batch = nullptr,
+                 const Tensor& into = Tensor()) const {
     GDNCP_CHECK(Na.defined() && Nb.defined(), "cp exchange: a transition that did not travel is needed");
-    return submit(step(flat(D), transpose ? Nb : Na, transpose ? Na : Nb, false, zeros, D), batch);
+    return submit(step(into.defined() ? into : flat(D), transpose ? Nb : Na, transpose ? Na : Nb, false, zeros, D),
+                  batch);
   }
 
  private:
@@ -122,73 +126,103 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
   std::vector<State> st(items.size());
   for (size_t i = 0; i < items.size(); ++i) st[i].incl = items[i].own;
   const int64_t DD = ops.D * ops.D;
+  // Both rank orders of a round in one step, each a way of its own: a transfer to the rank 2ᵏ
+  // ahead in its order, from the one 2ᵏ behind.
+  struct Way {
+    bool dir = false;
+    int pos = 0;
+    std::vector<size_t> mine;
+  };
+  std::vector<Way> ways;
+  for (bool dir : {false, true}) {
+    Way w;
+    w.dir = dir;
+    w.pos = pos_of(g, G, dir);
+    for (size_t i = 0; i < items.size(); ++i)
+      if (items[i].reverse == dir) w.mine.push_back(i);
+    if (!w.mine.empty()) ways.push_back(w);
+  }
+  // What a way sends in round k: per item h, then N where it travels (at[2q], at[2q + 1] for its
+  // q-th item; -1: not sent); the receiver sizes its message by the same rule. The message is
+  // allocated a round ahead, so that the compositions of the round before write into it
+  // (placed: already there) and only maps not composed then are copied in.
+  struct Outbox {
+    int dst = -1;
+    std::vector<int64_t> at;
+    std::vector<char> placed;
+    Tensor msg;
+  };
+  auto outbox = [&](int k, const Way& w) {
+    Outbox o;
+    const int s = 1 << k, lo = std::max(0, w.pos - s + 1);
+    o.dst = w.pos + s < G ? pos_of(w.pos + s, G, w.dir) * n + lane : -1;
+    int64_t total = 0;
+    for (size_t i : w.mine) {
+      o.at.push_back(total);
+      total += ops.BH * ops.D * items[i].E;
+      const bool N = carries_N(lo, k == rounds - 1, items[i].init.defined());
+      o.at.push_back(N ? total : -1);
+      total += N ? ops.BH * DD : 0;
+    }
+    o.placed.assign(o.at.size(), 0);
+    if (o.dst >= 0) o.msg = Tensor::empty({total}, ops.dt, ops.dev);
+    return o;
+  };
+  // Where a composition of round k's item q goes: its slot in the next message, if it has one.
+  auto slot = [&](Outbox& o, size_t q, int64_t n_elems) {
+    if (!o.msg.defined() || o.at[q] < 0) return Tensor();
+    o.placed[q] = 1;
+    return region(o.msg, o.at[q], n_elems);
+  };
+  std::vector<Outbox> out;
+  for (const Way& w : ways) out.push_back(rounds > 0 ? outbox(0, w) : Outbox());
   for (int k = 0; k < rounds; ++k) {
     const int s = 1 << k;
     const bool last = k == rounds - 1;
-    // Both rank orders of the round in one step: each its own transfer (to the rank 2ᵏ ahead
-    // in its order, from the one 2ᵏ behind).
-    struct Way {
-      std::vector<size_t> mine;
-      int pos = 0, lo_recv = 0;
-    };
-    std::vector<Way> ways;
     std::vector<Communicator::Transfer> ts;
-    for (bool dir : {false, true}) {
-      Way w;
-      for (size_t i = 0; i < items.size(); ++i)
-        if (items[i].reverse == dir) w.mine.push_back(i);
-      if (w.mine.empty()) continue;
-      const int pos = w.pos = pos_of(g, G, dir);
+    for (size_t wi = 0; wi < ways.size(); ++wi) {
+      const Way& w = ways[wi];
+      Outbox& o = out[wi];
       Communicator::Transfer t;
-      t.dst = pos + s < G ? pos_of(pos + s, G, dir) * n + lane : -1;
-      t.src = pos - s >= 0 ? pos_of(pos - s, G, dir) * n + lane : -1;
-      const int lo_send = std::max(0, pos - s + 1);
-      w.lo_recv = std::max(0, pos - 2 * s + 1);
-      // Pack: per item h, then N where it travels; the receiver sizes it by the same rule.
-      int64_t send_n = 0, recv_n = 0;
-      for (size_t i : w.mine) {
-        const bool init = items[i].init.defined();
-        send_n += ops.BH * ops.D * items[i].E + (carries_N(lo_send, last, init) ? ops.BH * DD : 0);
-        recv_n += ops.BH * ops.D * items[i].E + (carries_N(w.lo_recv, last, init) ? ops.BH * DD : 0);
-      }
-      if (t.dst >= 0) {
-        t.send = Tensor::empty({send_n}, ops.dt, ops.dev);
-        int64_t off = 0;
-        for (size_t i : w.mine) {
-          const Affine& a = st[i].incl;
-          kern::copy_region(t.send, off, a.h, 0, a.h.numel());
-          off += a.h.numel();
-          if (carries_N(lo_send, last, items[i].init.defined())) {
-            GDNCP_CHECK(a.N.defined(), "cp exchange: a transition that must travel is missing");
-            kern::copy_region(t.send, off, a.N, 0, a.N.numel());
-            off += a.N.numel();
-          }
+      t.dst = o.dst;
+      t.src = w.pos - s >= 0 ? pos_of(w.pos - s, G, w.dir) * n + lane : -1;
+      const int lo_recv = std::max(0, w.pos - 2 * s + 1);
+      int64_t recv_n = 0;
+      for (size_t q = 0; q < w.mine.size(); ++q) {
+        const size_t i = w.mine[q];
+        const Affine& a = st[i].incl;
+        recv_n += ops.BH * ops.D * items[i].E + (carries_N(lo_recv, last, items[i].init.defined()) ? ops.BH * DD : 0);
+        if (!o.msg.defined()) continue;
+        if (!o.placed[2 * q]) kern::copy_region(o.msg, o.at[2 * q], a.h, 0, a.h.numel());
+        if (o.at[2 * q + 1] >= 0 && !o.placed[2 * q + 1]) {
+          GDNCP_CHECK(a.N.defined(), "cp exchange: a transition that must travel is missing");
+          kern::copy_region(o.msg, o.at[2 * q + 1], a.N, 0, a.N.numel());
         }
       }
+      t.send = o.msg;
       if (t.src >= 0) t.recv = Tensor::empty({recv_n}, ops.dt, ops.dev);
-      ways.push_back(w);
       ts.push_back(t);
     }
     comm.send_recv_group(ts);
     std::vector<Fold> batch;  // the round's compositions, independent of each other: one launch
     for (size_t wi = 0; wi < ways.size(); ++wi) {
-      const std::vector<size_t>& mine = ways[wi].mine;
-      const int pos = ways[wi].pos, lo_recv = ways[wi].lo_recv;
+      const Way& w = ways[wi];
+      Outbox next = last ? Outbox() : outbox(k + 1, w);
+      const int pos = w.pos, lo_recv = std::max(0, pos - 2 * s + 1);
       const Tensor& recv = ts[wi].recv;
-      if (ts[wi].src < 0) continue;
       int64_t off = 0;
-      for (size_t i : mine) {
-        Item& it = items[i];
+      for (size_t q = 0; ts[wi].src >= 0 && q < w.mine.size(); ++q) {
+        Item& it = items[w.mine[q]];
         const bool init = it.init.defined();
         Affine a;  // the received map, read where it arrived
         a.h = region(recv, off, ops.BH * ops.D * it.E);
         off += a.h.numel();
         if (carries_N(lo_recv, last, init)) {
-          a.N = region(recv, off, ops.BH * ops.D * ops.D);
+          a.N = region(recv, off, ops.BH * DD);
           off += a.N.numel();
         }
         const bool keep_N = carries_N(lo_recv, last, init);  // the new composites start at lo_recv
-        State& t = st[i];
+        State& t = st[w.mine[q]];
         if (t.have_excl) {
           Affine e;
           e.h = ops.apply(t.excl.N, t.excl.h, a.h, it.E, &batch);
@@ -201,11 +235,12 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
         const bool incl_used = pos < G - 1 || it.want_total;
         if ((!last && incl_used) || (last && it.want_total && pos == G - 1)) {  // it travels on, or is the total
           Affine c;
-          c.h = ops.apply(t.incl.N, t.incl.h, a.h, it.E, &batch);
-          if (keep_N && !last) c.N = ops.product(t.incl.N, a.N, &batch);
+          c.h = ops.apply(t.incl.N, t.incl.h, a.h, it.E, &batch, slot(next, 2 * q, ops.BH * ops.D * it.E));
+          if (keep_N && !last) c.N = ops.product(t.incl.N, a.N, &batch, slot(next, 2 * q + 1, ops.BH * DD));
           t.incl = c;
         }
       }
+      out[wi] = next;
     }
     if (!batch.empty()) kern::folds(batch, ops.BH, ops.D);
   }
