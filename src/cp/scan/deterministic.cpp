@@ -162,7 +162,7 @@ struct Global {
       return t;
     };
     g.P = piece(L.P[i], {c.BH, Ft, c.D, c.D}, c.D * c.D);
-    if (with_U) g.U = piece(L.U[i], j.E == 1 ? Shape{c.BH, Ft, c.D} : Shape{c.BH, Ft, c.D, j.E}, c.D * j.E);
+    if (with_U) g.U = piece(L.U[i], states_shape(c.BH, Ft, c.D, j.E), c.D * j.E);
     g.E = j.E;
     g.anti = j.anti;
     g.terminal = j.terminal;
@@ -278,10 +278,10 @@ void deterministic_scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, T
       if (reversed_order(j) != rev) continue;
       idx.push_back(i);
       ScanJob gj = G.job(ctx, j, i, /*with_U=*/false);
-      const Shape ys = j.E == 1 ? Shape{BH, G.Ft, D} : Shape{BH, G.Ft, D, j.E};
+      const Shape ys = states_shape(BH, G.Ft, D, j.E);
       gj.Y = assemble(gathered, slice, y_off[i], ys, BH, D * j.E, ctx.frames, Fmax, rev);
       gj.dY = assemble(gathered, slice, dy_off[i], ys, BH, D * j.E, ctx.frames, Fmax, rev);
-      gj.X0 = Tensor::zeros(j.E == 1 ? Shape{BH, D} : Shape{BH, D, j.E}, dt, dev);
+      gj.X0 = Tensor::zeros(state_shape(BH, D, j.E), dt, dev);
       if (j.terminal) {  // Σ over ranks of dT, in rank order
         gj.dT = Tensor::zeros(gj.X0.shape(), dt, dev);
         Tensor dTp = Tensor::empty(gj.X0.shape(), dt, dev);

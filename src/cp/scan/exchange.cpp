@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cp/scan/region.h"
+#include "cp/scan/scan_engine.h"
 #include "gdncp/error.h"
 #include "kernels/cp_kernels.h"
 
@@ -142,37 +143,47 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
       if (items[i].reverse == dir) w.mine.push_back(i);
     if (!w.mine.empty()) ways.push_back(w);
   }
-  // What a way sends in round k: per item h, then N where it travels (at[2q], at[2q + 1] for its
-  // q-th item; -1: not sent); the receiver sizes its message by the same rule. The message is
-  // allocated a round ahead, so that the compositions of the round before write into it
-  // (placed: already there) and only maps not composed then are copied in.
+  // A message of a way in round k whose composites start at position lo: per item h, then N
+  // where it travels (at[2q], at[2q + 1] for the way's q-th item; -1: not in it). Sender and
+  // receiver lay it out by this one rule.
+  struct Layout {
+    std::vector<int64_t> at;
+    int64_t total = 0;
+  };
+  auto layout = [&](int k, int lo, const Way& w) {
+    Layout m;
+    for (size_t i : w.mine) {
+      m.at.push_back(m.total);
+      m.total += ops.BH * ops.D * items[i].E;
+      const bool N = carries_N(lo, k == rounds - 1, items[i].init.defined());
+      m.at.push_back(N ? m.total : -1);
+      m.total += N ? ops.BH * DD : 0;
+    }
+    return m;
+  };
+  // What a way sends in round k. The message is allocated a round ahead, so that the
+  // compositions of the round before write into it (placed: already there) and only maps not
+  // composed then are copied in.
   struct Outbox {
     int dst = -1;
-    std::vector<int64_t> at;
+    Layout m;
     std::vector<char> placed;
     Tensor msg;
   };
   auto outbox = [&](int k, const Way& w) {
     Outbox o;
-    const int s = 1 << k, lo = std::max(0, w.pos - s + 1);
+    const int s = 1 << k;
     o.dst = w.pos + s < G ? pos_of(w.pos + s, G, w.dir) * n + lane : -1;
-    int64_t total = 0;
-    for (size_t i : w.mine) {
-      o.at.push_back(total);
-      total += ops.BH * ops.D * items[i].E;
-      const bool N = carries_N(lo, k == rounds - 1, items[i].init.defined());
-      o.at.push_back(N ? total : -1);
-      total += N ? ops.BH * DD : 0;
-    }
-    o.placed.assign(o.at.size(), 0);
-    if (o.dst >= 0) o.msg = Tensor::empty({total}, ops.dt, ops.dev);
+    o.m = layout(k, std::max(0, w.pos - s + 1), w);
+    o.placed.assign(o.m.at.size(), 0);
+    if (o.dst >= 0) o.msg = Tensor::empty({o.m.total}, ops.dt, ops.dev);
     return o;
   };
   // Where a composition of round k's item q goes: its slot in the next message, if it has one.
   auto slot = [&](Outbox& o, size_t q, int64_t n_elems) {
-    if (!o.msg.defined() || o.at[q] < 0) return Tensor();
+    if (!o.msg.defined() || o.m.at[q] < 0) return Tensor();
     o.placed[q] = 1;
-    return region(o.msg, o.at[q], n_elems);
+    return region(o.msg, o.m.at[q], n_elems);
   };
   std::vector<Outbox> out;
   for (const Way& w : ways) out.push_back(rounds > 0 ? outbox(0, w) : Outbox());
@@ -180,27 +191,24 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
     const int s = 1 << k;
     const bool last = k == rounds - 1;
     std::vector<Communicator::Transfer> ts;
+    std::vector<Layout> in;  // per way: the message it receives, whose composites start 2ᵏ⁺¹ − 1 back
     for (size_t wi = 0; wi < ways.size(); ++wi) {
       const Way& w = ways[wi];
       Outbox& o = out[wi];
-      Communicator::Transfer t;
-      t.dst = o.dst;
-      t.src = w.pos - s >= 0 ? pos_of(w.pos - s, G, w.dir) * n + lane : -1;
-      const int lo_recv = std::max(0, w.pos - 2 * s + 1);
-      int64_t recv_n = 0;
-      for (size_t q = 0; q < w.mine.size(); ++q) {
-        const size_t i = w.mine[q];
-        const Affine& a = st[i].incl;
-        recv_n += ops.BH * ops.D * items[i].E + (carries_N(lo_recv, last, items[i].init.defined()) ? ops.BH * DD : 0);
-        if (!o.msg.defined()) continue;
-        if (!o.placed[2 * q]) kern::copy_region(o.msg, o.at[2 * q], a.h, 0, a.h.numel());
-        if (o.at[2 * q + 1] >= 0 && !o.placed[2 * q + 1]) {
+      for (size_t q = 0; o.msg.defined() && q < w.mine.size(); ++q) {
+        const Affine& a = st[w.mine[q]].incl;
+        if (!o.placed[2 * q]) kern::copy_region(o.msg, o.m.at[2 * q], a.h, 0, a.h.numel());
+        if (o.m.at[2 * q + 1] >= 0 && !o.placed[2 * q + 1]) {
           GDNCP_CHECK(a.N.defined(), "cp exchange: a transition that must travel is missing");
-          kern::copy_region(o.msg, o.at[2 * q + 1], a.N, 0, a.N.numel());
+          kern::copy_region(o.msg, o.m.at[2 * q + 1], a.N, 0, a.N.numel());
         }
       }
+      Communicator::Transfer t;
+      t.dst = o.dst;
       t.send = o.msg;
-      if (t.src >= 0) t.recv = Tensor::empty({recv_n}, ops.dt, ops.dev);
+      t.src = w.pos - s >= 0 ? pos_of(w.pos - s, G, w.dir) * n + lane : -1;
+      in.push_back(layout(k, std::max(0, w.pos - 2 * s + 1), w));
+      if (t.src >= 0) t.recv = Tensor::empty({in.back().total}, ops.dt, ops.dev);
       ts.push_back(t);
     }
     comm.send_recv_group(ts);
@@ -208,20 +216,15 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
     for (size_t wi = 0; wi < ways.size(); ++wi) {
       const Way& w = ways[wi];
       Outbox next = last ? Outbox() : outbox(k + 1, w);
-      const int pos = w.pos, lo_recv = std::max(0, pos - 2 * s + 1);
-      const Tensor& recv = ts[wi].recv;
-      int64_t off = 0;
       for (size_t q = 0; ts[wi].src >= 0 && q < w.mine.size(); ++q) {
         Item& it = items[w.mine[q]];
-        const bool init = it.init.defined();
-        Affine a;  // the received map, read where it arrived
-        a.h = region(recv, off, ops.BH * ops.D * it.E);
-        off += a.h.numel();
-        if (carries_N(lo_recv, last, init)) {
-          a.N = region(recv, off, ops.BH * DD);
-          off += a.N.numel();
-        }
-        const bool keep_N = carries_N(lo_recv, last, init);  // the new composites start at lo_recv
+        // The received map, read where it arrived; its N travelled iff the new composites,
+        // which start where it does, keep theirs.
+        const int64_t h_at = in[wi].at[2 * q], N_at = in[wi].at[2 * q + 1];
+        const bool keep_N = N_at >= 0;
+        Affine a;
+        a.h = region(ts[wi].recv, h_at, ops.BH * ops.D * it.E);
+        if (keep_N) a.N = region(ts[wi].recv, N_at, ops.BH * DD);
         State& t = st[w.mine[q]];
         if (t.have_excl) {
           Affine e;
@@ -232,8 +235,8 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
           t.excl = a;
           t.have_excl = true;
         }
-        const bool incl_used = pos < G - 1 || it.want_total;
-        if ((!last && incl_used) || (last && it.want_total && pos == G - 1)) {  // it travels on, or is the total
+        const bool incl_used = w.pos < G - 1 || it.want_total;
+        if ((!last && incl_used) || (last && it.want_total && w.pos == G - 1)) {  // it travels on, or is the total
           Affine c;
           c.h = ops.apply(t.incl.N, t.incl.h, a.h, it.E, &batch, slot(next, 2 * q, ops.BH * ops.D * it.E));
           if (keep_N && !last) c.N = ops.product(t.incl.N, a.N, &batch, slot(next, 2 * q + 1, ops.BH * DD));
@@ -385,7 +388,7 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
   auto views = [&](const Tensor& buf) {  // X0 and T as views into the kept buffer (Note [exchange])
     int64_t off = node_n;
     const auto next = [&](const ExchangeJob& j) {
-      Tensor v = region(buf, off, BH * D * j.E).reshape(j.E == 1 ? Shape{BH, D} : Shape{BH, D, j.E});
+      Tensor v = state_view(buf, off, BH, D, j.E);
       off += BH * D * j.E;
       return v;
     };

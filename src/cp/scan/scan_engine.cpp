@@ -10,7 +10,6 @@
 #include "cp/scan/comm_stream.h"
 #include "cp/scan/deterministic.h"
 #include "cp/scan/exchange.h"
-#include "cp/scan/region.h"
 #include "gdncp/error.h"
 
 namespace gdncp {
@@ -126,32 +125,21 @@ Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs, int P, 
   return L;
 }
 
-// (BH, D) for the Z stream (E = 1), else (BH, D, E); with frames: (BH, F, D[, E]).
-Shape state_shape(int64_t BH, int64_t D, int64_t E) { return E == 1 ? Shape{BH, D} : Shape{BH, D, E}; }
-Shape states_shape(int64_t BH, int64_t F, int64_t D, int64_t E) {
-  return E == 1 ? Shape{BH, F, D} : Shape{BH, F, D, E};
-}
-
-// Folds over ranks; those without a product need no fold kernel: over no rank
-// from a zero state X = 0, over one rank from a zero state X = h of that rank. A fold
-// without X gets one: over that one rank the view of h where it lies in the gathered
-// buffer (no copy), else a new (BH, D[, E]) tensor; a given X is written.
+// Folds over ranks, each fold's X set here. Those without a product need no fold kernel: over no
+// rank from a zero state X = 0, over one rank from a zero state X = h of that rank, the view of it
+// where it lies in the gathered buffer (no copy); the others get a new (BH, D[, E]) tensor.
 void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
   std::vector<Fold> products;
   for (Fold& f : fs) {
-    const bool one = !f.init.defined() && f.order.size() == 1;
     const Shape shape = state_shape(BH, D, f.E);
-    if (!f.X.defined() && one) {
-      f.X = region(f.Hbuf, f.h_off + f.order[0] * f.h_stride, BH * D * f.E).reshape(shape);
-      continue;
-    }
-    if (!f.X.defined()) f.X = Tensor::empty(shape, f.Hbuf.dtype(), f.Hbuf.device());
-    if (one)
-      kern::copy_region(f.X, 0, f.Hbuf, f.h_off + f.order[0] * f.h_stride, f.X.numel());
-    else if (f.order.empty() && !f.init.defined())
-      f.X.fill_(0.0);
-    else
+    if (f.init.defined() || f.order.size() > 1) {
+      f.X = Tensor::empty(shape, f.Hbuf.dtype(), f.Hbuf.device());
       products.push_back(f);
+    } else if (f.order.empty()) {
+      f.X = Tensor::zeros(shape, f.Hbuf.dtype(), f.Hbuf.device());
+    } else {
+      f.X = state_view(f.Hbuf, f.h_off + f.order[0] * f.h_stride, BH, D, f.E);
+    }
   }
   kern::folds(products, BH, D);
 }
@@ -467,21 +455,21 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
     // 3. Σ over ranks of dT (rank order: the same bits everywhere), then the
     //    adjoint a arriving from the logically later ranks: a ← dX0_j + M_jᵀ a.
     std::vector<Fold> sums, backs;
-    std::vector<size_t> back_of;  // the job of each fold in backs
+    std::vector<size_t> sum_of, back_of;  // the job of each fold in sums, in backs
     std::vector<Tensor> a0(jobs.size()), seed(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
       if (!jobs[i].terminal) continue;
       Fold f;
-      a0[i] = Tensor::empty(state_shape(BH, D, jobs[i].E), dt, dev);
-      f.X = a0[i];
       f.Hbuf = gathered;
       f.h_off = L.dT[i];
       f.h_stride = stride;
       f.E = jobs[i].E;
       for (int p = 0; p < P; ++p) f.order.push_back(p);
+      sum_of.push_back(i);
       sums.push_back(f);
     }
     run_folds(sums, BH, D);
+    for (size_t k = 0; k < sums.size(); ++k) a0[sum_of[k]] = sums[k].X;
     for (size_t i = 0; i < jobs.size(); ++i) {
       const ScanJob& j = jobs[i];
       Fold f;

@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cp/scan/region.h"
 #include "gdncp/cp.h"
 #include "gdncp/tensor.h"
 #include "kernels/cp_kernels.h"
@@ -49,6 +50,18 @@
 namespace gdncp {
 namespace cp {
 namespace detail {
+
+// A state of the scan (X0, T, their adjoints): (BH, D) for a job of one column (E = 1: the z of
+// the Z stream), else (BH, D, E).
+inline Shape state_shape(int64_t BH, int64_t D, int64_t E) { return E == 1 ? Shape{BH, D} : Shape{BH, D, E}; }
+// The states of F frames (Y, U and their gradients): (BH, F, D) for E = 1, else (BH, F, D, E).
+inline Shape states_shape(int64_t BH, int64_t F, int64_t D, int64_t E) {
+  return E == 1 ? Shape{BH, F, D} : Shape{BH, F, D, E};
+}
+// The state at elements [off, off + BH·D·E) of a packed buffer, as a view of it (no copy).
+inline Tensor state_view(const Tensor& buf, int64_t off, int64_t BH, int64_t D, int64_t E) {
+  return region(buf, off, BH * D * E).reshape(state_shape(BH, D, E));
+}
 
 struct ScanJob {
   // --- inputs
