@@ -27,6 +27,14 @@ static int g_failures = 0;
     }                                                                    \
   } while (0)
 
+/* The MPI world as a gdncp communicator, or NULL after a failed expectation. */
+static gdncp_comm* mpi_world(void) {
+  gdncp_comm* comm = NULL;
+  const gdncp_status st = gdncp_comm_create_mpi_world(&comm);
+  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
+  return st == GDNCP_OK ? comm : NULL;
+}
+
 /* --- caller-owned tensors ------------------------------------------------------ */
 typedef struct Blob {
   DLManagedTensor m;
@@ -403,10 +411,9 @@ static void cp_options_exchange(gdncp_comm* comm) {
 /* In place through the door: a 1-rank MPI world sums into the caller's buffer
  * (the result lands in the same memory; nothing is copied out). */
 static void case_dlpack_in_place(void) {
-  gdncp_comm* comm = NULL;
-  gdncp_status st = gdncp_comm_create_mpi_world(&comm);
-  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
-  if (st != GDNCP_OK) return;
+  gdncp_comm* comm = mpi_world();
+  if (!comm) return;
+  gdncp_status st;
   int rank = -1, size = -1;
   const char* backend = NULL;
   gdncp_comm_rank(comm, &rank);
@@ -491,10 +498,9 @@ static gdncp_status exchange_run(gdncp_comm* comm, Layer* L, int entry, const gd
 }
 
 static void case_OverlapExchange(void) {
-  gdncp_comm* comm = NULL;
-  gdncp_status st = gdncp_comm_create_mpi_world(&comm);
-  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
-  if (st != GDNCP_OK) return;
+  gdncp_comm* comm = mpi_world();
+  if (!comm) return;
+  gdncp_status st;
   int rank = -1, size = -1;
   gdncp_comm_rank(comm, &rank);
   gdncp_comm_size(comm, &size);
@@ -619,10 +625,9 @@ static double cam_loss(const double* out) {
 }
 
 static void case_cam_gdn_num(void) {
-  gdncp_comm* comm = NULL;
-  gdncp_status st = gdncp_comm_create_mpi_world(&comm);
-  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
-  if (st != GDNCP_OK) return;
+  gdncp_comm* comm = mpi_world();
+  if (!comm) return;
+  gdncp_status st;
   Cam* c = (Cam*)calloc(1, sizeof(Cam));
   for (int t = 0; t < 5; ++t)
     for (int64_t i = 0; i < kCamSizes[t]; ++i)
@@ -844,10 +849,9 @@ static void case_comm_callbacks(void) {
 /* Destroyed and foreign handles are argument errors naming them, never a use
  * after free; a tensor given to a call on a dead communicator is consumed. */
 static void case_HardenHandles(void) {
-  gdncp_comm* comm = NULL;
-  gdncp_status st = gdncp_comm_create_mpi_world(&comm);
-  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
-  if (st != GDNCP_OK) return;
+  gdncp_comm* comm = mpi_world();
+  if (!comm) return;
+  gdncp_status st;
   EXPECT(gdncp_comm_destroy(comm) == GDNCP_OK, "destroy: '%s'", gdncp_last_error());
   st = gdncp_comm_destroy(comm);
   EXPECT(st == GDNCP_ERROR_ARGUMENT && strstr(gdncp_last_error(), "comm") != NULL, "second destroy: %d '%s'", st,
@@ -962,10 +966,8 @@ static void case_HardenDlpack(void) {
   }
   free(L);
 
-  gdncp_comm* comm = NULL;
-  st = gdncp_comm_create_mpi_world(&comm);
-  EXPECT(st == GDNCP_OK, "%d '%s'", st, gdncp_last_error());
-  if (st != GDNCP_OK) return;
+  gdncp_comm* comm = mpi_world();
+  if (!comm) return;
   /* An empty tensor with torch's strides (sizes taken as at least 1): (2, 0, 3) with strides (3, 3, 1). */
   Blob b;
   const int64_t shape[] = {2, 0, 3};
