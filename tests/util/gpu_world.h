@@ -6,6 +6,7 @@
 
 #include <mpi.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,6 +35,22 @@ inline std::string staged(int e, const char* what) {
   return e == MPI_SUCCESS ? std::string() : std::string(what) + " failed";
 }
 
+// Collective `call` on CUDA memory through host buffers: hin.size() bytes of `in` to hin, the
+// MPI call `mpi_name` on the host buffers, then hout.size() bytes of hout to `out`, each copy
+// waited for; hout may be hin (in place).
+inline std::string via_host(const char* call, void* stream, const void* in, std::vector<char>& hin, void* out,
+                            std::vector<char>& hout, const char* mpi_name, const std::function<int()>& mpi) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  std::string e;
+  if (!hin.empty()) e = staged(cudaMemcpyAsync(hin.data(), in, hin.size(), cudaMemcpyDeviceToHost, s), "copy in");
+  if (e.empty()) e = staged(cudaStreamSynchronize(s), "wait");
+  if (e.empty()) e = staged(mpi(), mpi_name);
+  if (e.empty() && !hout.empty())
+    e = staged(cudaMemcpyAsync(out, hout.data(), hout.size(), cudaMemcpyHostToDevice, s), "copy out");
+  if (e.empty()) e = staged(cudaStreamSynchronize(s), "wait");
+  return e.empty() ? e : std::string(call) + ": " + e;
+}
+
 // MPI_COMM_WORLD for CUDA tensors through host buffers: the ranks may share a GPU.
 inline std::shared_ptr<cp::Communicator> make_staged_cuda_world() {
   int rank = 0, P = 0;
@@ -43,44 +60,25 @@ inline std::shared_ptr<cp::Communicator> make_staged_cuda_world() {
   cb.all_gather = [P](void* out, const void* in, size_t bytes, void* stream) -> std::string {
     if (bytes > static_cast<size_t>(INT32_MAX)) return "all_gather: more than 2^31 bytes";
     std::vector<char> mine(bytes), all(bytes * static_cast<size_t>(P));
-    const auto s = static_cast<cudaStream_t>(stream);
-    std::string e = staged(cudaMemcpyAsync(mine.data(), in, bytes, cudaMemcpyDeviceToHost, s), "all_gather: copy in");
-    if (e.empty()) e = staged(cudaStreamSynchronize(s), "all_gather: wait");
-    if (e.empty())
-      e = staged(MPI_Allgather(mine.data(), static_cast<int>(bytes), MPI_BYTE, all.data(), static_cast<int>(bytes),
-                               MPI_BYTE, MPI_COMM_WORLD),
-                 "MPI_Allgather");
-    if (e.empty()) e = staged(cudaMemcpyAsync(out, all.data(), all.size(), cudaMemcpyHostToDevice, s), "copy out");
-    if (e.empty()) e = staged(cudaStreamSynchronize(s), "all_gather: wait");
-    return e;
+    return via_host("all_gather", stream, in, mine, out, all, "MPI_Allgather", [&] {
+      return MPI_Allgather(mine.data(), static_cast<int>(bytes), MPI_BYTE, all.data(), static_cast<int>(bytes),
+                           MPI_BYTE, MPI_COMM_WORLD);
+    });
   };
   cb.broadcast = [](void* data, size_t bytes, int root, void* stream) -> std::string {
     if (bytes > static_cast<size_t>(INT32_MAX)) return "broadcast: more than 2^31 bytes";
     std::vector<char> h(bytes);
-    const auto s = static_cast<cudaStream_t>(stream);
-    std::string e = staged(cudaMemcpyAsync(h.data(), data, bytes, cudaMemcpyDeviceToHost, s), "broadcast: copy in");
-    if (e.empty()) e = staged(cudaStreamSynchronize(s), "broadcast: wait");
-    if (e.empty())
-      e = staged(MPI_Bcast(h.data(), static_cast<int>(bytes), MPI_BYTE, root, MPI_COMM_WORLD), "MPI_Bcast");
-    if (e.empty()) e = staged(cudaMemcpyAsync(data, h.data(), bytes, cudaMemcpyHostToDevice, s), "broadcast: copy out");
-    if (e.empty()) e = staged(cudaStreamSynchronize(s), "broadcast: wait");
-    return e;
+    return via_host("broadcast", stream, data, h, data, h, "MPI_Bcast",
+                    [&] { return MPI_Bcast(h.data(), static_cast<int>(bytes), MPI_BYTE, root, MPI_COMM_WORLD); });
   };
   cb.send_recv = [](const void* send, size_t sb, int dst, void* recv, size_t rb, int src, void* stream) -> std::string {
     if (sb > static_cast<size_t>(INT32_MAX) || rb > static_cast<size_t>(INT32_MAX)) return "send_recv: too large";
     std::vector<char> hs(sb), hr(rb);
-    const auto s = static_cast<cudaStream_t>(stream);
-    std::string e = sb ? staged(cudaMemcpyAsync(hs.data(), send, sb, cudaMemcpyDeviceToHost, s), "send_recv: copy in")
-                       : std::string();
-    if (e.empty()) e = staged(cudaStreamSynchronize(s), "send_recv: wait");
-    if (e.empty())
-      e = staged(MPI_Sendrecv(hs.data(), static_cast<int>(sb), MPI_BYTE, dst < 0 ? MPI_PROC_NULL : dst, 0, hr.data(),
-                              static_cast<int>(rb), MPI_BYTE, src < 0 ? MPI_PROC_NULL : src, 0, MPI_COMM_WORLD,
-                              MPI_STATUS_IGNORE),
-                 "MPI_Sendrecv");
-    if (e.empty() && rb) e = staged(cudaMemcpyAsync(recv, hr.data(), rb, cudaMemcpyHostToDevice, s), "copy out");
-    if (e.empty()) e = staged(cudaStreamSynchronize(s), "send_recv: wait");
-    return e;
+    return via_host("send_recv", stream, send, hs, recv, hr, "MPI_Sendrecv", [&] {
+      return MPI_Sendrecv(hs.data(), static_cast<int>(sb), MPI_BYTE, dst < 0 ? MPI_PROC_NULL : dst, 0, hr.data(),
+                          static_cast<int>(rb), MPI_BYTE, src < 0 ? MPI_PROC_NULL : src, 0, MPI_COMM_WORLD,
+                          MPI_STATUS_IGNORE);
+    });
   };
   return cp::make_callback_communicator(std::move(cb), rank, P, Device::cuda);
 }
