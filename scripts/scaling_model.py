@@ -23,25 +23,25 @@ import os
 import sys
 
 # --- measured inputs (H200, B = 1, H = 20, D = 112, bf16, S = 920) ------------------------
-# One call, 2026-12-03 15:00 UTC, `gdncp_bench --cp --emulate P --frames 11P` for P = 2, 4, 8
-# and `--emulate 8 --frames 84` (stand-in peers, no link time), at ff3ebb8; `scripts/gpu.sh
-# scaling` runs these rows.
+# One call, 2026-12-03 16:29 UTC, `gdncp_bench --cp --emulate P --frames 11P` for P = 2, 4, 8
+# and `--emulate 8 --frames 84` (stand-in peers; the log row with modeled NVLink), at 0e484b7
+# (the copy-free exchanges); `scripts/gpu.sh scaling` runs these rows.
 # One GPU, bigdn forward+backward: T1 over 22, 44, 84, 88 frames. A line through 22 and 88
-# frames gives 44 and 84 within 0.2 % (a fixed part of 0.19 ms: launches, the RMSNorm
+# frames gives 44 and 84 within 0.5 % (a fixed part of 0.16 ms: launches, the RMSNorm
 # weights' sums).
-T1_MEAS = {22: 2.180, 44: 4.175, 84: 7.778, 88: 8.151}
+T1_MEAS = {22: 2.168, 44: 4.190, 84: 7.798, 88: 8.202}
 T1_B = (T1_MEAS[88] - T1_MEAS[22]) / 66  # ms a frame
 T1_A = T1_MEAS[22] - 22 * T1_B  # ms
 # bigdn_cp at P = 1 over one rank's 11 frames in those calls (a rank's layer work W):
-# 1.203, 1.187, 1.176, 1.193 ms; the line gives 1.185. W(F) is the line.
-W_11_MEAS = (1.203, 1.187, 1.176, 1.193)
+# 1.196, 1.203, 1.193, 1.186, 1.184 ms. W(F) is the line.
+W_11_MEAS = (1.196, 1.203, 1.193, 1.186, 1.184)
 # CP-only time of each emulated rank at 11 frames (its time minus W of its call), ms.
 # Ends: the first and last rank (one direction local, one rescanned from X0, Note [rescan]);
 # middles: both directions corrected (cumulative products and a GEMM each), P > 2 only.
 CP_ONLY = {
-    2: {"end": (0.096, 0.116)},
-    4: {"end": (0.207, 0.219), "mid": (0.420, 0.419)},
-    8: {"end": (0.356, 0.386), "mid": (0.574, 0.522, 0.514, 0.511, 0.521, 0.589)},
+    2: {"end": (0.104, 0.098)},
+    4: {"end": (0.203, 0.213), "mid": (0.407, 0.408)},
+    8: {"end": (0.359, 0.373), "mid": (0.560, 0.516, 0.510, 0.495, 0.522, 0.571)},
 }
 # The fold over the gathered composites grows by one product step (forward and backward) a
 # rank: from the ends' growth between P = 2 and 8 (each end folds P - 2 products).
@@ -51,7 +51,7 @@ C_MID = max(CP_ONLY[4]["mid"]) - PHI  # a middle rank of P folds P - 3 products
 # The log exchange, slowest rank of 8 over 84 frames with modeled NVLink (docs/perf.md): the
 # device work of one round (compositions, copies, launches) is what is left after W, C_MID
 # and the link time of its 2 x 3 rounds.
-LOG_8_84 = 2.589
+LOG_8_84 = 2.383
 # The scan phases of one GPU at 11 frames (S-independent, D^3 work): scan_bidi_fwd 0.0877 +
 # scan_bidi_bwd 0.1864 ms (gdncp_bench, 2026-12-03 14:55 UTC, two runs each).
 SCAN_11 = 0.0877 + 0.1864
@@ -84,7 +84,7 @@ def T1(F, S):
 
 
 def W(F, S):
-    return T1(F, S)  # bigdn_cp at P = 1 is bigdn (W_11_MEAS against T1(11): within 1.5 %)
+    return T1(F, S)  # bigdn_cp at P = 1 is bigdn (W_11_MEAS against T1(11): within 3.5 %)
 
 
 def C(P, F):
