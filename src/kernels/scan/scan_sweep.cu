@@ -27,13 +27,16 @@
 //
 // Note [column blocks]: a step Y ← g (Y − op(P) Y) + U acts on every column of Y alone, so one
 // block owns kCols columns of one sweep's state (D×E; E = 1: the z vector, one column) of one
-// b·h and walks the frames with its slice on chip. Each step costs two block barriers: one
-// before the product (the panel of P and the state's shared copy visible), one after it (every
-// warp done reading the copy before it is rewritten). A step whose result nothing observes
-// (the last one of a sweep without out_after and final state) or that multiplies a known-zero
-// state (the first one from Init::zero without add_before) skips its product. Any D in
-// [1, kMaxHeadDim] runs at its own size: the product's k runs to D rounded up to a slab of 8
-// (zeros beyond D), its rows to whole warps of 16; no padding to the tile table of head_dims.h,
+// b·h and walks the frames with its slice on chip. Why 16 (measured, docs/history.md): blocks of
+// 8 columns read P twice as often from L2 (a CP rank's one-direction sweeps: its CP-only time
+// +18 %); blocks of 32 lengthen each block's product (two blocks an SM: the scan +38 % forward,
+// +14 % backward). Each step costs two block barriers: one before the product (the panel of P
+// and the state's shared copy visible), one after it (every warp done reading the copy before
+// it is rewritten). A step whose result nothing observes (the last one of a sweep without
+// out_after and final state) or that multiplies a known-zero state (the first one from
+// Init::zero without add_before) skips its product. Any D in [1, kMaxHeadDim] runs at its own
+// size: the product's k runs to D rounded up to a slab of 8 (zeros beyond D), its rows to whole
+// warps of 16; no padding to the tile table of head_dims.h,
 // whose larger entries would multiply zero rows and columns every step.
 //
 // Note [3xTF32 steps]: the product op(P) Y of a step runs on the tensor cores as three TF32
