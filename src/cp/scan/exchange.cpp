@@ -274,9 +274,8 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
   comm.broadcast(totals, root);
   off = 0;
   for (Item& it : items)
-    if (it.want_total) {
-      it.total = ops.flat(it.E);
-      kern::copy_region(it.total, 0, totals, off, it.total.numel());
+    if (it.want_total) {  // read where it arrived
+      it.total = region(totals, off, ops.BH * ops.D * it.E);
       off += it.total.numel();
     }
 }
