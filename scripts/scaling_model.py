@@ -52,6 +52,9 @@ C_MID = max(CP_ONLY[4]["mid"]) - PHI  # a middle rank of P folds P - 3 products
 # device work of one round (compositions, copies, launches) is what is left after W, C_MID
 # and the link time of its 2 x 3 rounds.
 LOG_8_84 = 2.383
+# The slowest emulated rank of each input run, ms (the check of the model's form in docs/scaling.md):
+# P = 2, 4, 8 over 11 frames a rank, and 8 over 84 frames with modeled NVLink and the all-gather.
+SLOWEST = {"2_22": 1.300, "4_44": 1.611, "8_88": 1.764, "8_84_nvlink": 1.957}
 # The scan phases of one GPU at 11 frames (S-independent, D^3 work): scan_bidi_fwd 0.0877 +
 # scan_bidi_bwd 0.1864 ms (gdncp_bench, 2026-12-03 14:55 UTC, two runs each).
 SCAN_11 = 0.0877 + 0.1864
@@ -289,6 +292,12 @@ def main(check):
         "@C8MID@": "%.3f" % max(CP_ONLY[8]["mid"]),
         "@C8MODEL@": "%.3f" % (C(8, 11) + max(8 - 3, 0) * PHI),
         "@C4END@": "%.3f" % max(CP_ONLY[4]["end"]),
+        "@C4MID@": "%.3f" % max(CP_ONLY[4]["mid"]),
+        "@LOG884@": "%.3f" % LOG_8_84,
+        "@M2@": "%.3f" % SLOWEST["2_22"],
+        "@M4@": "%.3f" % SLOWEST["4_44"],
+        "@M8@": "%.3f" % SLOWEST["8_88"],
+        "@M8NV@": "%.3f" % SLOWEST["8_84_nvlink"],
         "@C8END@": "%.3f" % max(CP_ONLY[8]["end"]),
         "@W11M@": ", ".join("%.3f" % w for w in W_11_MEAS),
         "@T1_84@": "%.2f" % T1(84, 920),
