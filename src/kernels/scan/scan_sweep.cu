@@ -48,6 +48,12 @@
 // runs under the block's barrier and state update. The state lives in registers in the
 // accumulator layout; a copy in shared memory is the B operand of the next step, and the thread
 // writes its own elements of each frame to global memory.
+// A step is bound by each warp's latency, not by issue (ncu, a CP rank's one-direction launch:
+// 2.5 warps a scheduler, 65 % of cycles with none eligible, short fixed-latency dependencies the
+// top stall). The k-loop is unrolled by two with no branch inside, so the compiler issues the
+// next slab's shared loads and TF32 splits under this slab's products: the one-direction sweeps
+// 5–6 % shorter. Unrolled by four, or with the loads one slab ahead by hand, the kernel spills at
+// its 80 registers and gains less or loses (docs/history.md).
 #include <cooperative_groups.h>
 #include <cublas_v2.h>
 
@@ -140,7 +146,7 @@ __global__ void __launch_bounds__(kScanThreads, 3)  // 3 blocks an SM: ≤ 85 re
   float* panel = smem + warp * L.panel;  // this warp's P rows (or columns) [m0, m0 + 16)
   float* Xs = smem + L.tiles * L.panel;  // the state slice, [Kp][kLdX]
 
-  const int c0 = cb * kCols, nc = min(kCols, E - c0), ntiles = nc > 8 ? 2 : 1;
+  const int c0 = cb * kCols, nc = min(kCols, E - c0);
   const int64_t DD = static_cast<int64_t>(D) * D, DE = static_cast<int64_t>(D) * E;
   const float* Pm = a.P + static_cast<int64_t>(bh) * F * DD;
   const auto frame = [&](int s) { return a.descending ? F - 1 - s : s; };
@@ -257,36 +263,46 @@ __global__ void __launch_bounds__(kScanThreads, 3)  // 3 blocks an SM: ≤ 85 re
     cp_async_commit();
   };
   // y = op(P) X for this warp's rows, 3xTF32 (Note [3xTF32 steps]). Slot t4 of a k-slab takes
-  // k0 + 2t4 and slot t4 + 4 takes k0 + 2t4 + 1 (Note [warp tiles]), in A and B alike.
+  // k0 + 2t4 and slot t4 + 4 takes k0 + 2t4 + 1 (Note [warp tiles]), in A and B alike. Both
+  // n-tiles always (the z vector's second one multiplies zero columns of X), so that a slab is
+  // straight-line code and two unrolled slabs overlap (Note [3xTF32 steps]).
+  // This lane's elements of slab k0: of the A fragment (P's panel) and of both B fragments (X).
+  const auto fetch = [&](int k0, float(&av)[4], float(&bv)[2][2]) {
+    if (!TRANSPOSE) {
+      const float2 lo = ld2(panel + g * L.ldp + k0 + 2 * t4), hi = ld2(panel + (g + 8) * L.ldp + k0 + 2 * t4);
+      av[0] = lo.x, av[1] = hi.x, av[2] = lo.y, av[3] = hi.y;
+    } else {
+      const float* r = panel + (k0 + 2 * t4) * kLdX + g;
+      av[0] = r[0], av[1] = r[8], av[2] = r[kLdX], av[3] = r[kLdX + 8];
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float* xb = Xs + (k0 + 2 * t4) * kLdX + 8 * j + g;
+      bv[j][0] = xb[0], bv[j][1] = xb[kLdX];
+    }
+  };
   const auto product = [&](float(&y)[2][4]) {
     float ylo[2][4];  // the small terms: a second accumulator chain
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) y[j][e] = ylo[j][e] = 0.f;
+#pragma unroll 2
     for (int k0 = 0; k0 < L.Kp; k0 += 8) {
-      float av[4];
-      if (!TRANSPOSE) {
-        const float2 lo = ld2(panel + g * L.ldp + k0 + 2 * t4), hi = ld2(panel + (g + 8) * L.ldp + k0 + 2 * t4);
-        av[0] = lo.x, av[1] = hi.x, av[2] = lo.y, av[3] = hi.y;
-      } else {
-        const float* r = panel + (k0 + 2 * t4) * kLdX + g;
-        av[0] = r[0], av[1] = r[8], av[2] = r[kLdX], av[3] = r[kLdX + 8];
-      }
-      uint32_t ahi[4], alo[4];
+      float av[4], bv[2][2];
+      fetch(k0, av, bv);
+      uint32_t ahi[4], alo[4], bhi[2][2], blo[2][2];
 #pragma unroll
       for (int e = 0; e < 4; ++e) split_tf32(av[e], ahi[e], alo[e]);
 #pragma unroll
       for (int j = 0; j < 2; ++j)
-        if (j < ntiles) {
-          const float* xb = Xs + (k0 + 2 * t4) * kLdX + 8 * j + g;
-          uint32_t bhi[2], blo[2];
-          split_tf32(xb[0], bhi[0], blo[0]);
-          split_tf32(xb[kLdX], bhi[1], blo[1]);
-          mma_tf32(ylo[j], alo, bhi);
-          mma_tf32(ylo[j], ahi, blo);
-          mma_tf32(y[j], ahi, bhi);
-        }
+        split_tf32(bv[j][0], bhi[j][0], blo[j][0]), split_tf32(bv[j][1], bhi[j][1], blo[j][1]);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        mma_tf32(ylo[j], alo, bhi[j]);
+        mma_tf32(ylo[j], ahi, blo[j]);
+        mma_tf32(y[j], ahi, bhi[j]);
+      }
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j)
