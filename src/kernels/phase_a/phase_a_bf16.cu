@@ -38,8 +38,9 @@ using namespace phase_a;
 // issued before the current row's math and stores; its threads add Σ β k⁺ over their rows in
 // registers, so a block writes one part of b_f per head, and phase_a_bz_kernel adds the chunks
 // in order (no atomics, so b is bitwise the same run to run and under graph capture). A = Xᵀ v
-// reads v in place in qkv through a pointer-array batched GEMM (frame_gemm_v): a copy of v
-// would cost a read and a write of it and its memory.
+// reads v in place in qkv through a pointer-array batched GEMM (frame_gemms): a copy of v
+// would cost a read and a write of it and its memory. P and Pz run as one batch of 2·B·H·F
+// products: one launch whose blocks fill the waves that two would leave part empty.
 constexpr int kPrepChunk = 144;  // tokens a block walks, about: enough to amortize its start and its sum
 
 // Heads a row group covers: 4 where they fill the block's row groups exactly, else 2, else 1
@@ -153,50 +154,44 @@ __global__ void phase_a_bz_kernel(float* __restrict__ bz, const float* __restric
   }
 }
 
-// C_f = Σ_s Xf[s]ᵀ Yf[s] for every frame f (row-major D×D, f32), Xf, Yf the frame's S×D bf16
-// rows. Note [row-major through cuBLAS]: a row-major S×D frame is the column-major D×S
-// matrix (ld D), and row-major C[i][j] = Σ_s X[s][i] Y[s][j] is column-major Y·Xᵀ.
-void frame_gemm(cublasHandle_t handle, float* C, const __nv_bfloat16* Xf, const __nv_bfloat16* Yf, int D, int S,
-                int frames, int64_t frame_stride) {
-  const float one = 1.f, zero = 0.f;
-  GDNCP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, D, D, S, &one, Yf, CUDA_R_16BF, D,
-                                                frame_stride, Xf, CUDA_R_16BF, D, frame_stride, &zero, C, CUDA_R_32F, D,
-                                                static_cast<int64_t>(D) * D, frames, CUBLAS_COMPUTE_32F,
-                                                CUBLAS_GEMM_DEFAULT));
-}
-
-// The pointer arrays of frame_gemm_v, per frame bhf = (b·H + h)·F + f: xs[bhf] its X rows,
-// vs[bhf] its first v row in qkv (rows 3·H·D apart), cs[bhf] its D×D block of A.
-__global__ void phase_a_ptrs_kernel(const void** __restrict__ xs, const void** __restrict__ vs, void** __restrict__ cs,
-                                    const __nv_bfloat16* X, const __nv_bfloat16* qkv, float* A, int H, int D, int F,
-                                    int S, int64_t BHF) {
+// The pointer arrays of frame_gemms, 3·B·H·F entries each, per frame bhf = (b·H + h)·F + f:
+// xs, ys, cs hold at bhf the operands and result of P (X, Kr), at B·H·F + bhf those of Pz (Xp,
+// Kp), at 2·B·H·F + bhf those of A (X and the frame's first v row in qkv, rows 3·H·D apart).
+__global__ void phase_a_ptrs_kernel(const void** __restrict__ xs, const void** __restrict__ ys, void** __restrict__ cs,
+                                    const __nv_bfloat16* X, const __nv_bfloat16* Kr, const __nv_bfloat16* Xp,
+                                    const __nv_bfloat16* Kp, const __nv_bfloat16* qkv, float* P, float* Pz, float* A,
+                                    int H, int D, int F, int S, int64_t BHF) {
   const int64_t N = static_cast<int64_t>(F) * S;
   GDNCP_GRID_STRIDE(bhf, BHF) {
-    const int64_t bh = bhf / F, b = bh / H;
+    const int64_t bh = bhf / F, b = bh / H, rows = bhf * S * D, mat = bhf * D * D;
     const int f = static_cast<int>(bhf % F), h = static_cast<int>(bh % H);
-    xs[bhf] = X + bhf * S * D;
-    vs[bhf] = qkv + qkv_index(b, static_cast<int64_t>(f) * S, 2, h, 0, N, H, D);
-    cs[bhf] = A + bhf * D * D;
+    xs[bhf] = X + rows, ys[bhf] = Kr + rows, cs[bhf] = P + mat;
+    xs[BHF + bhf] = Xp + rows, ys[BHF + bhf] = Kp + rows, cs[BHF + bhf] = Pz + mat;
+    xs[2 * BHF + bhf] = X + rows;
+    ys[2 * BHF + bhf] = qkv + qkv_index(b, static_cast<int64_t>(f) * S, 2, h, 0, N, H, D);
+    cs[2 * BHF + bhf] = A + mat;
   }
 }
 
-// frame_gemm with Yf the frames' v rows in qkv: the column-major D×S matrix of a frame has
-// ld 3·H·D, and the frames are not one stride apart, so the batch goes by pointer arrays. A v
-// row starts at a multiple of D elements, 16-byte aligned with D % 8 == 0 (cuBLAS's fast path).
-void frame_gemm_v(cublasHandle_t handle, void* const* cs, const void* const* xs, const void* const* vs, int D, int S,
-                  int ldv, int frames) {
+// C_f = Σ_s Xf[s]ᵀ Yf[s] for `frames` frames f (row-major D×D, f32), Xf and Yf S×D bf16 rows,
+// Yf's ldy elements apart (D, or 3·H·D for v in qkv), by pointer arrays (the frames of v are not
+// one stride apart, and P and Pz, one batch, are two caller tensors). Note [row-major through
+// cuBLAS]: a row-major S×D frame is the column-major D×S matrix, and row-major
+// C[i][j] = Σ_s X[s][i] Y[s][j] is column-major Y·Xᵀ. A row starts at a multiple of D
+// elements, 16-byte aligned with D % 8 == 0 (cuBLAS's fast path).
+void frame_gemms(cublasHandle_t handle, void* const* cs, const void* const* xs, const void* const* ys, int D, int S,
+                 int ldy, int frames) {
   const float one = 1.f, zero = 0.f;
-  GDNCP_CUBLAS_CHECK(cublasGemmBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, D, D, S, &one, vs, CUDA_R_16BF, ldv, xs,
+  GDNCP_CUBLAS_CHECK(cublasGemmBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, D, D, S, &one, ys, CUDA_R_16BF, ldy, xs,
                                          CUDA_R_16BF, D, &zero, cs, CUDA_R_32F, D, frames, CUBLAS_COMPUTE_32F,
                                          CUBLAS_GEMM_DEFAULT));
 }
 
 void fwd(const FwdArgs& a) {
   const FrameSizes& z = a.z;
-  GDNCP_CHECK(z.BHF <= INT32_MAX, "cuda phase A: B·H·F = ", z.BHF, " exceeds cuBLAS's 32-bit batch count");
+  GDNCP_CHECK(z.BHF <= INT32_MAX / 2, "cuda phase A: 2·B·H·F = 2·", z.BHF, " exceeds cuBLAS's 32-bit batch count");
   const int hg = prep_heads(z.H, z.D), chunk_rows = prep_chunk_rows(z.H, z.D, z.S);
   const int chunks = 1 + (z.S - 1) / chunk_rows;
-  const int64_t frame_stride = checked_mul(z.S, z.D, "cuda phase A: S·D");
   const int64_t blocks = checked_mul(z.BHF / hg, chunks, "cuda phase A: prep blocks");
   GDNCP_CHECK(blocks <= INT32_MAX, "cuda phase A: ", blocks, " prep blocks exceed the grid's limit");
   const int64_t ldv = checked_mul(3, checked_mul(z.H, z.D, "cuda phase A: H·D"), "cuda phase A: 3·H·D");
@@ -207,10 +202,10 @@ void fwd(const FwdArgs& a) {
   const Shape rows = {z.BHF, z.S, z.D};
   Tensor X = Tensor::empty(rows, DType::bf16, Device::cuda), Kr = Tensor::empty(rows, DType::bf16, Device::cuda),
          Xp = Tensor::empty(rows, DType::bf16, Device::cuda), Kp = Tensor::empty(rows, DType::bf16, Device::cuda);
-  // frame_gemm_v's pointer arrays [xs | vs | cs], B·H·F pointers each, in a buffer of 8-byte
+  // frame_gemms' pointer arrays [xs | ys | cs], 3·B·H·F pointers each, in a buffer of 8-byte
   // elements (f64: Tensor has no pointer dtype).
   static_assert(sizeof(double) == sizeof(void*), "a pointer array element is 8 bytes");
-  Tensor ptrs = Tensor::empty({checked_mul(3, z.BHF, "cuda phase A: 3·B·H·F")}, DType::f64, Device::cuda);
+  Tensor ptrs = Tensor::empty({checked_mul(9, z.BHF, "cuda phase A: 9·B·H·F")}, DType::f64, Device::cuda);
   // One chunk per frame: the block's sum is b_f itself.
   Tensor b_part;
   if (chunks > 1) b_part = Tensor::empty({z.BHF, chunks, z.D}, DType::f32, Device::cuda);
@@ -225,18 +220,18 @@ void fwd(const FwdArgs& a) {
     phase_a_bz_kernel<<<blocks_for(n), kGridThreads, 0, stream()>>>(a.bz, bp, n, z.D, chunks);
     GDNCP_CUDA_CHECK_LAUNCH("phase_a_bz_kernel");
   }
+  const int64_t n = z.BHF;
   void** const xs = static_cast<void**>(ptrs.data());
-  void** const vs = xs + z.BHF;
-  void** const cs = vs + z.BHF;
-  phase_a_ptrs_kernel<<<blocks_for(z.BHF), kGridThreads, 0, stream()>>>(
-      const_cast<const void**>(xs), const_cast<const void**>(vs), cs, bf(X), static_cast<const __nv_bfloat16*>(a.qkv.p),
-      a.A, z.H, z.D, z.F, z.S, z.BHF);
+  void** const ys = xs + 3 * n;
+  void** const cs = ys + 3 * n;
+  phase_a_ptrs_kernel<<<blocks_for(n), kGridThreads, 0, stream()>>>(
+      const_cast<const void**>(xs), const_cast<const void**>(ys), cs, bf(X), bf(Kr), bf(Xp), bf(Kp),
+      static_cast<const __nv_bfloat16*>(a.qkv.p), a.P, a.Pz, a.A, z.H, z.D, z.F, z.S, n);
   GDNCP_CUDA_CHECK_LAUNCH("phase_a_ptrs_kernel");
-  const int frames = static_cast<int>(z.BHF);
   cublasHandle_t handle = cublas_handle();
-  frame_gemm(handle, a.P, bf(X), bf(Kr), z.D, z.S, frames, frame_stride);     // P  = Xᵀ kʳ
-  frame_gemm_v(handle, cs, xs, vs, z.D, z.S, static_cast<int>(ldv), frames);  // A  = Xᵀ v
-  frame_gemm(handle, a.Pz, bf(Xp), bf(Kp), z.D, z.S, frames, frame_stride);   // Pz = Xpᵀ k⁺
+  frame_gemms(handle, cs, xs, ys, z.D, z.S, z.D, static_cast<int>(2 * n));  // P = Xᵀ kʳ, Pz = Xpᵀ k⁺
+  frame_gemms(handle, cs + 2 * n, xs + 2 * n, ys + 2 * n, z.D, z.S, static_cast<int>(ldv),
+              static_cast<int>(n));  // A = Xᵀ v
 }
 
 // ---------------------------------------------------------------------------
