@@ -446,18 +446,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();  // operands ready
 
     // The four products of the tile: x1 = kʳ Ps, x2 = v dAᵀ, x3 = kʳ dA, x4 = k⁺ Pzs.
-    const int rows = min(KS, S - s0);
     float x1[TM][TN][4] = {}, x2[TM][TN][4] = {}, x3[TM][TN][4] = {}, x4[TM][TN][4] = {};
+    // Every row and column tile of the warp, with no branch in the loop, so that two k-steps
+    // unrolled overlap: the rows past S (zero-filled copies, so zero operands) and the columns
+    // past D (zero padding of the matrices) multiply zeros that the epilogue does not store.
     if (n0 < D) {
+#pragma unroll 2
       for (int k = 0; k < Kd; k += 16) {
-        uint32_t fk[TM][4] = {}, fv[TM][4] = {}, fp[TM][4] = {}, gP[TN][2], gA[TN][2], gAT[TN][2], gPz[TN][2];
+        uint32_t fk[TM][4], fv[TM][4], fp[TM][4], gP[TN][2], gA[TN][2], gAT[TN][2], gPz[TN][2];
 #pragma unroll
-        for (int i = 0; i < TM; ++i)
-          if (m0 + 16 * i < rows) {
-            aKr.a(fk[i], m0 + 16 * i, k, lane);
-            aV.a(fv[i], m0 + 16 * i, k, lane);
-            aKp.a(fp[i], m0 + 16 * i, k, lane);
-          }
+        for (int i = 0; i < TM; ++i) {
+          aKr.a(fk[i], m0 + 16 * i, k, lane);
+          aV.a(fv[i], m0 + 16 * i, k, lane);
+          aKp.a(fp[i], m0 + 16 * i, k, lane);
+        }
         bP.b2(gP[0], gP[1], n0, k, lane);
         bA.b2(gA[0], gA[1], n0, k, lane);
         bAT.b2(gAT[0], gAT[1], n0, k, lane);
@@ -465,13 +467,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < TM; ++i)
 #pragma unroll
-          for (int j = 0; j < TN; ++j)
-            if (m0 + 16 * i < rows && n0 + 8 * j < D) {
-              mma_bf16(x1[i][j], fk[i], gP[j]);
-              mma_bf16(x2[i][j], fv[i], gA[j]);
-              mma_bf16(x3[i][j], fk[i], gAT[j]);
-              mma_bf16(x4[i][j], fp[i], gPz[j]);
-            }
+          for (int j = 0; j < TN; ++j) {
+            mma_bf16(x1[i][j], fk[i], gP[j]);
+            mma_bf16(x2[i][j], fv[i], gA[j]);
+            mma_bf16(x3[i][j], fk[i], gAT[j]);
+            mma_bf16(x4[i][j], fp[i], gPz[j]);
+          }
       }
     }
 
