@@ -262,11 +262,9 @@ __global__ void __launch_bounds__(kScanThreads, 3)  // 3 blocks an SM: ≤ 85 re
     }
     cp_async_commit();
   };
-  // y = op(P) X for this warp's rows, 3xTF32 (Note [3xTF32 steps]). Slot t4 of a k-slab takes
-  // k0 + 2t4 and slot t4 + 4 takes k0 + 2t4 + 1 (Note [warp tiles]), in A and B alike. Both
-  // n-tiles always (the z vector's second one multiplies zero columns of X), so that a slab is
-  // straight-line code and two unrolled slabs overlap (Note [3xTF32 steps]).
   // This lane's elements of slab k0: of the A fragment (P's panel) and of both B fragments (X).
+  // Slot t4 of a k-slab takes k0 + 2t4 and slot t4 + 4 takes k0 + 2t4 + 1 (Note [warp tiles]),
+  // in A and B alike.
   const auto fetch = [&](int k0, float(&av)[4], float(&bv)[2][2]) {
     if (!TRANSPOSE) {
       const float2 lo = ld2(panel + g * L.ldp + k0 + 2 * t4), hi = ld2(panel + (g + 8) * L.ldp + k0 + 2 * t4);
@@ -281,6 +279,9 @@ __global__ void __launch_bounds__(kScanThreads, 3)  // 3 blocks an SM: ≤ 85 re
       bv[j][0] = xb[0], bv[j][1] = xb[kLdX];
     }
   };
+  // y = op(P) X for this warp's rows, 3xTF32 (Note [3xTF32 steps]). Both n-tiles always (the z
+  // vector's second one multiplies zero columns of X), so that a slab is straight-line code and
+  // two unrolled slabs overlap.
   const auto product = [&](float(&y)[2][4]) {
     float ylo[2][4];  // the small terms: a second accumulator chain
 #pragma unroll
