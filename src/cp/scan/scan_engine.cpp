@@ -64,7 +64,9 @@ bool gathers_M(const ScanJob& j, int P) { return P > 2 || j.terminal; }
 // Backward likewise: the adjoint sweep rerun from the arriving adjoint a replaces Rcum and its
 // correction (M comes from the forward); a job of one column reruns wherever a arrives, a job
 // whose X0 came from no rank (the logically first, which sends no dX0) on a rank with other
-// sweeps to run before the exchange.
+// sweeps to run before the exchange. The rank's sweep after the exchange leaves most of the device
+// idle, but the transition-gradient GEMMs of the direction already done, run beside it on a
+// second stream, made the rank slower, not faster (docs/history.md).
 bool rescans(const ScanJob& j, int64_t D) { return j.E < D; }
 
 // A rank's composite of job j at logical position pos is read by a later rank's fold, or by the

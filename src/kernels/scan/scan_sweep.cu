@@ -30,7 +30,9 @@
 // b·h and walks the frames with its slice on chip. Why 16 (measured, docs/history.md): blocks of
 // 8 columns read P twice as often from L2 (a CP rank's one-direction sweeps: its CP-only time
 // +18 %); blocks of 32 lengthen each block's product (two blocks an SM: the scan +38 % forward,
-// +14 % backward). Each step costs two block barriers: one before the product (the panel of P
+// +14 % backward); a column block as a cluster of two blocks that split the product's k (partial
+// products through distributed shared memory, a cluster barrier a step) made the one-direction
+// sweeps 10 % slower. Each step costs two block barriers: one before the product (the panel of P
 // and the state's shared copy visible), one after it (every warp done reading the copy before
 // it is rewritten). A step whose result nothing observes (the last one of a sweep without
 // out_after and final state) or that multiplies a known-zero state (the first one from
