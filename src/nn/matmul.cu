@@ -34,15 +34,12 @@ cublasHandle_t cublas_handle() {
   } else {
     GDNCP_CUBLAS_CHECK(cublasCreate(&h));
     GDNCP_CUBLAS_CHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
-    // A workspace of its own, set once: cuBLAS then allocates nothing per
-    // call, which a captured CUDA graph needs (gdncp/graph.h). Never freed:
-    // it lives as long as the thread's handle.
-    void* workspace = nullptr;
-    const size_t workspace_bytes = size_t(32) << 20;
-    GDNCP_CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
-    GDNCP_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, workspace_bytes));
     handles.emplace(dev, h);
   }
+  // No workspace of our own: cublasSetStream puts the handle back on cuBLAS's
+  // default workspace pool (a workspace set by hand would not outlive this
+  // line), which cuBLAS allocates stream-ordered since CUDA 12.2, so a graph
+  // capture records its allocation and replays need no cudaMalloc.
   GDNCP_CUBLAS_CHECK(cublasSetStream(h, detail::stream()));
   return h;
 }
