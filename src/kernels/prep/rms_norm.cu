@@ -1,6 +1,8 @@
 // src/kernels/prep/rms_norm.cu — CUDA twin of the full-channel RMSNorm of q and k
 // (docs/design.md §2.1): the statistics pass (rms_stats, the only pass of its own; the
-// apply is fused into the loads of phase A and phase C) and its backward.
+// apply is fused into the loads of phase A and phase C) and its backward. Both have a
+// fast path for bf16 rows in 16-byte octets (one warp a token row, lane l its octets l,
+// l+32, …) and a generic one through In/Out.
 //
 //   r = 1/sqrt(mean_c x_c² + norm_eps),  x̂ = x·r·w
 //   dx = r·w·dx̂ − (r³/C)·x·Σ_c w_c dx̂_c x_c,   dw_c = Σ_tokens dx̂_c·x_c·r
@@ -17,6 +19,7 @@
 // never on the device nor on the streams asked for.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common/cuda_common.cuh"
 
@@ -49,7 +52,7 @@ constexpr int64_t kBwdMaxBlocks = 512;
 // rms_dw_sum_kernel: 32 columns × kSumWarps warps a block.
 constexpr int kSumWarps = 32;
 
-// One warp per token; both streams.
+// One warp per token; both streams. Generic path: f32 or bf16 through In, pairs of channels.
 __global__ void __launch_bounds__(kStatThreads)
     rms_stats_kernel(float* __restrict__ rstd, In qkv, int64_t tokens, int C, bool norm_q, bool norm_k, float eps) {
   const int64_t tok = static_cast<int64_t>(blockIdx.x) * (kStatThreads / 32) + (threadIdx.x >> 5);
@@ -137,6 +140,47 @@ __device__ __forceinline__ void unpack8(float (&x)[8], uint4 u) {
   for (int q = 0; q < 4; ++q) {
     x[2 * q] = __uint_as_float(h[q] << 16);
     x[2 * q + 1] = __uint_as_float(h[q] & 0xffff0000u);
+  }
+}
+
+// Fast path of the statistics: bf16 qkv, C % 8 == 0, 16-byte aligned rows. One warp per
+// token as above; lane l loads octets l, l+32, … (< C/8) of both streams' rows before it
+// sums either, so a warp has both rows in flight at once. V = octets a lane holds
+// (by_octets).
+template <int V>
+__global__ void __launch_bounds__(kStatThreads)
+    rms_stats_rows_kernel(float* __restrict__ rstd, const __nv_bfloat16* __restrict__ qkv, int64_t tokens, int C,
+                          bool norm_q, bool norm_k, float eps) {
+  const int64_t tok = static_cast<int64_t>(blockIdx.x) * (kStatThreads / 32) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31, octets = C / 8;
+  if (tok >= tokens) return;
+  uint4 xv[2][V];
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const bool norm = c == 0 ? norm_q : norm_k;
+    const uint4* row = reinterpret_cast<const uint4*>(qkv + (tok * 3 + c) * C);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int o = j * 32 + lane;
+      if (norm && o < octets) xv[c][j] = __ldg(row + o);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const bool norm = c == 0 ? norm_q : norm_k;
+    float ss = 0.f;
+    if (norm) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if (j * 32 + lane >= octets) continue;
+        float x[8];
+        unpack8(x, xv[c][j]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss = fmaf(x[i], x[i], ss);
+      }
+      ss = warp_sum(ss);
+    }
+    if (lane == 0) rstd[tok * 2 + c] = norm ? 1.f / sqrtf(ss / static_cast<float>(C) + eps) : 1.f;
   }
 }
 
@@ -291,38 +335,48 @@ __global__ void __launch_bounds__(32 * kSumWarps)
 // ---------------------------------------------------------------------------
 // launchers
 // ---------------------------------------------------------------------------
-void rms_stats(Tensor& rstd, const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_norm_w, const Dims& d,
-               double norm_eps) {
-  GDNCP_CHECK(d.B > 0 && d.N() > 0 && d.C() > 0 && d.C() % 2 == 0, "cuda rms_stats: bad sizes");
-  const int64_t tokens = d.B * d.N();
-  const unsigned blocks = static_cast<unsigned>((tokens + kStatThreads / 32 - 1) / (kStatThreads / 32));
-  rms_stats_kernel<<<blocks, kStatThreads, 0, stream()>>>(f32_out(rstd, "rstd"), in_of(qkv, "qkv"), tokens,
-                                                          static_cast<int>(d.C()), q_norm_w.defined(),
-                                                          k_norm_w.defined(), static_cast<float>(norm_eps));
-  GDNCP_CUDA_CHECK_LAUNCH("rms_stats_kernel");
-}
-
 namespace {
 
 bool aligned16(const Tensor& t) { return !t.defined() || detail::aligned16(t.data()); }
 bool bf16_or_none(const Tensor& t) { return !t.defined() || t.dtype() == DType::bf16; }
 
-using RowsKernel = decltype(&rms_bwd_rows_kernel<1>);
-
-// The fast-path kernel for C: the narrowest instantiated V ≥ ⌈C/256⌉ octets a lane (null: none fits).
-RowsKernel rows_kernel(int C) {
+// The fast paths' instantiation for C: pick(std::integral_constant<int, V>) for the narrowest
+// instantiated V ≥ ⌈C/256⌉ octets a lane; null where none fits (C > 32·8·kRowOctets).
+template <typename Pick>
+auto by_octets(int C, Pick pick) -> decltype(pick(std::integral_constant<int, 1>())) {
   const int need = (C / 8 + 31) / 32;
-  if (need <= 1) return rms_bwd_rows_kernel<1>;
-  if (need <= 2) return rms_bwd_rows_kernel<2>;
-  if (need <= 4) return rms_bwd_rows_kernel<4>;
-  if (need <= 5) return rms_bwd_rows_kernel<5>;
-  if (need <= 8) return rms_bwd_rows_kernel<8>;
-  if (need <= 9) return rms_bwd_rows_kernel<9>;
-  if (need <= kRowOctets) return rms_bwd_rows_kernel<kRowOctets>;
+  if (need <= 1) return pick(std::integral_constant<int, 1>());
+  if (need <= 2) return pick(std::integral_constant<int, 2>());
+  if (need <= 4) return pick(std::integral_constant<int, 4>());
+  if (need <= 5) return pick(std::integral_constant<int, 5>());
+  if (need <= 8) return pick(std::integral_constant<int, 8>());
+  if (need <= 9) return pick(std::integral_constant<int, 9>());
+  if (need <= kRowOctets) return pick(std::integral_constant<int, kRowOctets>());
   return nullptr;
 }
 
 }  // namespace
+
+void rms_stats(Tensor& rstd, const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_norm_w, const Dims& d,
+               double norm_eps) {
+  GDNCP_CHECK(d.B > 0 && d.N() > 0 && d.C() > 0 && d.C() % 2 == 0, "cuda rms_stats: bad sizes");
+  const int C = static_cast<int>(d.C());
+  const int64_t tokens = d.B * d.N();
+  const unsigned blocks = static_cast<unsigned>((tokens + kStatThreads / 32 - 1) / (kStatThreads / 32));
+  float* const out = f32_out(rstd, "rstd");
+  const In x = in_of(qkv, "qkv");
+  const bool nq = q_norm_w.defined(), nk = k_norm_w.defined();
+  const float eps = static_cast<float>(norm_eps);
+  const auto stats = by_octets(C, [](auto v) { return &rms_stats_rows_kernel<decltype(v)::value>; });
+  if (stats && C % 8 == 0 && qkv.dtype() == DType::bf16 && aligned16(qkv)) {
+    stats<<<blocks, kStatThreads, 0, stream()>>>(out, static_cast<const __nv_bfloat16*>(qkv.data()), tokens, C, nq, nk,
+                                                 eps);
+    GDNCP_CUDA_CHECK_LAUNCH("rms_stats_rows_kernel");
+  } else {
+    rms_stats_kernel<<<blocks, kStatThreads, 0, stream()>>>(out, x, tokens, C, nq, nk, eps);
+    GDNCP_CUDA_CHECK_LAUNCH("rms_stats_kernel");
+  }
+}
 
 void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tensor& dq_hat, const Tensor& dk_hat,
                   const Tensor& qkv, const Tensor& rstd, const Tensor& q_norm_w, const Tensor& k_norm_w,
@@ -343,7 +397,7 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
   const bool octets = C % 8 == 0 && dqkv.dtype() == DType::bf16 && qkv.dtype() == DType::bf16 && bf16_or_none(dq_hat) &&
                       bf16_or_none(dk_hat) && aligned16(dqkv) && aligned16(qkv) && aligned16(dq_hat) &&
                       aligned16(dk_hat) && aligned16(q_norm_w) && aligned16(k_norm_w);
-  const RowsKernel rows = octets ? rows_kernel(C) : nullptr;
+  const auto rows = octets ? by_octets(C, [](auto v) { return &rms_bwd_rows_kernel<decltype(v)::value>; }) : nullptr;
   // Warps per block: kRowWarps on the fast path; on the generic one as many as their dw
   // accumulators fit in shared memory.
   const int warps =
