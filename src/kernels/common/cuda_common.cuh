@@ -64,14 +64,6 @@ inline int sm_count() {
   return n;
 }
 
-// The most shared memory a block of the current device may opt in to.
-inline size_t smem_per_block_optin() {
-  int dev = 0, n = 0;
-  GDNCP_CUDA_CHECK(cudaGetDevice(&dev));
-  GDNCP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  return static_cast<size_t>(n);
-}
-
 // Raises a kernel's dynamic shared-memory limit (needed above 48 KB) to at least `bytes` on the
 // current device; remembers what it raised, so a launch in a loop pays the driver call once.
 template <typename Kernel>

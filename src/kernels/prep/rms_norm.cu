@@ -11,9 +11,8 @@
 // overwritten. A stream whose weight is undefined is not normalised (r = 1,
 // dx = dx̂). dq_hat / dk_hat are read through In: f32 or bf16 (kernels.h,
 // hat-grad dtype; bf16 halves this pass's largest reads).
-// Note [fixed-order dw]: a block's warps own fixed tokens and keep their dw apart,
-// each warp its own (in registers on the fast path, in shared memory on the generic
-// one); each block writes the warps' sum in warp order
+// Note [fixed-order dw]: a block's warps own fixed tokens and keep their dw in
+// shared memory, each warp its own; each block writes the warps' sum in warp order
 // as its partial, and a second kernel adds the partials in a fixed order (strided
 // subsets by warp, then the warps in order) — no atomics, so results are bitwise
 // reproducible. The path and the block count depend on the shapes and dtypes only,
@@ -35,18 +34,18 @@ constexpr int kStatThreads = 256;
 // accumulators allow at the production C = 2240 (3 × 70 KB). Without the bound the
 // run-time f32/bf16 choice of In takes the kernel to 96 registers, i.e. 2 blocks an SM.
 constexpr int kBwdMaxWarps = 8, kBwdMinBlocks = 3;
-// Fast path (rms_bwd_rows_kernel, Note [row ring]): 8 warps a block, one block an SM; a lane
-// holds at most kRowOctets 16-byte octets of a row, i.e. C ≤ 32·8·kRowOctets = 2560, and
-// its dw in 8V ≤ 80 registers (the rows are in shared memory).
-constexpr int kRowWarps = 8, kRowOctets = 10;
-// Blocks of the fast path: one wave of an H100/H200 (132 SMs), each a run of tokens (76 or
-// 77 at N = 10120) so that start, tail and dw partial weigh little. A constant, not the
+// Fast path (rms_bwd_rows_kernel): 8 warps a block, 2 blocks an SM (16 warps: the rows
+// in flight are what keeps DRAM busy); a lane holds at most kRowOctets 16-byte octets of
+// each row, i.e. C ≤ 32·8·kRowOctets = 2560. Registers: V octets of dx̂ and of x (8V ≤ 80)
+// within the 128 that 2 blocks allow (V = 10 spills 4 bytes); dw lives in shared memory
+// (8 warps × C floats, 70 KB at the production C = 2240).
+constexpr int kRowWarps = 8, kRowMinBlocks = 2, kRowOctets = 10;
+// Blocks of the fast path: one wave of the H200 (132 SMs × 2), each a run of tokens (38 or
+// 39 at N = 10120) so that start, tail and dw partial weigh little. A constant, not the
 // device's count: the dw summation order depends on the shapes only.
-// Short inputs: at least kRowTokens tokens a warp (the tests' shapes take that path too).
-constexpr int64_t kRowBlocks = 132, kRowTokens = 2;
-// Tokens a warp has staged: kRingDepth − 1 in flight while it works on one; 2 where 3 do
-// not fit the device's shared memory (the depth changes no result: Note [row ring]).
-constexpr int kRingDepth = 3;
+// Short inputs: at least kRowTokens tokens a warp, so that a warp's next rows load during
+// its stores (the tests' shapes take that path too).
+constexpr int64_t kRowBlocks = 264, kRowTokens = 2;
 // Blocks of the generic backward: at most this many partials to add (the count is fixed
 // by the token count, so the summation order is too).
 constexpr int64_t kBwdMaxBlocks = 512;
@@ -185,28 +184,21 @@ __global__ void __launch_bounds__(kStatThreads)
   }
 }
 
-// Fast path: bf16 dx̂, x and dx, C % 8 == 0, 16-byte aligned rows.
-// Note [row ring]: one warp a token as above; lane l owns octets l, l+32, … (< C/8) of
-// every row, so its dw (8 per octet) stays in registers for all its tokens, and it copies
-// its own octets of a token's dx̂ and x rows into its warp's ring of `depth` slots in shared
-// memory with cp.async (lane 0 the token's r), `depth` − 1 tokens ahead. A lane reads back
-// only what it copied, so its own wait makes the rows visible (a __syncwarp for r); the
-// copies of the next tokens stay in flight through the whole of this token's work (rows
-// held in registers one token ahead were refilled only during the store pass, and the
-// warps stalled on them: docs/history.md, 2026-12-07). At the end each warp
-// writes its dw to shared memory (the ring is free then) and the block adds them in warp
-// order. Neither the depth nor the device changes which warp owns a token or the order
-// of any sum: a fixed grid of fixed warps. V = octets a lane holds (by_octets).
-__host__ __device__ constexpr size_t ring_slot_bytes(int C) { return 4 * static_cast<size_t>(C) + 16; }
-
+// Fast path: bf16 dx̂, x and dx, C % 8 == 0, 16-byte aligned rows. One warp a token as
+// above, but lane l holds octets l, l+32, … (< C/8) of the token's dx̂ and x rows in
+// registers, so each row is read once for both Σ w dx̂ x and dx. As the dx pass stores an
+// octet, the lane loads the same octet of its next token into the freed registers, so a
+// warp has rows in flight while it computes and stores too. The lane owns
+// those columns for every token, so its dw accumulates in its warp's shared-memory slice
+// (no other lane touches it) until the block's warp-order sum. V = octets a lane holds
+// (⌈C/256⌉ or a little more). Dynamic shared memory: kRowWarps·C floats.
 template <int V>
-__global__ void __launch_bounds__(32 * kRowWarps, 1)
+__global__ void __launch_bounds__(32 * kRowWarps, kRowMinBlocks)
     rms_bwd_rows_kernel(__nv_bfloat16* __restrict__ dqkv, float* __restrict__ dw_part,
                         const __nv_bfloat16* __restrict__ dq_hat, const __nv_bfloat16* __restrict__ dk_hat,
                         const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ rstd,
-                        const float* __restrict__ qw, const float* __restrict__ kw, int64_t tokens, int C, int c0,
-                        int depth) {
-  extern __shared__ __align__(16) unsigned char ring[];
+                        const float* __restrict__ qw, const float* __restrict__ kw, int64_t tokens, int C, int c0) {
+  extern __shared__ __align__(16) float acc[];
   const int c = c0 + static_cast<int>(blockIdx.y), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* w = c == 0 ? qw : kw;
   const __nv_bfloat16* dxh = c == 0 ? dq_hat : dk_hat;
@@ -214,116 +206,101 @@ __global__ void __launch_bounds__(32 * kRowWarps, 1)
   // An even split: blocks differ by one token at most.
   const int64_t t0 = tokens * blockIdx.x / gridDim.x, t1 = tokens * (blockIdx.x + 1) / gridDim.x;
   const float invC = 1.f / static_cast<float>(C);
-  // This warp's ring: slot s = [dx̂ row: C bf16 | x row: C bf16 | r, padded to 16 bytes].
-  const size_t slot = ring_slot_bytes(C);
-  unsigned char* const mine = ring + static_cast<size_t>(warp) * depth * slot;
-  const auto g_of = [&](int s) { return reinterpret_cast<uint4*>(mine + s * slot); };
-  const auto x_of = [&](int s) { return reinterpret_cast<uint4*>(mine + s * slot + 2 * static_cast<size_t>(C)); };
-  const auto r_of = [&](int s) { return reinterpret_cast<float*>(mine + s * slot + 4 * static_cast<size_t>(C)); };
-  // Stages token t into slot s (nothing at or past t1); one commit group either way, so that
-  // the waits count tokens.
-  const auto issue = [&](int64_t t, int s) {
-    if (t < t1) {
-      const uint4* g = reinterpret_cast<const uint4*>(dxh + t * C);
-      const uint4* x = reinterpret_cast<const uint4*>(qkv + (t * 3 + c) * C);
+  // This warp's dw: channels 8o..8o+3 at [o], 8o+4..8o+7 at [octets + o] (16-byte lane stride:
+  // no bank conflicts).
+  float4* dw = reinterpret_cast<float4*>(acc) + static_cast<int64_t>(warp) * 2 * octets;
+  if (w)
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const int o = j * 32 + lane;
-        if (o >= octets) continue;
-        cp_async16(g_of(s) + o, g + o, true);
-        if (w) cp_async16(x_of(s) + o, x + o, true);
-      }
-      if (w && lane == 0) cp_async4(r_of(s), rstd + t * 2 + c, true);
+    for (int j = 0; j < V; ++j) {
+      const int o = j * 32 + lane;
+      if (o < octets) dw[o] = dw[octets + o] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    cp_async_commit();
-  };
+  const auto g_row = [&](int64_t t) { return reinterpret_cast<const uint4*>(dxh + t * C); };
+  const auto x_row = [&](int64_t t) { return reinterpret_cast<const uint4*>(qkv + (t * 3 + c) * C); };
   const auto weights = [&](int o, float(&wo)[8]) {
     const float4 wa = __ldg(reinterpret_cast<const float4*>(w) + 2 * o),
                  wb = __ldg(reinterpret_cast<const float4*>(w) + 2 * o + 1);
     wo[0] = wa.x, wo[1] = wa.y, wo[2] = wa.z, wo[3] = wa.w, wo[4] = wb.x, wo[5] = wb.y, wo[6] = wb.z, wo[7] = wb.w;
   };
 
-  float dw[V][8];
-#pragma unroll
-  for (int j = 0; j < V; ++j)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) dw[j][i] = 0.f;
+  uint4 gv[V], xv[V];
+  float r = 1.f;
   int64_t t = t0 + warp;
-  for (int s = 0; s + 1 < depth; ++s) issue(t + s * kRowWarps, s);
-  for (int n = 0; t < t1; ++n, t += kRowWarps) {
-    const int s = n % depth;
-    issue(t + (depth - 1) * kRowWarps, (n + depth - 1) % depth);
-    if (depth == 3)
-      cp_async_wait<2>();
-    else
-      cp_async_wait<1>();
-    __syncwarp();  // lane 0's copy of r
+  if (t < t1) {  // the first token's rows; later ones are loaded by the store pass before them
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int o = j * 32 + lane;
+      if (o >= octets) continue;
+      gv[j] = __ldg(g_row(t) + o);
+      if (w) xv[j] = __ldg(x_row(t) + o);
+    }
+    if (w) r = __ldg(rstd + t * 2 + c);
+  }
+  for (; t < t1; t += kRowWarps) {
+    const int64_t tn = t + kRowWarps;
+    const bool next = tn < t1;
     uint4* dx_row = reinterpret_cast<uint4*>(dqkv + (t * 3 + c) * C);
     if (!w) {  // unnormalised stream: dx = dx̂, bit for bit
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const int o = j * 32 + lane;
-        if (o < octets) dx_row[o] = g_of(s)[o];
-      }
-    } else {
-      const float r = *r_of(s);
-      float corr = 0.f;  // Σ_c w_c dx̂_c x_c
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const int o = j * 32 + lane;
         if (o >= octets) continue;
-        float g[8], x[8], wo[8];
-        unpack8(g, g_of(s)[o]);
-        unpack8(x, x_of(s)[o]);
-        weights(o, wo);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          corr = fmaf(wo[i] * g[i], x[i], corr);
-          dw[j][i] += g[i] * x[i] * r;
-        }
+        dx_row[o] = gv[j];
+        if (next) gv[j] = __ldg(g_row(tn) + o);
       }
-      corr = warp_sum(corr);
-      const float k = r * r * r * invC * corr;
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const int o = j * 32 + lane;
-        if (o >= octets) continue;
-        float g[8], x[8], wo[8], dx[8];
-        unpack8(g, g_of(s)[o]);
-        unpack8(x, x_of(s)[o]);
-        weights(o, wo);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dx[i] = r * wo[i] * g[i] - k * x[i];
-        st8h(reinterpret_cast<__nv_bfloat16*>(dx_row + o), dx);
-      }
+      continue;
     }
-    __syncwarp();  // every lane is done with slot s (and r) before it is staged again
-  }
-  cp_async_wait<0>();  // the trailing groups are empty; nothing may land in the ring below
-  if (!w) return;      // the block's stream: uniform
-  __syncthreads();     // every warp is done with the ring
-  // The warps' dw: channels 8o … 8o+7 of warp v at [v][8o], then the block's partial, the warps
-  // added in warp order.
-  float4* acc = reinterpret_cast<float4*>(ring);
+    float corr = 0.f;  // Σ_c w_c dx̂_c x_c
 #pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const int o = j * 32 + lane;
-    if (o >= octets) continue;
-    float4* d = acc + (static_cast<int64_t>(warp) * C + 8 * o) / 4;
-    d[0] = make_float4(dw[j][0], dw[j][1], dw[j][2], dw[j][3]);
-    d[1] = make_float4(dw[j][4], dw[j][5], dw[j][6], dw[j][7]);
+    for (int j = 0; j < V; ++j) {
+      const int o = j * 32 + lane;
+      if (o >= octets) continue;
+      float g[8], x[8], wo[8], d[8];
+      unpack8(g, gv[j]);
+      unpack8(x, xv[j]);
+      weights(o, wo);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        corr = fmaf(wo[i] * g[i], x[i], corr);
+        d[i] = g[i] * x[i] * r;
+      }
+      const float4 lo = dw[o], hi = dw[octets + o];
+      dw[o] = make_float4(lo.x + d[0], lo.y + d[1], lo.z + d[2], lo.w + d[3]);
+      dw[octets + o] = make_float4(hi.x + d[4], hi.y + d[5], hi.z + d[6], hi.w + d[7]);
+    }
+    corr = warp_sum(corr);
+    const float k = r * r * r * invC * corr;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int o = j * 32 + lane;
+      if (o >= octets) continue;
+      float g[8], x[8], wo[8], dx[8];
+      unpack8(g, gv[j]);
+      unpack8(x, xv[j]);
+      weights(o, wo);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dx[i] = r * wo[i] * g[i] - k * x[i];
+      st8h(reinterpret_cast<__nv_bfloat16*>(dx_row + o), dx);
+      if (next) gv[j] = __ldg(g_row(tn) + o), xv[j] = __ldg(x_row(tn) + o);
+    }
+    if (next) r = __ldg(rstd + tn * 2 + c);  // arrives with the rows loaded just before
   }
+  if (!w) return;
   __syncthreads();
+  // This block's partial: the warps' dw added in warp order.
+  const float4* all = reinterpret_cast<const float4*>(acc);
   float4* out = reinterpret_cast<float4*>(dw_part + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * C);
-  for (int q = threadIdx.x; q < C / 4; q += blockDim.x) {
-    float4 sum = acc[q];
+  for (int o = threadIdx.x; o < octets; o += blockDim.x)
 #pragma unroll
-    for (int v = 1; v < kRowWarps; ++v) {
-      const float4 a = acc[static_cast<int64_t>(v) * C / 4 + q];
-      sum = make_float4(sum.x + a.x, sum.y + a.y, sum.z + a.z, sum.w + a.w);
+    for (int h = 0; h < 2; ++h) {
+      float4 s = all[h * octets + o];
+#pragma unroll
+      for (int v = 1; v < kRowWarps; ++v) {
+        const float4 a = all[(2 * v + h) * octets + o];
+        s = make_float4(s.x + a.x, s.y + a.y, s.z + a.z, s.w + a.w);
+      }
+      out[2 * o + h] = s;
     }
-    out[q] = sum;
-  }
 }
 
 // dw of stream c0 + y: dw[e] = Σ_blk dw_part[y][blk][e]. A block sums 32 columns: warp v
@@ -447,14 +424,10 @@ void rms_norm_bwd(Tensor& dqkv, Tensor& dq_norm_w, Tensor& dk_norm_w, const Tens
   const dim3 grid(static_cast<unsigned>(used), static_cast<unsigned>(streams));
   if (rows) {
     auto bf = [](const Tensor& t) { return t.defined() ? static_cast<const __nv_bfloat16*>(t.data()) : nullptr; };
-    // The ring's depth: what the device's shared memory holds (Note [row ring]: no result
-    // depends on it); 2 slots a warp fit every device of sm_80 on at C ≤ 2560 (164 KB).
-    const size_t per_depth = kRowWarps * ring_slot_bytes(C);
-    const int depth = kRingDepth * per_depth <= smem_per_block_optin() ? kRingDepth : 2;
-    const size_t smem = depth * per_depth;
+    const size_t smem = need_dw ? static_cast<size_t>(kRowWarps) * C * sizeof(float) : 0;  // the warps' dw
     allow_smem(rows, smem);
     rows<<<grid, 32 * kRowWarps, smem, stream()>>>(static_cast<__nv_bfloat16*>(dqkv.data()), part_p, bf(dq_hat),
-                                                   bf(dk_hat), bf(qkv), rstd_p, qw, kw, tokens, C, c0, depth);
+                                                   bf(dk_hat), bf(qkv), rstd_p, qw, kw, tokens, C, c0);
     GDNCP_CUDA_CHECK_LAUNCH("rms_bwd_rows_kernel");
   } else {
     const size_t smem = need_dw ? static_cast<size_t>(warps) * C * sizeof(float) : 0;
