@@ -123,10 +123,24 @@ CpuStates cpu_states(const Prepared& p, const Dims& d, const Tensor& mask = Tens
 // ----------------------------------------------------------------------------------------
 // kernel twins
 // ----------------------------------------------------------------------------------------
+// The RMSNorm twins' shapes: the twin shapes plus the row widths of the bf16 fast paths, where
+// a lane holds its octets of a row: C = 2240 (production, 9 octets a lane), 520 (a partial last
+// octet round), 2560 (the widest, 10 octets); C = 2600 is past the widest and takes the generic
+// loop in bf16 too. 2100 tokens: the backward's 132 blocks of about 16 (two a warp), so a warp
+// loads its next token's rows while it stores and keeps dw over two tokens, and the dw sum adds
+// 132 partials.
+std::vector<Dims> rms_shapes() {
+  std::vector<Dims> v = twin_shapes();
+  for (const Dims& d : {dims(1, 20, 112, 2, 3), dims(2, 4, 130, 3, 5), dims(1, 20, 128, 1, 5), dims(1, 26, 100, 1, 3)})
+    v.push_back(d);
+  if (!small_only()) v.push_back(dims(1, 20, 112, 1, 2100));
+  return v;
+}
+
 TEST(CudaTwins, RmsStats) {
   REQUIRE_GPU();
   uint64_t seed = 100;
-  for (const Dims& d : twin_shapes())
+  for (const Dims& d : rms_shapes())
     for (DType dt : {DType::f32, DType::bf16})
       for (int norm = 0; norm < 3; ++norm) {
         const Prepared p = prepare(d, dt, ++seed, norm != 1, norm != 2);
@@ -531,23 +545,10 @@ TEST(CudaTwins, PhaseCBwdStagedMatchesRegisterPath) {
     }
 }
 
-// The twin shapes plus the row-in-registers widths of the bf16 path: C = 2240 (production,
-// 9 octets a lane), 520 (a partial last octet round), 2560 (the widest, 10 octets); C = 2600
-// is past the widest and takes the generic loop in bf16 too. 2100 tokens: 132 blocks of about
-// 16 (two a warp), so a warp of the bf16 path loads its next token's rows while it stores and
-// keeps dw over two tokens, and the dw sum adds 132 partials.
-std::vector<Dims> rms_bwd_shapes() {
-  std::vector<Dims> v = twin_shapes();
-  for (const Dims& d : {dims(1, 20, 112, 2, 3), dims(2, 4, 130, 3, 5), dims(1, 20, 128, 1, 5), dims(1, 26, 100, 1, 3)})
-    v.push_back(d);
-  if (!small_only()) v.push_back(dims(1, 20, 112, 1, 2100));
-  return v;
-}
-
 TEST(CudaTwins, RmsNormBwd) {
   REQUIRE_GPU();
   uint64_t seed = 500;
-  for (const Dims& d : rms_bwd_shapes())
+  for (const Dims& d : rms_shapes())
     for (DType dt : {DType::f32, DType::bf16})
       for (int norm = 0; norm < 3; ++norm)
         for (DType hat : {DType::f32, DType::bf16}) {  // dq̂, dk̂: either hat-grad dtype
@@ -602,7 +603,7 @@ TEST(CudaTwins, RmsNormBwd) {
 TEST(CudaTwins, NormWFramePartialsDeterministic) {
   REQUIRE_GPU();
   uint64_t seed = 700;
-  for (const Dims& d : rms_bwd_shapes())
+  for (const Dims& d : rms_shapes())
     for (DType dt : {DType::f32, DType::bf16})
       for (DType hat : {DType::f32, DType::bf16})
         for (int stream = 0; stream < 2; ++stream) {
