@@ -367,8 +367,10 @@ void rms_stats(Tensor& rstd, const Tensor& qkv, const Tensor& q_norm_w, const Te
   const In x = in_of(qkv, "qkv");
   const bool nq = q_norm_w.defined(), nk = k_norm_w.defined();
   const float eps = static_cast<float>(norm_eps);
-  const auto stats = by_octets(C, [](auto v) { return &rms_stats_rows_kernel<decltype(v)::value>; });
-  if (stats && C % 8 == 0 && qkv.dtype() == DType::bf16 && aligned16(qkv)) {
+  // The fast path needs bf16 rows in 16-byte octets, as the backward's does.
+  const bool octets = C % 8 == 0 && qkv.dtype() == DType::bf16 && aligned16(qkv);
+  const auto stats = octets ? by_octets(C, [](auto v) { return &rms_stats_rows_kernel<decltype(v)::value>; }) : nullptr;
+  if (stats) {
     stats<<<blocks, kStatThreads, 0, stream()>>>(out, static_cast<const __nv_bfloat16*>(qkv.data()), tokens, C, nq, nk,
                                                  eps);
     GDNCP_CUDA_CHECK_LAUNCH("rms_stats_rows_kernel");
