@@ -38,8 +38,8 @@ cublasHandle_t cublas_handle() {
   }
   // No workspace of our own: cublasSetStream puts the handle back on cuBLAS's
   // default workspace pool (a workspace set by hand would not outlive this
-  // line), which cuBLAS allocates stream-ordered since CUDA 12.2, so a graph
-  // capture records its allocation and replays need no cudaMalloc.
+  // line), so that pool is what every call uses; captured graphs replay with it
+  // (tests/test_capture.cpp).
   GDNCP_CUBLAS_CHECK(cublasSetStream(h, detail::stream()));
   return h;
 }
