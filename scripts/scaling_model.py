@@ -18,6 +18,7 @@ emulated ranks at P = 2, 4 and 8), X the exchange of the chosen algorithm: link 
 per step and per round from the emulated ranks), nothing overlapped. Strong scaling
 E = T_1(F_total) / (P * max_r T_rank); weak scaling E = W(11) / T_rank(P, 11).
 """
+import collections
 import math
 import os
 import sys
@@ -74,40 +75,47 @@ NODE = 8
 # One small kernel launch (a copy of the ring's steps): assumed 3 us.
 KAPPA = 3e-3
 
+# What-if factors on the inputs (the table "Which lever moves what"): fold scales the device work
+# of the folds and of the log rounds' compositions, mid a middle rank's corrections, link the link
+# time of every exchange (0: hidden behind the rank's work), layer the one-GPU layer (T1 and W,
+# which the CP-only work and the exchange do not follow). TODAY: the measured and modeled inputs.
+Levers = collections.namedtuple("Levers", "fold mid link layer")
+TODAY = Levers(fold=1.0, mid=1.0, link=1.0, layer=1.0)
+
 # Bytes of the composites (src/cp/scan/scan_engine.cpp layout): per scan direction the KV and
 # Z states h (D^2 + D per head) and their transitions M (2 D^2), f32.
 H_BYTES = BH * (D * D + D) * F32
 M_BYTES = BH * 2 * D * D * F32
 
 
-def T1(F, S):
+def T1(F, S, lv=TODAY):
     """One GPU over F frames of S tokens: the scan part stays, the rest of a frame scales with S."""
     scan = SCAN_11 / 11
-    return T1_A + F * (scan + (T1_B - scan) * S / S_REF)
+    return lv.layer * (T1_A + F * (scan + (T1_B - scan) * S / S_REF))
 
 
-def W(F, S):
-    return T1(F, S)  # bigdn_cp at P = 1 is bigdn (W_11_MEAS against T1(11): within 3.5 %)
+def W(F, S, lv=TODAY):
+    return T1(F, S, lv)  # bigdn_cp at P = 1 is bigdn (W_11_MEAS against T1(11): within 3.5 %)
 
 
-def C(P, F):
+def C(P, F, lv=TODAY):
     """CP-only device work of the slowest rank beside the exchange (D^3 a frame: S-independent)."""
     if P == 1:
         return 0.0
-    return (C_END if P == 2 else C_MID) * F / 11
+    return (C_END if P == 2 else lv.mid * C_MID) * F / 11
 
 
 def link(P_span):
     return NVLINK if P_span <= NODE else IB
 
 
-def x_allgather(P):
+def x_allgather(P, lv=TODAY):
     if P == 1:
         return 0.0
     a, b = link(P)
     fwd = 2 * (H_BYTES + (M_BYTES if P > 2 else 0))  # both directions in one pack
     bwd = 2 * H_BYTES
-    return 2 * a + (P - 1) * (fwd + bwd) / b + max(P - 3, 0) * PHI  # the folds' products
+    return lv.link * (2 * a + (P - 1) * (fwd + bwd) / b) + max(P - 3, 0) * lv.fold * PHI  # the folds' products
 
 
 def log_links(G, a, b, init_M=False):
@@ -128,14 +136,14 @@ def rounds(G):
 ROUND_DEV = (LOG_8_84 - W(11, S_REF) - C_MID - 2 * log_links(8, *NVLINK)) / (2 * rounds(8))
 
 
-def x_log(P):
+def x_log(P, lv=TODAY):
     if P == 1:
         return 0.0
     a, b = link(P)
-    return 2 * (log_links(P, a, b) + rounds(P) * ROUND_DEV)
+    return 2 * (lv.link * log_links(P, a, b) + rounds(P) * lv.fold * ROUND_DEV)
 
 
-def x_hier(P, n=NODE):
+def x_hier(P, lv=TODAY, n=NODE):
     if P == 1:
         return 0.0
     n = min(n, P)
@@ -143,31 +151,31 @@ def x_hier(P, n=NODE):
     a_n, b_n = NVLINK
     fwd_pack = 2 * (H_BYTES + (M_BYTES if P > 2 else 0))
     bwd_pack = 2 * H_BYTES
-    ring = (n - 1) * (2 * a_n + (fwd_pack + bwd_pack) / b_n) + 2 * (n - 1) * 2 * KAPPA
-    folds = (n - 1) * PHI + max(n - 3, 0) * PHI  # the node's map, then the fold into X0
+    ring = lv.link * (n - 1) * (2 * a_n + (fwd_pack + bwd_pack) / b_n) + 2 * (n - 1) * 2 * KAPPA
+    folds = ((n - 1) + max(n - 3, 0)) * lv.fold * PHI  # the node's map, then the fold into X0
     a, b = IB if G > 1 else NVLINK
-    return ring + folds + 2 * (log_links(G, a, b) + rounds(G) * ROUND_DEV)
+    return ring + folds + 2 * (lv.link * log_links(G, a, b) + rounds(G) * lv.fold * ROUND_DEV)
 
 
 ALGS = {"allgather": x_allgather, "log": x_log, "hierarchical": x_hier}
 PS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
-def rank_time(P, F_r, S, alg):
+def rank_time(P, F_r, S, alg, lv=TODAY):
     if P == 1:
-        return W(F_r, S)
-    return W(F_r, S) + C(P, F_r) + ALGS[alg](P)
+        return W(F_r, S, lv)
+    return W(F_r, S, lv) + C(P, F_r, lv) + ALGS[alg](P, lv)
 
 
-def strong(Ft, S, P, alg):
+def strong(Ft, S, P, alg, lv=TODAY):
     F_r = math.ceil(Ft / P)  # the largest share of the balanced split
     if F_r == 0 or P > Ft:
         return None
-    return T1(Ft, S) / (P * rank_time(P, F_r, S, alg))
+    return T1(Ft, S, lv) / (P * rank_time(P, F_r, S, alg, lv))
 
 
-def weak(P, alg, F=11, S=S_REF):
-    return W(F, S) / rank_time(P, F, S, alg)
+def weak(P, alg, F=11, S=S_REF, lv=TODAY):
+    return W(F, S, lv) / rank_time(P, F, S, alg, lv)
 
 
 def fmt(e):
@@ -197,6 +205,45 @@ def tables():
     for P in PS:
         out.append("| %d | %s | %s |" % (P, " | ".join(fmt(weak(P, a)) for a in ALGS),
                                          " / ".join("%.3f" % ALGS[a](P) for a in ALGS)))
+    return "\n".join(out)
+
+
+# The rows of "Which lever moves what": a name and the factors (TODAY's where not named).
+LEVER_ROWS = [
+    ("today's inputs", TODAY),
+    ("fold and composition products 4x faster (fold = 1/4)", TODAY._replace(fold=0.25)),
+    ("a middle rank's corrections halved (mid = 1/2)", TODAY._replace(mid=0.5)),
+    ("every link hidden behind the rank's work (link = 0)", TODAY._replace(link=0.0)),
+    ("the three together", Levers(fold=0.25, mid=0.5, link=0.0, layer=1.0)),
+    ("the three, and the one-GPU layer at 0.85 of 1.15 ms (layer = 0.74)",
+     Levers(fold=0.25, mid=0.5, link=0.0, layer=0.85 / 1.15)),
+    ("the one-GPU layer at 0.85 ms alone", TODAY._replace(layer=0.85 / 1.15)),
+    ("no CP cost at all (fold = mid = link = 0; the ends' own CP-only work stays)",
+     Levers(fold=0.0, mid=0.0, link=0.0, layer=1.0)),
+]
+
+
+def lever_goals(lv):
+    """The three goals' efficiencies under lv, each with the best of the exchanges (weak: the
+    lowest over P of the best at each P)."""
+    g84 = max(strong(84, 920, 8, a, lv) for a in ALGS)
+    g240 = max(strong(240, 3600, 64, a, lv) for a in ALGS)
+    gweak = min(max(weak(P, a, lv=lv) for a in ALGS) for P in PS)
+    return g84, g240, gweak
+
+
+def lever_gains(rows):
+    """The smallest and largest gain, in points, of the rows' goals over today's."""
+    base = lever_goals(TODAY)
+    gains = [round(100 * e) - round(100 * e0) for _, lv in rows for e, e0 in zip(lever_goals(lv), base)]
+    return min(gains), max(gains)
+
+
+def levers_table():
+    out = ["| inputs | 84 frames, 8 GPUs (goal 85 %) | 240 × 3 600, 64 GPUs (goal 70 %) "
+           "| weak, 11 frames a rank, P ≤ 256 (goal 90 %) |", "|---|---|---|---|"]
+    for name, lv in LEVER_ROWS:
+        out.append("| %s | %s |" % (name, " | ".join(fmt(e) for e in lever_goals(lv))))
     return "\n".join(out)
 
 
@@ -268,6 +315,14 @@ def main(check):
     }
     subs = {
         "@TABLES@": tables(),
+        "@LEVERS@": levers_table(),
+        "@CMIDHALF@": "%.2f" % (0.5 * C_MID),
+        "@G84FAST@": fmt(lever_goals(TODAY._replace(layer=0.85 / 1.15))[0]),
+        "@G84BEST@": fmt(lever_goals(TODAY)[0]),
+        "@THREE@": " / ".join(fmt(e) for e in lever_goals(LEVER_ROWS[4][1])).replace(" %", "") + " %",
+        "@ALONE@": "%d–%d" % lever_gains(LEVER_ROWS[1:4]),
+        "@CEIL84FREE@": fmt(T1(84, 920) / (8 * W(11, 920))),
+        "@CEIL84EVEN@": fmt(T1(84, 920) / (8 * W(10.5, 920))),
         "@P2_MODEL@": fmt(model),
         "@P2_X@": "%.3f" % x,
         "@P2_CAL@": "%s – %s" % (fmt(lo), fmt(hi)),
