@@ -12,8 +12,8 @@
 #     cp        the CP GPU tests (mpi_test_cp_gpu) on 1 and $NP GPUs; the CP layer benchmark
 #               (gdncp_bench --cp) on $NP GPUs, or with one GPU the emulated rank of a group
 #               of $EMULATE (gdncp_bench --cp --emulate, stand-in peers), NCU_ROWS adding
-#               per-kernel device times of those rows under ncu (SWEEP_DETAIL=1: ncu
-#               sections of the scan's sweep kernel)
+#               per-kernel device times of those rows under ncu, with the CP_BENCH_ARGS
+#               of the timed rows (SWEEP_DETAIL=1: ncu sections of the scan's sweep kernel)
 #     train     gdncp_train at a production-like shape (bf16, H=20, D=112, 920 tokens a
 #               frame) on 1 GPU, and with 2 GPUs as CP=2 and as DP=2
 #     sanitize  compute-sanitizer memcheck, racecheck and initcheck over the CUDA twin
@@ -34,6 +34,7 @@
 #   OUT=/tmp/out scripts/gpu.sh all
 #   BASE=HEAD~3 OUT=/tmp/out scripts/gpu.sh bench cp
 #   NCU_ROWS="1 3" EMULATE=2 scripts/gpu.sh cp        # one GPU: rows 1 and 3 of the emulated table
+#   NCU_ROWS="2 3 4" EMULATE=4 CP_BENCH_ARGS="--frames 44" scripts/gpu.sh cp   # one GPU at 1, an end, a middle
 # Knobs: OUT, BUILD_DIR, JOBS, NP (GPUs for cp/train, default min(#GPUs, 2)), CTEST_REGEX,
 #        BENCH_ARGS (gdncp_bench), CP_BENCH_ARGS (gdncp_bench --cp), EMULATE, NCU, NCU_SOURCE, NCU_ROWS,
 #        NCU_BASE, SWEEP_DETAIL, SWEEP_ROW, TRAIN_STEPS, SANITIZER_FILTER, SANITIZER_TIMEOUT,
@@ -192,7 +193,8 @@ ncu_rows() {  # who rows...: per-kernel device times (ncu serialises kernels: ea
   shift
   for row in "$@"; do
     timeout 240 "$NCU" --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-      --print-units base "$(bin $who gdncp_bench)" --cp --emulate "$P" --profile-row "$row" --warmup 2 --iters 2 \
+      --print-units base "$(bin $who gdncp_bench)" --cp --emulate "$P" ${CP_BENCH_ARGS:-} --profile-row "$row" \
+      --warmup 2 --iters 2 \
       >"$OUT/ncu_raw.csv" 2>"$OUT/ncu_err.log" || { say "ncu row $row FAILED"; tail -5 "$OUT/ncu_err.log"; continue; }
     say "--- ncu $who row $row: kernels of 2 steps, device ns per step"
     awk -F'","' '/^"/ && !kn { for (i = 1; i <= NF; i++) { h = $i; gsub(/"/, "", h); if (h == "Kernel Name") kn = i;
@@ -236,7 +238,8 @@ if has cp; then
       timeout 240 "$NCU" --clock-control none --profile-from-start off --kernel-name regex:sweep_kernel --launch-count 2 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis --section LaunchStats \
-        "$(bin ours gdncp_bench)" --cp --emulate "$P" --profile-row "${SWEEP_ROW:-3}" --warmup 1 --iters 1 \
+        "$(bin ours gdncp_bench)" --cp --emulate "$P" ${CP_BENCH_ARGS:-} --profile-row "${SWEEP_ROW:-3}" \
+        --warmup 1 --iters 1 \
         >"$OUT/ncu_sweep.txt" 2>&1 || say "ncu sweep detail FAILED"
       grep -E "sweep_kernel|Duration|Warp Cycles Per Issued|Issued Warp|Achieved Occupancy|No Eligible|Stall|L2 Hit|Registers|Block Size|Grid Size|Memory Throughput|Compute \(SM\)" \
         "$OUT/ncu_sweep.txt" | head -60 | tee -a "$SUMMARY"
