@@ -6,6 +6,7 @@
 #include "cp/scan/scan_engine.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "cp/scan/comm_stream.h"
 #include "cp/scan/deterministic.h"
@@ -46,6 +47,11 @@ SweepSpec spec_of(const ScanContext& c, const ScanJob& j, bool adjoint) {
 // reads any M: the pack then carries only the states h, and no rank sweeps a
 // product of transitions beyond the Wcum its correction needs.
 bool gathers_M(const ScanJob& j, int P) { return P > 2 || j.terminal; }
+
+// A slot of a pack that no sweep writes and no rank reads (Note [which composites travel],
+// Note [rescan]). On the CPU it travels as NaN, so that a read of it would spoil the results of
+// the CPU tests (every exchange, P = 1 … 16); on CUDA as zeros.
+void unread(Tensor slot) { slot.fill_(slot.device() == Device::cpu ? std::numeric_limits<double>::quiet_NaN() : 0.0); }
 
 // Note [rescan]. A rank whose incoming state X0 comes from earlier ranks gets its states either by
 // the correction Y_t = Y_loc,t + Wcum_t X0 (the local scan from zero beside a sweep of the
@@ -248,9 +254,9 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       redo[i].spec.init = Init::given;
       sh.out_before = sh.out_after = Tensor();
     }
-    if (gather) {  // the slots no sweep writes travel as zeros (read by no rank)
-      if (skip) region(pack, L.h[i], BH * D * j.E).fill_(0.0);
-      if (L.M[i] >= 0 && !M_swept) region(pack, L.M[i], BH * D * D).fill_(0.0);
+    if (gather) {  // the slots no sweep writes: read by no rank
+      if (skip) unread(region(pack, L.h[i], BH * D * j.E));
+      if (L.M[i] >= 0 && !M_swept) unread(region(pack, L.M[i], BH * D * D));
     }
     if (P > 1) {
       sh.final_state = pack;
@@ -421,6 +427,10 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       continue;
     }
     const bool has_dX0 = logical(j, r, P) > 0;  // the adjoint of X0, where X0 came from earlier ranks
+    // The first rank's dX0 is read by no rank (on CUDA the pack's zeros stand); a terminal job
+    // whose rank has no dT adds those zeros to Σ dT.
+    if (!has_dX0 && dev == Device::cpu) unread(region(pack, L.dX0[i], BH * D * j.E));
+    if (j.terminal && j.dT.defined()) kern::copy_region(pack, L.dT[i], j.dT, 0, j.dT.numel());
     rerun[i] = seeded(j) && (rescans(j, D) || (!has_dX0 && others));  // Note [rescan]: dU from the rerun
     if (!rerun[i] || has_dX0) {
       sweeps.push_back(adjoint(j, rerun[i] ? Tensor() : j.dU, has_dX0 ? pack : Tensor(), Tensor()));
@@ -438,16 +448,12 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   kern::scan_sweeps(sweeps, ctx.decay);
 
   if (P > 1 && plan.algo != Exchange::all_gather) {  // 2-3 by the exchange of exchange.h
-    for (size_t i = 0; i < jobs.size(); ++i)
-      if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
     std::vector<Tensor> seed(jobs.size());
     exchange_backward(comm, plan, exchange_jobs(jobs, L), ctx.gathered, L.fwd_total, pack, BH, D, seed);
     seed_adjoints(seed);
   } else if (P > 1) {
     GDNCP_CHECK(ctx.gathered.defined(), "cp scan backward: the forward composites are missing");
     // 2. One all-gather of the adjoints of X0 and of the terminal states' gradients.
-    for (size_t i = 0; i < jobs.size(); ++i)
-      if (jobs[i].terminal && jobs[i].dT.defined()) kern::copy_region(pack, L.dT[i], jobs[i].dT, 0, jobs[i].dT.numel());
     Tensor gathered = Tensor::empty({static_cast<int64_t>(P) * pack.numel()}, dt, dev);
     CommStream lane(hide && dev == Device::cuda);
     lane.issue([&] { comm.all_gather(gathered, pack); });
