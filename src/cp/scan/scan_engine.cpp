@@ -48,10 +48,17 @@ SweepSpec spec_of(const ScanContext& c, const ScanJob& j, bool adjoint) {
 // product of transitions beyond the Wcum its correction needs.
 bool gathers_M(const ScanJob& j, int P) { return P > 2 || j.terminal; }
 
-// A slot of a pack that no sweep writes and no rank reads (Note [which composites travel],
-// Note [rescan]). On the CPU it travels as NaN, so that a read of it would spoil the results of
-// the CPU tests (every exchange, P = 1 … 16); on CUDA as zeros.
-void unread(Tensor slot) { slot.fill_(slot.device() == Device::cpu ? std::numeric_limits<double>::quiet_NaN() : 0.0); }
+// The buffer a rank sends its composites (or their adjoints) in. Its slots that no sweep writes
+// are read by no rank (Note [which composites travel], Note [rescan]): on the CPU the whole pack
+// starts as NaN, so that reading any slot left unwritten would spoil the results of the CPU tests
+// (every exchange, P = 1 … 16). On CUDA it starts as zeros, one fill for the whole pack: stand-in
+// peers (bench/loopback_comm.h) hand a rank's own pack back as the other ranks', and read there,
+// its unwritten slots must be finite and the same run to run.
+Tensor new_pack(int64_t n, DType dt, Device dev) {
+  Tensor pack = Tensor::empty({n}, dt, dev);
+  pack.fill_(dev == Device::cpu ? std::numeric_limits<double>::quiet_NaN() : 0.0);
+  return pack;
+}
 
 // Note [rescan]. A rank whose incoming state X0 comes from earlier ranks gets its states either by
 // the correction Y_t = Y_loc,t + Wcum_t X0 (the local scan from zero beside a sweep of the
@@ -210,14 +217,14 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   //    the composite transition M (into the pack where it travels: Note [which
   //    composites travel]). A job that rescans (Note [rescan]) writes at most h and M
   //    here: its states come from X0; one whose composite no rank reads writes nothing (its
-  //    slots of the pack are zeros). A checkpoint recompute
+  //    slots of the pack stay unwritten: new_pack). A checkpoint recompute
   //    (composites kept) writes no composites. With overlap, the sweeps the all-gather does not read (Wcum
   //    where M does not travel) run after it is issued, and with two parts
   //    (forward_parts) the second part's sweeps after the first part's
   //    all-gather is issued (Note [hidden exchange]).
   const bool gather = P > 1 && !ctx.gathered.defined();
   const bool hide = ctx.overlap && gather && plan.algo == Exchange::all_gather;
-  Tensor pack = gather ? Tensor::empty({L.fwd_total}, dt, dev) : Tensor();
+  Tensor pack = gather ? new_pack(L.fwd_total, dt, dev) : Tensor();
   std::vector<Sweep> batch[2], later;  // by part of the pack; later: read by no all-gather
   std::vector<Tensor> cum(jobs.size());
   std::vector<Sweep> redo(jobs.size());  // Note [rescan]: from X0 (spec.E = 0: none)
@@ -253,10 +260,6 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
       redo[i] = sh;
       redo[i].spec.init = Init::given;
       sh.out_before = sh.out_after = Tensor();
-    }
-    if (gather) {  // the slots no sweep writes: read by no rank
-      if (skip) unread(region(pack, L.h[i], BH * D * j.E));
-      if (L.M[i] >= 0 && !M_swept) unread(region(pack, L.M[i], BH * D * D));
     }
     if (P > 1) {
       sh.final_state = pack;
@@ -414,7 +417,7 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
   //    With overlap, the Rcum sweeps run after the all-gather is issued (Note [hidden exchange]).
   const bool hide = ctx.overlap && P > 1 && plan.algo == Exchange::all_gather;
   std::vector<Sweep> sweeps, later;
-  Tensor pack = P > 1 ? Tensor::zeros({std::max<int64_t>(L.bwd_total, 1)}, dt, dev) : Tensor();
+  Tensor pack = P > 1 ? new_pack(std::max<int64_t>(L.bwd_total, 1), dt, dev) : Tensor();
   // Jobs that sweep nothing before the exchange (Note [rescan]): no dX0 to send (the logically
   // first rank), on a rank whose other jobs send theirs meanwhile.
   bool others = false;
@@ -427,10 +430,12 @@ void scan_backward(ScanContext& ctx, std::vector<ScanJob>& jobs, Tensor& dg) {
       continue;
     }
     const bool has_dX0 = logical(j, r, P) > 0;  // the adjoint of X0, where X0 came from earlier ranks
-    // The first rank's dX0 is read by no rank (on CUDA the pack's zeros stand); a terminal job
-    // whose rank has no dT adds those zeros to Σ dT.
-    if (!has_dX0 && dev == Device::cpu) unread(region(pack, L.dX0[i], BH * D * j.E));
-    if (j.terminal && j.dT.defined()) kern::copy_region(pack, L.dT[i], j.dT, 0, j.dT.numel());
+    if (j.terminal) {                           // Σ over ranks of dT: a rank without one adds zeros
+      if (j.dT.defined())
+        kern::copy_region(pack, L.dT[i], j.dT, 0, j.dT.numel());
+      else
+        region(pack, L.dT[i], BH * D * j.E).fill_(0.0);
+    }
     rerun[i] = seeded(j) && (rescans(j, D) || (!has_dX0 && others));  // Note [rescan]: dU from the rerun
     if (!rerun[i] || has_dX0) {
       sweeps.push_back(adjoint(j, rerun[i] ? Tensor() : j.dU, has_dX0 ? pack : Tensor(), Tensor()));
