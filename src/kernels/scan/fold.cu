@@ -18,7 +18,8 @@
 // 16w + r × columns 4h … 4h+3 over k in index order, like the CPU twin. The steps are
 // sequential, so a fold is latency-bound, and a step's chain is one warp's 16 rows, not the
 // whole D: with one warp for all D rows of a slice, a product step took ~13 µs at D = 112
-// (a few hundred warps on the whole device, each waiting on its own loads and FMAs).
+// (a few hundred warps on the whole device, each waiting on its own loads and FMAs), and a log
+// round's fold launch twice as long as now (docs/scaling.md, per kernel).
 // Each warp streams its 16 rows of op(A) through a ring of its own (kStages chunks of kKC
 // values of k, cp.async, kStages − 1 chunks ahead and across step boundaries: A does not depend
 // on the state), stored [i][k] (pitch kKCP, read along k as float4 without bank conflicts) for
