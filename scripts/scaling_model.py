@@ -216,7 +216,13 @@ ALONE = [
 ]
 THREE = Levers(fold=0.25, mid=0.5, link=0.0, layer=1.0)
 FAST_LAYER = 0.85 / 1.15  # the one-GPU speed goal against today's layer
-LEVER_ROWS = [("today's inputs", TODAY)] + ALONE + [
+# The fold kernel's rewrite as measured per kernel on an H100 (docs/scaling.md): a middle rank's
+# fold launches of the log rounds, 292 against 705 us a step. A ratio from another GPU applied
+# to the H200's inputs: modeled, until `scripts/gpu.sh scaling` measures it on an H200.
+FOLD_H100 = 292.0 / 705.0
+LEVER_ROWS = [("today's inputs", TODAY),
+              ("the fold kernel's rewrite at its H100 ratio (fold = 292/705 µs = %.2f)" % FOLD_H100,
+               TODAY._replace(fold=FOLD_H100))] + ALONE + [
     ("the three together", THREE),
     ("the three, and the one-GPU layer at 0.85 of 1.15 ms (layer = 0.74)", THREE._replace(layer=FAST_LAYER)),
     ("the one-GPU layer at 0.85 ms alone", TODAY._replace(layer=FAST_LAYER)),
@@ -322,6 +328,7 @@ def main(check):
         "@G84FAST@": fmt(lever_goals(TODAY._replace(layer=FAST_LAYER))[0]),
         "@G84BEST@": fmt(lever_goals(TODAY)[0]),
         "@THREE@": " / ".join("%.0f" % (100 * e) for e in lever_goals(THREE)) + " %",
+        "@FOLDH100@": " / ".join("%.0f" % (100 * e) for e in lever_goals(TODAY._replace(fold=FOLD_H100))) + " %",
         "@ALONE@": "%d–%d" % lever_gains(ALONE),
         "@CEIL84FREE@": fmt(T1(84, 920) / (8 * W(11, 920))),
         "@CEIL84EVEN@": fmt(T1(84, 920) / (8 * W(10.5, 920))),
