@@ -136,16 +136,6 @@ __device__ __forceinline__ float4 load_own(const float* src, const Slice& s, boo
   return make_float4(x[0], x[1], x[2], x[3]);
 }
 
-// Which (fold, b·h, slice) a block works on: folds laid out one after another, units × tiles blocks each.
-template <typename Job>
-__device__ __forceinline__ void place_of(const Job* jobs, int n, int& k, int& unit, int& tile) {
-  k = 0;
-  while (k + 1 < n && static_cast<int>(blockIdx.x) >= jobs[k + 1].block0) ++k;
-  const int rel = static_cast<int>(blockIdx.x) - jobs[k].block0;
-  unit = rel / jobs[k].tiles;
-  tile = rel % jobs[k].tiles;
-}
-
 // --- folds over ranks ---------------------------------------------------------------------------
 struct FoldArgs {
   float* X = nullptr;
@@ -167,12 +157,21 @@ struct FoldBatch {
 };
 static_assert(sizeof(FoldBatch) <= 32764, "a fold batch is one kernel's parameters (32764 bytes at most)");
 
+// Which (fold, b·h, slice) a block works on: the folds' blocks laid out one after another, BH × tiles each.
+__device__ __forceinline__ void place_of(const FoldBatch& batch, int& k, int& unit, int& tile) {
+  k = 0;
+  while (k + 1 < batch.n && static_cast<int>(blockIdx.x) >= batch.f[k + 1].block0) ++k;
+  const int rel = static_cast<int>(blockIdx.x) - batch.f[k].block0;
+  unit = rel / batch.f[k].tiles;
+  tile = rel % batch.f[k].tiles;
+}
+
 // X = init; for j in order: X = op(M_j) X + H_j (X += H_j without M). One block per (fold, b·h,
 // slice), ⌈D/16⌉ warps (Note [fold slices]).
 __global__ void __launch_bounds__(32 * kMaxWarps) fold_kernel(const __grid_constant__ FoldBatch batch) {
   extern __shared__ __align__(16) float smem[];
   int k, bh, tile;
-  place_of(batch.f, batch.n, k, bh, tile);
+  place_of(batch, k, bh, tile);
   const FoldArgs& a = batch.f[k];
   const int D = a.D, E = a.E, w = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const Slice sl{D, E, tile * kTileCols, kRows * w + lane % 16, lane / 16, a.vec_states};
