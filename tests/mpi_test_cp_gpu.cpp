@@ -63,6 +63,30 @@ Tensor poisoned(const Shape& s, Device dev) {
   poison(t);
   return t;
 }
+// A fold over the ranks `order` of buffers laid out rank after rank (a rank's slice `stride`
+// elements; its M at 0, its h at h_off), from init.
+cp::Fold fold_of(const Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t stride, bool transpose,
+                 const Tensor& Hbuf, int64_t h_off, std::vector<int> order, int64_t E) {
+  cp::Fold f;
+  f.X = X;
+  f.init = init;
+  f.Mbuf = Mbuf;
+  f.m_stride = f.h_stride = stride;
+  f.transpose = transpose;
+  f.Hbuf = Hbuf;
+  f.h_off = h_off;
+  f.E = E;
+  f.order = std::move(order);
+  return f;
+}
+// One fold by the CUDA twin (cuda) or the CPU one.
+void run_fold(bool cuda, const cp::Fold& f, int64_t BH, int64_t D) {
+  std::vector<cp::Fold> one = {f};
+  if (cuda)
+    cp::cuda::folds(one, BH, D);
+  else
+    cp::cpu::folds(one, BH, D);
+}
 
 TEST(CudaTwins, ScanSweepMatchesCpu) {
   REQUIRE_NCCL_WORLD();
@@ -208,11 +232,8 @@ TEST(CudaTwins, ScanKernelsManySlicesMatchCpu) {
     Tensor Xf[2];
     for (int g = 0; g < 2; ++g) {
       Xf[g] = poisoned({BHf, D, D}, g ? Device::cuda : Device::cpu);
-      const Tensor b = g ? gpu(buf) : buf, x0 = g ? gpu(init) : init;
-      if (g)
-        cp::cuda::fold(Xf[g], x0, b, 0, per, true, b, BHf * D * D, per, {1, 0}, BHf, D, D);
-      else
-        cp::cpu::fold(Xf[g], x0, b, 0, per, true, b, BHf * D * D, per, {1, 0}, BHf, D, D);
+      const Tensor b = g ? gpu(buf) : buf;
+      run_fold(g, fold_of(Xf[g], g ? gpu(init) : init, b, per, true, b, BHf * D * D, {1, 0}, D), BHf, D);
     }
     EXPECT_FALSE(has_nonfinite(cpu(Xf[1])));
     EXPECT_TRUE(close_rel(cpu(Xf[1]), Xf[0], test::tol::f32, "fold B*H=160"));
@@ -266,12 +287,9 @@ TEST(CudaTwins, GradOuterAndFoldMatchCpu) {
         Tensor X[2];
         for (int g = 0; g < 2; ++g) {
           X[g] = poisoned({BH, D, E}, g ? Device::cuda : Device::cpu);
-          const Tensor b = g ? gpu(buf) : buf, x0 = g ? gpu(init) : init;
+          const Tensor b = g ? gpu(buf) : buf;
           const Tensor M = variant == 2 ? Tensor() : b;
-          if (g)
-            cp::cuda::fold(X[g], x0, M, 0, per, variant == 1, b, BH * D * D, per, {2, 0, 1}, BH, D, E);
-          else
-            cp::cpu::fold(X[g], x0, M, 0, per, variant == 1, b, BH * D * D, per, {2, 0, 1}, BH, D, E);
+          run_fold(g, fold_of(X[g], g ? gpu(init) : init, M, per, variant == 1, b, BH * D * D, {2, 0, 1}, E), BH, D);
         }
         EXPECT_TRUE(close_rel(cpu(X[1]), X[0], test::tol::f32, "fold v" + std::to_string(variant)));
       }

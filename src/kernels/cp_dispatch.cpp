@@ -75,12 +75,6 @@ void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, c
   kernels::guard_clip_mask(cuts, {dP, dg});
 }
 
-void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int64_t m_stride, bool transpose,
-          const Tensor& Hbuf, int64_t h_off, int64_t h_stride, const std::vector<int>& order, int64_t BH, int64_t D,
-          int64_t E) {
-  GDNCP_CP_DISPATCH(X, fold(X, init, Mbuf, m_off, m_stride, transpose, Hbuf, h_off, h_stride, order, BH, D, E));
-}
-
 void scan_sweeps(std::vector<Sweep>& sweeps, const Tensor& decay) {
   if (sweeps.empty()) return;
   GDNCP_CP_DISPATCH(sweeps.front().P, scan_sweeps(sweeps, decay));

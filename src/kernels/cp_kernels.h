@@ -102,7 +102,10 @@ struct Correction {
   int64_t E = 0;
 };
 
-// One fold over ranks, see fold().
+// One fold over ranks: X = init (undefined = 0); for j in order: X = op(M_j) X + H_j, op = transpose or
+// identity. M_j = Mbuf[m_off + j·m_stride + ...] (BH, D, D), the identity when Mbuf is undefined; H_j
+// likewise from Hbuf (BH, D, E). Without init the first step is X = H_j: that M_j is never read. X, init
+// (BH, D, E), all of the compute dtype; X is overwritten.
 struct Fold {
   Tensor X, init, Mbuf, Hbuf;
   int64_t m_off = 0, m_stride = 0, h_off = 0, h_stride = 0, E = 0;
@@ -158,15 +161,8 @@ inline void check_region(const char* which, int64_t numel, int64_t off, int64_t 
   /* Corrections X_t += C_t · v for all (bh, t) at once (docs/design.md §6 step 5): X (BH, F, D, E), C (BH, F, D, D)  \
      (cumulative transition products), v (BH, D, E). Independent corrections: one launch on CUDA. */                    \
   void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D);                                     \
-  /* Independent folds: one launch on CUDA. */                                                                          \
+  /* Independent folds (Fold; none reads another's X): one launch on CUDA. */                                           \
   void folds(std::vector<Fold>& folds, int64_t BH, int64_t D);                                                          \
-                                                                                                                        \
-  /* Fold over ranks: X = init (undefined = 0); for j in order: X = op(M_j) X + H_j, op = transpose or identity.        \
-     M_j = Mbuf[m_off + j·m_stride + ...] (BH, D, D), the identity when Mbuf is undefined; H_j likewise from Hbuf      \
-     (BH, D, E). Without init the first step is X = H_j: that M_j is never read. X, init (BH, D, E). Compute dtype. */  \
-  void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int64_t m_stride, bool transpose,         \
-            const Tensor& Hbuf, int64_t h_off, int64_t h_stride, const std::vector<int>& order, int64_t BH, int64_t D,  \
-            int64_t E);                                                                                                 \
                                                                                                                         \
   /* dst[dst_off + r·dst_pitch + i] = src[src_off + r·src_pitch + i], i < n, r < rows (same dtype; pitches >= n       \
      when rows > 1): one strided copy on CUDA. */                                                                       \

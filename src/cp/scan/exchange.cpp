@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 #include "cp/scan/region.h"
 #include "cp/scan/scan_engine.h"
@@ -40,6 +41,12 @@ int env_node_size() {
   GDNCP_CHECK(errno == 0 && end && *end == '\0' && v >= 1 && v <= (1 << 20),
               "GDNCP_CP_NODE_SIZE: must be a rank count >= 1, got \"", s, "\"");
   return static_cast<int>(v);
+}
+
+// Independent folds in one launch; the batch is emptied for the next ones.
+void run_batch(std::vector<Fold>& batch, int64_t BH, int64_t D) {
+  if (!batch.empty()) kern::folds(batch, BH, D);
+  batch.clear();
 }
 
 // Sizes shared by one exchange; transpose: the backward's adjoint maps a → Nᵀ a + h.
@@ -245,7 +252,7 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
       }
       out[wi] = next;
     }
-    if (!batch.empty()) kern::folds(batch, ops.BH, ops.D);
+    run_batch(batch, ops.BH, ops.D);
   }
   // The results, and the totals broadcast from the last node's first lane (the same bits everywhere).
   int64_t total_n = 0;
@@ -261,7 +268,7 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
     GDNCP_CHECK(!it.reverse, "cp exchange: a terminal state needs the forward rank order");
     total_n += ops.BH * ops.D * it.E;
   }
-  if (!batch.empty()) kern::folds(batch, ops.BH, ops.D);
+  run_batch(batch, ops.BH, ops.D);
   if (total_n == 0) return;
   const int root = (G - 1) * n;
   Tensor totals = Tensor::empty({total_n}, ops.dt, ops.dev);
@@ -303,16 +310,25 @@ std::vector<int> lanes_in_order(int n, bool reverse) {
 }
 
 // The product of the node's transitions in logical order, M_last ⋯ M_first: the linear
-// part of the node's forward map and, as transposed storage, of its adjoint map.
-Tensor node_product(const Ops& ops, const Tensor& nodebuf, int64_t stride, const ExchangeJob& j, int n) {
+// part of the node's forward map and, as transposed storage, of its adjoint map. One lane's is its
+// M where it lies; more lanes fold the rest onto the first one's, read in place, in batch.
+Tensor node_product(const Ops& ops, const Tensor& nodebuf, int64_t stride, const ExchangeJob& j, int n,
+                    std::vector<Fold>& batch) {
   GDNCP_CHECK(j.M_off >= 0, "cp exchange: the node's transitions were not packed");
   const std::vector<int> order = lanes_in_order(n, j.reverse);
-  Tensor first = ops.flat(ops.D);
-  kern::copy_region(first, 0, nodebuf, order[0] * stride + j.M_off, first.numel());
-  Tensor out = ops.flat(ops.D);
-  kern::fold(out, first, nodebuf, j.M_off, stride, false, ops.zeros, 0, 0,
-             std::vector<int>(order.begin() + 1, order.end()), ops.BH, ops.D, ops.D);
-  return out;
+  const Tensor first = region(nodebuf, order[0] * stride + j.M_off, ops.BH * ops.D * ops.D);
+  if (n == 1) return first;
+  Fold f;
+  f.X = ops.flat(ops.D);
+  f.init = first;
+  f.Mbuf = nodebuf;
+  f.m_off = j.M_off;
+  f.m_stride = stride;
+  f.Hbuf = ops.zeros;
+  f.E = ops.D;
+  f.order.assign(order.begin() + 1, order.end());
+  batch.push_back(f);
+  return f.X;
 }
 
 Ops ops_of(const Tensor& like, int64_t BH, int64_t D, bool transpose) {
@@ -326,22 +342,40 @@ Ops ops_of(const Tensor& like, int64_t BH, int64_t D, bool transpose) {
   return o;
 }
 
+// A fold of job j over the lanes `order` of a node: M_l from Mbuf (slot j.M_off of lane l's slice,
+// slices m_stride apart; the identity where j's M was not packed), H_l from hbuf likewise (slot
+// h_off, slices h_stride apart); transpose: the adjoint maps. From a zero state (init undefined).
+Fold node_fold(const ExchangeJob& j, const Tensor& Mbuf, int64_t m_stride, bool transpose, const Tensor& hbuf,
+               int64_t h_off, int64_t h_stride, std::vector<int> order) {
+  Fold f;
+  if (j.M_off >= 0) f.Mbuf = Mbuf;
+  f.m_off = std::max<int64_t>(j.M_off, 0);
+  f.m_stride = m_stride;
+  f.transpose = transpose;
+  f.Hbuf = hbuf;
+  f.h_off = h_off;
+  f.h_stride = h_stride;
+  f.E = j.E;
+  f.order = std::move(order);
+  return f;
+}
+
 // This node's own map in an item (its lanes' maps folded in the item's order; transpose:
 // the adjoint maps, M from Mbuf, addends from hbuf), when it travels or is the total, and its
-// N when it is needed. The item's init and want_total are set.
+// N when it is needed. The item's init and want_total are set. The folds go into batch (with one
+// lane the map is that lane's, read where it lies).
 void fill_own(Item& it, const ExchangeJob& j, bool reverse, const Ops& ops, int n, int g, int G, const Tensor& Mbuf,
-              int64_t fwd_total, bool transpose, const Tensor& hbuf, int64_t h_off, int64_t h_total, int64_t BH,
-              int64_t D) {
+              int64_t fwd_total, bool transpose, const Tensor& hbuf, int64_t h_off, int64_t h_total,
+              std::vector<Fold>& batch) {
   it.E = j.E;
   it.reverse = reverse;
   const int pos = pos_of(g, G, it.reverse);
   if (G > 1 || it.want_total) {  // the node's own map travels (or is the total)
     GDNCP_CHECK(j.M_off >= 0 || n == 1, "cp exchange: the node's transitions were not packed");
-    it.own.h = ops.flat(j.E);
-    kern::fold(it.own.h, Tensor(), j.M_off >= 0 ? Mbuf : Tensor(), std::max<int64_t>(j.M_off, 0), fwd_total, transpose,
-               hbuf, h_off, h_total, lanes_in_order(n, it.reverse), BH, D, j.E);
+    it.own.h = fold_into(node_fold(j, Mbuf, fwd_total, transpose, hbuf, h_off, h_total, lanes_in_order(n, it.reverse)),
+                         batch, ops.BH, ops.D);
   }
-  if (own_needs_N(pos, G, it.init.defined(), it.want_total)) it.own.N = node_product(ops, Mbuf, fwd_total, j, n);
+  if (own_needs_N(pos, G, it.init.defined(), it.want_total)) it.own.N = node_product(ops, Mbuf, fwd_total, j, n, batch);
 }
 
 }  // namespace
@@ -407,23 +441,28 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
   const Tensor nodebuf = region(buf, 0, node_n);
   node_gather(comm, n, pack, nodebuf);
   std::vector<Item> items(jobs.size());
+  std::vector<Fold> batch;  // the nodes' own maps, then X0: one launch each
   for (size_t i = 0; i < jobs.size(); ++i) {
     const ExchangeJob& j = jobs[i];
     items[i].want_total = j.terminal;
-    fill_own(items[i], j, j.reverse, ops, n, g, G, nodebuf, fwd_total, false, nodebuf, j.h_off, fwd_total, BH, D);
+    fill_own(items[i], j, j.reverse, ops, n, g, G, nodebuf, fwd_total, false, nodebuf, j.h_off, fwd_total, batch);
   }
+  run_batch(batch, BH, D);
   log_scan(comm, ops, n, items);
   for (size_t i = 0; i < jobs.size(); ++i) {
     const ExchangeJob& j = jobs[i];
     const int lp = j.reverse ? n - 1 - lane : lane;
     const std::vector<int> all = lanes_in_order(n, j.reverse);
-    const std::vector<int> before(all.begin(), all.begin() + lp);
-    GDNCP_CHECK(j.M_off >= 0 || (before.size() + (items[i].out.defined() ? 1 : 0)) <= 1,
+    GDNCP_CHECK(j.M_off >= 0 || (lp + (items[i].out.defined() ? 1 : 0)) <= 1,
                 "cp exchange: the fold needs composites that were not gathered");
-    kern::fold(X0[i], items[i].out, j.M_off >= 0 ? nodebuf : Tensor(), std::max<int64_t>(j.M_off, 0), fwd_total, false,
-               nodebuf, j.h_off, fwd_total, before, BH, D, j.E);
+    // over the lanes before this one, into X0
+    Fold f = node_fold(j, nodebuf, fwd_total, false, nodebuf, j.h_off, fwd_total, {all.begin(), all.begin() + lp});
+    f.X = X0[i];
+    f.init = items[i].out;
+    batch.push_back(f);
     if (j.terminal) kern::copy_region(T[i], 0, items[i].total, 0, T[i].numel());
   }
+  run_batch(batch, BH, D);
   kept = buf;
 }
 
@@ -464,28 +503,32 @@ void exchange_backward(Communicator& comm, const ExchangePlan& plan, const std::
   const Tensor nbuf = Tensor::empty({static_cast<int64_t>(n) * bwd_total}, ops.dt, ops.dev);
   node_gather(comm, n, pack, nbuf);
   std::vector<Item> items(jobs.size());
+  std::vector<Fold> batch;  // the nodes' own maps, then the seeds: one launch each
   for (size_t i = 0; i < jobs.size(); ++i) {
     const ExchangeJob& j = jobs[i];
     items[i].init = a0[i];
-    fill_own(items[i], j, !j.reverse, ops, n, g, G, kept, fwd_total, true, nbuf, j.dX0_off, bwd_total, BH, D);
+    fill_own(items[i], j, !j.reverse, ops, n, g, G, kept, fwd_total, true, nbuf, j.dX0_off, bwd_total, batch);
   }
+  run_batch(batch, BH, D);
   log_scan(comm, ops, n, items);
   for (size_t i = 0; i < jobs.size(); ++i) {
     const ExchangeJob& j = jobs[i];
     const std::vector<int> all = lanes_in_order(n, !j.reverse);  // backward order
     const int bp = j.reverse ? lane : n - 1 - lane;              // this lane's backward position
-    const std::vector<int> after(all.begin(), all.begin() + bp);
     const Tensor& init = items[i].out;
-    if (after.empty()) {
+    if (bp == 0) {
       seed[i] = init;
       continue;
     }
-    GDNCP_CHECK(j.M_off >= 0 || (after.size() + (init.defined() ? 1 : 0)) <= 1,
+    GDNCP_CHECK(j.M_off >= 0 || (bp + (init.defined() ? 1 : 0)) <= 1,
                 "cp scan backward: the fold needs composites that were not gathered");
-    seed[i] = ops.flat(j.E);
-    kern::fold(seed[i], init, j.M_off >= 0 ? kept : Tensor(), std::max<int64_t>(j.M_off, 0), fwd_total, true, nbuf,
-               j.dX0_off, bwd_total, after, BH, D, j.E);
+    // over the lanes after this one
+    Fold f = node_fold(j, kept, fwd_total, true, nbuf, j.dX0_off, bwd_total, {all.begin(), all.begin() + bp});
+    f.X = seed[i] = ops.flat(j.E);
+    f.init = init;
+    batch.push_back(f);
   }
+  run_batch(batch, BH, D);
 }
 
 }  // namespace detail

@@ -17,7 +17,10 @@
 //                  composite folded from it, the log scan over nodes between the
 //                  ranks of one lane (rank mod n), then the fold over the
 //                  node-mates before this rank from the node's incoming state.
-//                  log is hierarchical with n = 1.
+//                  log is hierarchical with n = 1, where the node's composite
+//                  is the rank's own (h, M), read where the ring put it.
+// Each step's folds (the nodes' composites, X0, the seeds) run as one batch of
+// every job, and a round's compositions as another (one launch each on CUDA).
 // What travels is only what a receiver reads: a composite that starts at
 // position 0 is applied to the zero state, so its M never travels (nor in the
 // last round, where the receiver only applies what it gets); the M of the

@@ -140,22 +140,10 @@ Layout layout_of(const ScanContext& c, const std::vector<ScanJob>& jobs, int P, 
   return L;
 }
 
-// Folds over ranks, each fold's X set here. Those without a product need no fold kernel: over no
-// rank from a zero state X = 0, over one rank from a zero state X = h of that rank, the view of it
-// where it lies in the gathered buffer (no copy); the others get a new (BH, D[, E]) tensor.
+// Folds over ranks, each fold's X set here (fold_into), those with a product in one launch.
 void run_folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
   std::vector<Fold> products;
-  for (Fold& f : fs) {
-    const Shape shape = state_shape(BH, D, f.E);
-    if (f.init.defined() || f.order.size() > 1) {
-      f.X = Tensor::empty(shape, f.Hbuf.dtype(), f.Hbuf.device());
-      products.push_back(f);
-    } else if (f.order.empty()) {
-      f.X = Tensor::zeros(shape, f.Hbuf.dtype(), f.Hbuf.device());
-    } else {
-      f.X = state_view(f.Hbuf, f.h_off + f.order[0] * f.h_stride, BH, D, f.E);
-    }
-  }
+  for (Fold& f : fs) f.X = fold_into(f, products, BH, D);
   kern::folds(products, BH, D);
 }
 
@@ -193,6 +181,18 @@ std::vector<ExchangeJob> exchange_jobs(const std::vector<ScanJob>& jobs, const L
 }
 
 }  // namespace
+
+Tensor fold_into(Fold f, std::vector<Fold>& batch, int64_t BH, int64_t D) {
+  const Shape shape = state_shape(BH, D, f.E);
+  if (!f.X.defined()) {
+    if (!f.init.defined() && f.order.empty()) return Tensor::zeros(shape, f.Hbuf.dtype(), f.Hbuf.device());
+    if (!f.init.defined() && f.order.size() == 1)
+      return state_view(f.Hbuf, f.h_off + f.order[0] * f.h_stride, BH, D, f.E);
+    f.X = Tensor::empty(shape, f.Hbuf.dtype(), f.Hbuf.device());
+  }
+  batch.push_back(f);
+  return f.X;
+}
 
 int64_t active_frames(int64_t K, int64_t offset, int64_t F) {
   if (K <= 0) return F;

@@ -63,6 +63,11 @@ inline Tensor state_view(const Tensor& buf, int64_t off, int64_t BH, int64_t D, 
   return region(buf, off, BH * D * E).reshape(state_shape(BH, D, E));
 }
 
+// Fold f's result, its X computed when batch runs (kern::folds; X a new (BH, D, E) tensor where f has
+// none) — or, for an f without X that needs no kernel, at once: over no rank from a zero state X = 0,
+// over one rank from a zero state the view of that rank's h where it lies (no copy).
+Tensor fold_into(Fold f, std::vector<Fold>& batch, int64_t BH, int64_t D);
+
 struct ScanJob {
   // --- inputs
   Tensor P;                   // (BH, F, D, D) compute dtype

@@ -345,25 +345,6 @@ void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
   }
 }
 
-void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int64_t m_stride, bool transpose,
-          const Tensor& Hbuf, int64_t h_off, int64_t h_stride, const std::vector<int>& order, int64_t BH, int64_t D,
-          int64_t E) {
-  std::vector<Fold> one(1);
-  Fold& f = one[0];
-  f.X = X;
-  f.init = init;
-  f.Mbuf = Mbuf;
-  f.Hbuf = Hbuf;
-  f.m_off = m_off;
-  f.m_stride = m_stride;
-  f.h_off = h_off;
-  f.h_stride = h_stride;
-  f.E = E;
-  f.transpose = transpose;
-  f.order = order;
-  folds(one, BH, D);
-}
-
 void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n, int64_t rows,
                  int64_t dst_pitch, int64_t src_pitch) {
   GDNCP_CHECK(dst.dtype() == src.dtype(), "copy_region: dtype mismatch");

@@ -201,14 +201,12 @@ void grad_outers_impl(std::vector<OuterGroup>& groups, const Tensor& decay, int6
 }
 
 template <typename T>
-void fold_impl(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int64_t m_stride, bool transpose,
-               const Tensor& Hbuf, int64_t h_off, int64_t h_stride, const std::vector<int>& order, int64_t BH,
-               int64_t D, int64_t E) {
-  const int64_t DE = D * E, DD = D * D;
-  T* x = X.data_ptr<T>();
-  const T* x0 = ptr_or_null<T>(init);
-  const T* mb = ptr_or_null<T>(Mbuf);
-  const T* hb = Hbuf.data_ptr<T>();
+void fold_impl(Fold& f, int64_t BH, int64_t D) {
+  const int64_t E = f.E, DE = D * E, DD = D * D;
+  T* x = f.X.data_ptr<T>();
+  const T* x0 = ptr_or_null<T>(f.init);
+  const T* mb = ptr_or_null<T>(f.Mbuf);
+  const T* hb = f.Hbuf.data_ptr<T>();
   std::vector<T> tmp(DE);
   for (int64_t bh = 0; bh < BH; ++bh) {
     T* xb = x + bh * DE;
@@ -216,15 +214,15 @@ void fold_impl(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off,
       std::copy(x0 + bh * DE, x0 + (bh + 1) * DE, xb);
     else
       std::fill(xb, xb + DE, T(0));
-    for (size_t q = 0; q < order.size(); ++q) {
-      const int j = order[q];
-      const T* h = hb + h_off + j * h_stride + bh * DE;
+    for (size_t q = 0; q < f.order.size(); ++q) {
+      const int j = f.order[q];
+      const T* h = hb + f.h_off + j * f.h_stride + bh * DE;
       if (mb && (x0 || q > 0)) {  // from a zero state the first step is X = h: M_j is never read there
-        const T* m = mb + m_off + j * m_stride + bh * DD;
+        const T* m = mb + f.m_off + j * f.m_stride + bh * DD;
         std::fill(tmp.begin(), tmp.end(), T(0));
         for (int64_t i = 0; i < D; ++i)
           for (int64_t k = 0; k < D; ++k) {
-            const T mik = transpose ? m[k * D + i] : m[i * D + k];
+            const T mik = f.transpose ? m[k * D + i] : m[i * D + k];
             for (int64_t e = 0; e < E; ++e) tmp[i * E + e] += mik * xb[k * E + e];
           }
         for (int64_t i = 0; i < DE; ++i) xb[i] = tmp[i] + h[i];
@@ -270,16 +268,6 @@ void scan_grad_outer(Tensor& dP, Tensor& dg, const Tensor& L, const Tensor& R, c
     grad_outer<double>(dP, dg, L, R, R0, P, decay, s, shifted, accumulate, cuts);
   else
     grad_outer<float>(dP, dg, L, R, R0, P, decay, s, shifted, accumulate, cuts);
-}
-
-void fold(Tensor& X, const Tensor& init, const Tensor& Mbuf, int64_t m_off, int64_t m_stride, bool transpose,
-          const Tensor& Hbuf, int64_t h_off, int64_t h_stride, const std::vector<int>& order, int64_t BH, int64_t D,
-          int64_t E) {
-  check_compute(X, "fold: X");
-  if (is_f64(X))
-    fold_impl<double>(X, init, Mbuf, m_off, m_stride, transpose, Hbuf, h_off, h_stride, order, BH, D, E);
-  else
-    fold_impl<float>(X, init, Mbuf, m_off, m_stride, transpose, Hbuf, h_off, h_stride, order, BH, D, E);
 }
 
 void copy_region(Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n, int64_t rows,
@@ -387,8 +375,13 @@ void scan_correct(std::vector<Correction>& cs, int64_t BH, int64_t F, int64_t D)
 }
 
 void folds(std::vector<Fold>& fs, int64_t BH, int64_t D) {
-  for (Fold& f : fs)
-    fold(f.X, f.init, f.Mbuf, f.m_off, f.m_stride, f.transpose, f.Hbuf, f.h_off, f.h_stride, f.order, BH, D, f.E);
+  for (Fold& f : fs) {
+    check_compute(f.X, "fold: X");
+    if (is_f64(f.X))
+      fold_impl<double>(f, BH, D);
+    else
+      fold_impl<float>(f, BH, D);
+  }
 }
 
 }  // namespace cpu
