@@ -499,9 +499,13 @@ void exchange_backward(Communicator& comm, const ExchangePlan& plan, const std::
       }
   }
 
-  // The adjoint maps run in the reverse logical order: within the node and over the nodes.
-  const Tensor nbuf = Tensor::empty({static_cast<int64_t>(n) * bwd_total}, ops.dt, ops.dev);
-  node_gather(comm, n, pack, nbuf);
+  // The adjoint maps run in the reverse logical order: within the node and over the nodes. A node
+  // of one rank reads its pack where it is (nothing is kept from the backward).
+  Tensor nbuf = pack;
+  if (n > 1) {
+    nbuf = Tensor::empty({static_cast<int64_t>(n) * bwd_total}, ops.dt, ops.dev);
+    node_gather(comm, n, pack, nbuf);
+  }
   std::vector<Item> items(jobs.size());
   std::vector<Fold> batch;  // the nodes' own maps, then the seeds: one launch each
   for (size_t i = 0; i < jobs.size(); ++i) {
