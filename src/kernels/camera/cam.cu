@@ -44,15 +44,7 @@ __global__ void __launch_bounds__(kOuterThreads)
   outer_tile(
       acc, [&](int i, int s) { return beta_at(beta, g, bh, f, s) * k[xb + static_cast<int64_t>(i) * g.N + s]; },
       [&](int j, int s) { return r[xb + static_cast<int64_t>(j) * g.N + s]; }, g.D, g.S, Ls, Rs);
-  float* o = out + bt * g.D * g.D;
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-#pragma unroll
-  for (int a = 0; a < 8; ++a)
-#pragma unroll
-    for (int b = 0; b < 8; ++b) {
-      const int i = ty + 16 * a, j = tx + 16 * b;
-      if (i < g.D && j < g.D) o[i * g.D + j] = acc[a][b];
-    }
+  store_outer_tile(out + bt * g.D * g.D, acc, g.D);
 }
 
 // dM = Σ_s q_s dout_sᵀ of frame (bh, f).
@@ -66,15 +58,7 @@ __global__ void __launch_bounds__(kOuterThreads) dm_kernel(float* dM, InPlain q,
   outer_tile(
       acc, [&](int i, int s) { return q[xb + static_cast<int64_t>(i) * g.N + s]; },
       [&](int j, int s) { return dout[xb + static_cast<int64_t>(j) * g.N + s]; }, g.D, g.S, Ls, Rs);
-  float* o = dM + bt * g.D * g.D;
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-#pragma unroll
-  for (int a = 0; a < 8; ++a)
-#pragma unroll
-    for (int b = 0; b < 8; ++b) {
-      const int i = ty + 16 * a, j = tx + 16 * b;
-      if (i < g.D && j < g.D) o[i * g.D + j] = acc[a][b];
-    }
+  store_outer_tile(dM + bt * g.D * g.D, acc, g.D);
 }
 
 enum class TokMode { out, dq, pa_bwd };

@@ -118,6 +118,18 @@ __device__ __forceinline__ void outer_tile(float (&acc)[8][8], LoadL ldl, LoadR 
   __syncthreads();
 }
 
+// outer_tile's C into o, row-major D×D: each thread its own rows and columns.
+__device__ __forceinline__ void store_outer_tile(float* o, const float (&acc)[8][8], int D) {
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll
+  for (int a = 0; a < 8; ++a)
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+      const int i = ty + 16 * a, j = tx + 16 * b;
+      if (i < D && j < D) o[i * D + j] = acc[a][b];
+    }
+}
+
 }  // namespace dev
 }  // namespace cuda
 }  // namespace cp
