@@ -23,7 +23,10 @@
 #               over the C++ entry (python/examples/bench_door.py, bar 5 %)
 #     scaling   the measured inputs of scripts/scaling_model.py (docs/scaling.md): emulated
 #               ranks of P = 2, 4, 8 over 11 frames each, and of 8 over 84 frames with modeled
-#               NVLink, all-gather and log-depth exchanges (gdncp_bench --cp --emulate)
+#               NVLink, all-gather and log-depth exchanges (gdncp_bench --cp --emulate); and
+#               the log exchange's device work alone (no link time) at P = 4, 8, 16 over 11
+#               frames a rank: 2, 3 and 4 rounds, so that a round's work and a call's fixed
+#               part can be told apart
 #     all       every test (ctest), then bench, door, cp, train, sanitize
 #
 # A/B against a base commit: BASE=<commit> checks BASE out with `git worktree add`
@@ -249,10 +252,11 @@ fi
 
 # --- scaling: the emulated ranks the scaling model takes as inputs ------------------------------
 if has scaling; then
-  for run in "2 22" "4 44" "8 88" "8 84 --link nvlink --exchange allgather" "8 84 --link nvlink --exchange log"; do
+  for run in "2 22" "4 44" "8 88" "8 84 --link nvlink --exchange allgather" "8 84 --link nvlink --exchange log" \
+    "4 44 --exchange log" "8 88 --exchange log" "16 176 --exchange log"; do
     set -- $run
     t0=$(date +%s)
-    log="$OUT/scaling_P$1_F$2${3:+_link}${6:+_$6}.log"
+    log="$OUT/scaling_$(echo "$run" | tr -s ' -' '_').log"
     timeout 300 "$(bin ours gdncp_bench)" --cp --emulate "$1" --frames "$2" --iters 20 "${@:3}" >"$log" 2>&1 || fail
     say "### gdncp_bench --cp --emulate $* ($(($(date +%s) - t0)) s)"
     grep -E "^  bigdn[^c]|^  bigdn_cp (P=1 F_0|rank)|^  off" "$log" | grep -v ckpt | tee -a "$SUMMARY"
