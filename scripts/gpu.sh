@@ -85,10 +85,10 @@ command -v ninja >/dev/null && GEN=(-G Ninja)
 targets=()
 has tests && targets=(all)
 if [ ${#targets[@]} -eq 0 ]; then
-  has kernels && targets+=(test_cuda_kernels test_nn_cuda gdncp_bench)
+  has kernels && targets+=(test_cuda_kernels test_cp_cuda_kernels test_nn_cuda gdncp_bench)
   has cp && targets+=(mpi_test_cp_gpu gdncp_bench scan_bench)
   has train && targets+=(gdncp_train)
-  has sanitize && targets+=(test_cuda_kernels test_nn_cuda)
+  has sanitize && targets+=(test_cuda_kernels test_cp_cuda_kernels test_nn_cuda)
   has bench && targets+=(gdncp_bench scan_bench)
   has door && targets+=(gdncp door_reference)
   has scaling && targets+=(gdncp_bench)
@@ -290,7 +290,7 @@ if has sanitize; then
     # racecheck is the slow tool (minutes over test_cuda_kernels): it runs one test at a
     # time, so that a time limit costs one test's summary, not the binary's.
     for tool in memcheck racecheck initcheck; do
-      for t in test_cuda_kernels test_nn_cuda; do
+      for t in test_cuda_kernels test_cp_cuda_kernels test_nn_cuda; do
         filters=("${SANITIZER_FILTER:-*}")
         [ $tool = racecheck ] && [ -z "${SANITIZER_FILTER:-}" ] &&
           mapfile -t filters < <("$BUILD_DIR/tests/$t" --gtest_list_tests |
