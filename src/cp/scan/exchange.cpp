@@ -288,13 +288,13 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
 }
 
 // The n packs of this rank's node into all (slot l: lane l's), by a ring of n − 1 exchanges,
-// each received straight into its slot.
+// each received straight into its slot; this rank's own is copied in unless it lies there.
 void node_gather(Communicator& comm, int n, const Tensor& pack, Tensor all) {
   const int r = comm.rank(), base = r / n * n, lane = r % n;
   const int64_t m = pack.numel();
   GDNCP_CHECK(all.numel() == n * m, "cp exchange: a node buffer of ", all.numel(), " elements for ", n, " packs of ",
               m);
-  kern::copy_region(all, lane * m, pack, 0, m);
+  if (region(all, lane * m, m).data() != pack.data()) kern::copy_region(all, lane * m, pack, 0, m);
   for (int t = 1; t < n; ++t) {
     const int from = (lane - t + n) % n;
     Tensor slot = region(all, from * m, m);
@@ -408,14 +408,19 @@ ExchangePlan plan_exchange(Communicator& comm, Exchange requested, int node_size
   return {Exchange::log, 1};
 }
 
+int64_t kept_elements(const ExchangePlan& plan, const std::vector<ExchangeJob>& jobs, int64_t fwd_total, int64_t BH,
+                      int64_t D) {
+  int64_t n = static_cast<int64_t>(plan.node) * fwd_total;
+  for (const ExchangeJob& j : jobs) n += BH * D * j.E * (j.terminal ? 2 : 1);
+  return n;
+}
+
 void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::vector<ExchangeJob>& jobs,
                       const Tensor& pack, int64_t fwd_total, int64_t BH, int64_t D, Tensor& kept,
                       std::vector<Tensor>& X0, std::vector<Tensor>& T) {
   const int P = comm.size(), r = comm.rank(), n = plan.node, G = P / n, g = r / n, lane = r % n;
   GDNCP_CHECK(n >= 1 && P % n == 0, "cp exchange: bad node size ", n);
-  const int64_t node_n = static_cast<int64_t>(n) * fwd_total;
-  int64_t kept_n = node_n;
-  for (const ExchangeJob& j : jobs) kept_n += BH * D * j.E * (j.terminal ? 2 : 1);
+  const int64_t node_n = static_cast<int64_t>(n) * fwd_total, kept_n = kept_elements(plan, jobs, fwd_total, BH, D);
   X0.assign(jobs.size(), Tensor());
   T.assign(jobs.size(), Tensor());
   auto views = [&](const Tensor& buf) {  // X0 and T as views into the kept buffer (Note [exchange])
@@ -429,14 +434,13 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
     for (size_t i = 0; i < jobs.size(); ++i)
       if (jobs[i].terminal) T[i] = next(jobs[i]);
   };
-  if (kept.defined()) {  // a checkpoint recompute: what the forward kept
-    GDNCP_CHECK(kept.numel() == kept_n, "cp scan: kept composites do not match this call (", kept.numel(),
-                " elements)");
-    return views(kept);
-  }
+  GDNCP_CHECK(pack.defined() || kept.defined(), "cp exchange: neither composites nor kept results");
+  GDNCP_CHECK(!kept.defined() || kept.numel() == kept_n, "cp scan: kept composites do not match this call (",
+              kept.numel(), " elements)");
+  if (!pack.defined()) return views(kept);  // a checkpoint recompute: what the forward kept
 
   const Ops ops = ops_of(pack, BH, D, false);
-  const Tensor buf = Tensor::empty({kept_n}, pack.dtype(), pack.device());  // kept once complete
+  const Tensor buf = kept.defined() ? kept : Tensor::empty({kept_n}, pack.dtype(), pack.device());
   views(buf);
   const Tensor nodebuf = region(buf, 0, node_n);
   node_gather(comm, n, pack, nodebuf);
@@ -463,7 +467,7 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
     if (j.terminal) kern::copy_region(T[i], 0, items[i].total, 0, T[i].numel());
   }
   run_batch(batch, BH, D);
-  kept = buf;
+  kept = buf;  // complete
 }
 
 void exchange_backward(Communicator& comm, const ExchangePlan& plan, const std::vector<ExchangeJob>& jobs,

@@ -33,8 +33,8 @@
 //
 // Kept for the backward and a checkpoint recompute (ScanContext::gathered):
 // [the n node packs of the forward | X0 of every job | T of every terminal job], each written in
-// place (the ring receives into the node packs' slots, the folds into X0); a recompute reads X0
-// and T where they are and issues no collective.
+// place (the sweeps write the rank's own pack into its slot, the ring receives into the others,
+// the folds write X0); a recompute reads X0 and T where they are and issues no collective.
 #pragma once
 
 #include <cstdint>
@@ -70,10 +70,20 @@ struct ExchangeJob {
   int64_t dX0_off = 0, dT_off = -1;  // backward pack: adjoint of X0, of the terminal state (-1: none)
 };
 
+// The elements of the buffer exchange_forward keeps: the node's packs, then X0 and T.
+int64_t kept_elements(const ExchangePlan& plan, const std::vector<ExchangeJob>& jobs, int64_t fwd_total, int64_t BH,
+                      int64_t D);
+// Where this rank's pack lies in that buffer (elements): its lane's slot.
+inline int64_t kept_pack_offset(const ExchangePlan& plan, int rank, int64_t fwd_total) {
+  return (rank % plan.node) * fwd_total;
+}
+
 // Forward: X0[i] of every job and T[i] of every terminal job ((BH, D) for E = 1, else (BH, D, E);
 // views into kept, the vectors resized to the jobs) from this rank's packed composites `pack`
-// (fwd_total elements). kept undefined: exchanges and sets it; defined (a checkpoint recompute):
-// the views of what it holds, no collective.
+// (fwd_total elements). pack undefined (a checkpoint recompute): the views of what kept holds, no
+// collective. Otherwise it exchanges and sets kept, a new buffer where kept was undefined; where it
+// is defined, it is the buffer of kept_elements() and pack is its slot at kept_pack_offset() (the
+// sweeps wrote it in place: no copy).
 void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::vector<ExchangeJob>& jobs,
                       const Tensor& pack, int64_t fwd_total, int64_t BH, int64_t D, Tensor& kept,
                       std::vector<Tensor>& X0, std::vector<Tensor>& T);

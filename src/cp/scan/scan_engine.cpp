@@ -54,11 +54,11 @@ bool gathers_M(const ScanJob& j, int P) { return P > 2 || j.terminal; }
 // (every exchange, P = 1 … 16). On CUDA it starts as zeros, one fill for the whole pack: stand-in
 // peers (bench/loopback_comm.h) hand a rank's own pack back as the other ranks', and read there,
 // its unwritten slots must be finite and the same run to run.
-Tensor new_pack(int64_t n, DType dt, Device dev) {
-  Tensor pack = Tensor::empty({n}, dt, dev);
-  pack.fill_(dev == Device::cpu ? std::numeric_limits<double>::quiet_NaN() : 0.0);
+Tensor blank_pack(Tensor pack) {
+  pack.fill_(pack.device() == Device::cpu ? std::numeric_limits<double>::quiet_NaN() : 0.0);
   return pack;
 }
+Tensor new_pack(int64_t n, DType dt, Device dev) { return blank_pack(Tensor::empty({n}, dt, dev)); }
 
 // Note [rescan]. A rank whose incoming state X0 comes from earlier ranks gets its states either by
 // the correction Y_t = Y_loc,t + Wcum_t X0 (the local scan from zero beside a sweep of the
@@ -224,7 +224,15 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   //    all-gather is issued (Note [hidden exchange]).
   const bool gather = P > 1 && !ctx.gathered.defined();
   const bool hide = ctx.overlap && gather && plan.algo == Exchange::all_gather;
-  Tensor pack = gather ? new_pack(L.fwd_total, dt, dev) : Tensor();
+  // With the log or hierarchical exchange the pack is this rank's slot of the buffer the exchange
+  // keeps (exchange.h): its node's ring and the backward read it where the sweeps write it.
+  Tensor pack, kept;
+  if (gather && plan.algo != Exchange::all_gather) {
+    kept = Tensor::empty({kept_elements(plan, exchange_jobs(jobs, L), L.fwd_total, BH, D)}, dt, dev);
+    pack = blank_pack(region(kept, kept_pack_offset(plan, r, L.fwd_total), L.fwd_total));
+  } else if (gather) {
+    pack = new_pack(L.fwd_total, dt, dev);
+  }
   std::vector<Sweep> batch[2], later;  // by part of the pack; later: read by no all-gather
   std::vector<Tensor> cum(jobs.size());
   std::vector<Sweep> redo(jobs.size());  // Note [rescan]: from X0 (spec.E = 0: none)
@@ -305,6 +313,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   // 2-3 by the log-depth or hierarchical exchange (exchange.h): X0 and T directly.
   if (plan.algo != Exchange::all_gather) {
     std::vector<Tensor> X0s, Ts;  // views into ctx.gathered
+    if (gather) ctx.gathered = kept;
     exchange_forward(comm, plan, exchange_jobs(jobs, L), pack, L.fwd_total, BH, D, ctx.gathered, X0s, Ts);
     for (size_t i = 0; i < jobs.size(); ++i) {
       jobs[i].X0 = X0s[i];
