@@ -109,6 +109,10 @@ struct Item {
   Tensor init;           // the initial state the exclusive composite is applied to (undefined = 0)
   bool want_total = false;
   Affine own;
+  // Where own lies, when both its parts lie in one buffer (a node of one rank, forward: the pack's
+  // h and M): the element offsets of own.h and own.N there (-1: not there).
+  Tensor home;
+  int64_t home_h = -1, home_N = -1;
   Tensor out;    // the exclusive composite applied to init; undefined when none (position 0, no init)
   Tensor total;  // want_total: the inclusive composite of all positions applied to 0, on every rank
 };
@@ -177,13 +181,32 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
     std::vector<char> placed;
     Tensor msg;
   };
+  // Round 0's message of a way where its items' own maps lie in their home in the message's
+  // layout (the pack lays out h then M job after job, as a middle rank's message does): that
+  // region of the home, sent as it is. Undefined otherwise.
+  auto at_home = [&](const Way& w, const Layout& m) {
+    const Item& first = items[w.mine[0]];
+    const int64_t base = first.home_h - m.at[0];
+    for (size_t q = 0; q < w.mine.size(); ++q) {
+      const Item& it = items[w.mine[q]];
+      if (!it.home.defined() || !it.home.same_as(first.home) || it.home_h != base + m.at[2 * q] ||
+          (m.at[2 * q + 1] >= 0 && it.home_N != base + m.at[2 * q + 1]))
+        return Tensor();
+    }
+    return region(first.home, base, m.total);
+  };
   auto outbox = [&](int k, const Way& w) {
     Outbox o;
     const int s = 1 << k;
     o.dst = w.pos + s < G ? pos_of(w.pos + s, G, w.dir) * n + lane : -1;
     o.m = layout(k, std::max(0, w.pos - s + 1), w);
     o.placed.assign(o.m.at.size(), 0);
-    if (o.dst >= 0) o.msg = Tensor::empty({o.m.total}, ops.dt, ops.dev);
+    if (o.dst < 0) return o;
+    if (k == 0) o.msg = at_home(w, o.m);
+    if (o.msg.defined())
+      o.placed.assign(o.placed.size(), 1);
+    else
+      o.msg = Tensor::empty({o.m.total}, ops.dt, ops.dev);
     return o;
   };
   // Where a composition of round k's item q goes: its slot in the next message, if it has one.
@@ -376,6 +399,11 @@ void fill_own(Item& it, const ExchangeJob& j, bool reverse, const Ops& ops, int 
                          batch, ops.BH, ops.D);
   }
   if (own_needs_N(pos, G, it.init.defined(), it.want_total)) it.own.N = node_product(ops, Mbuf, fwd_total, j, n, batch);
+  if (n == 1 && it.own.h.defined()) {  // views of the pack (fold_into, node_product)
+    it.home = hbuf;
+    it.home_h = h_off;
+    if (it.own.N.defined() && Mbuf.same_as(hbuf)) it.home_N = j.M_off;
+  }
 }
 
 }  // namespace
