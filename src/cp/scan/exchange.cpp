@@ -181,9 +181,9 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
     std::vector<char> placed;
     Tensor msg;
   };
-  // Round 0's message of a way where its items' own maps lie in their home in the message's
-  // layout (the pack lays out h then M job after job, as a middle rank's message does): that
-  // region of the home, sent as it is. Undefined otherwise.
+  // Round 0's message of a way whose items' own maps lie in their home in the message's layout
+  // (place_own's home; a node of one rank's pack, which lays out h then M job after job as a
+  // middle rank's message does): that region of the home, sent as it is. Undefined otherwise.
   auto at_home = [&](const Way& w, const Layout& m) {
     const Item& first = items[w.mine[0]];
     const int64_t base = first.home_h - m.at[0];
@@ -336,13 +336,13 @@ std::vector<int> lanes_in_order(int n, bool reverse) {
 // part of the node's forward map and, as transposed storage, of its adjoint map. One lane's is its
 // M where it lies; more lanes fold the rest onto the first one's, read in place, in batch.
 Tensor node_product(const Ops& ops, const Tensor& nodebuf, int64_t stride, const ExchangeJob& j, int n,
-                    std::vector<Fold>& batch) {
+                    std::vector<Fold>& batch, const Tensor& into = Tensor()) {
   GDNCP_CHECK(j.M_off >= 0, "cp exchange: the node's transitions were not packed");
   const std::vector<int> order = lanes_in_order(n, j.reverse);
   const Tensor first = region(nodebuf, order[0] * stride + j.M_off, ops.BH * ops.D * ops.D);
   if (n == 1) return first;
   Fold f;
-  f.X = ops.flat(ops.D);
+  f.X = into.defined() ? into : ops.flat(ops.D);
   f.init = first;
   f.Mbuf = nodebuf;
   f.m_off = j.M_off;
@@ -383,22 +383,47 @@ Fold node_fold(const ExchangeJob& j, const Tensor& Mbuf, int64_t m_stride, bool 
   return f;
 }
 
+// With more than one lane a node's own maps are fold results. Those of each rank order are
+// written into one home laid out as the order's first message (item after item, h, then N where
+// the item needs it), which log_scan then sends as it is (at_home). Items' E, reverse, init and
+// want_total are set.
+void place_own(std::vector<Item>& items, const Ops& ops, int g, int G) {
+  for (bool dir : {false, true}) {
+    int64_t total = 0;
+    for (Item& it : items) {
+      if (it.reverse != dir) continue;
+      it.home_h = total;
+      total += ops.BH * ops.D * it.E;
+      if (own_needs_N(pos_of(g, G, dir), G, it.init.defined(), it.want_total)) {
+        it.home_N = total;
+        total += ops.BH * ops.D * ops.D;
+      }
+    }
+    if (total == 0) continue;
+    const Tensor home = Tensor::empty({total}, ops.dt, ops.dev);
+    for (Item& it : items)
+      if (it.reverse == dir) it.home = home;
+  }
+}
+
 // This node's own map in an item (its lanes' maps folded in the item's order; transpose:
 // the adjoint maps, M from Mbuf, addends from hbuf), when it travels or is the total, and its
-// N when it is needed. The item's init and want_total are set. The folds go into batch (with one
-// lane the map is that lane's, read where it lies).
-void fill_own(Item& it, const ExchangeJob& j, bool reverse, const Ops& ops, int n, int g, int G, const Tensor& Mbuf,
+// N when it is needed; into the item's home where place_own gave it one. The item's E, reverse,
+// init and want_total are set. The folds go into batch (with one lane the map is that lane's,
+// read where it lies, and that is its home).
+void fill_own(Item& it, const ExchangeJob& j, const Ops& ops, int n, int g, int G, const Tensor& Mbuf,
               int64_t fwd_total, bool transpose, const Tensor& hbuf, int64_t h_off, int64_t h_total,
               std::vector<Fold>& batch) {
-  it.E = j.E;
-  it.reverse = reverse;
   const int pos = pos_of(g, G, it.reverse);
   if (G > 1 || it.want_total) {  // the node's own map travels (or is the total)
     GDNCP_CHECK(j.M_off >= 0 || n == 1, "cp exchange: the node's transitions were not packed");
-    it.own.h = fold_into(node_fold(j, Mbuf, fwd_total, transpose, hbuf, h_off, h_total, lanes_in_order(n, it.reverse)),
-                         batch, ops.BH, ops.D);
+    Fold f = node_fold(j, Mbuf, fwd_total, transpose, hbuf, h_off, h_total, lanes_in_order(n, it.reverse));
+    if (it.home.defined()) f.X = state_view(it.home, it.home_h, ops.BH, ops.D, j.E);
+    it.own.h = fold_into(f, batch, ops.BH, ops.D);
   }
-  if (own_needs_N(pos, G, it.init.defined(), it.want_total)) it.own.N = node_product(ops, Mbuf, fwd_total, j, n, batch);
+  if (own_needs_N(pos, G, it.init.defined(), it.want_total))
+    it.own.N = node_product(ops, Mbuf, fwd_total, j, n, batch,
+                            it.home_N >= 0 ? region(it.home, it.home_N, ops.BH * ops.D * ops.D) : Tensor());
   if (n == 1 && it.own.h.defined()) {  // views of the pack (fold_into, node_product)
     it.home = hbuf;
     it.home_h = h_off;
@@ -475,9 +500,14 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
   std::vector<Item> items(jobs.size());
   std::vector<Fold> batch;  // the nodes' own maps, then X0: one launch each
   for (size_t i = 0; i < jobs.size(); ++i) {
+    items[i].E = jobs[i].E;
+    items[i].reverse = jobs[i].reverse;
+    items[i].want_total = jobs[i].terminal;
+  }
+  if (n > 1 && G > 1) place_own(items, ops, g, G);
+  for (size_t i = 0; i < jobs.size(); ++i) {
     const ExchangeJob& j = jobs[i];
-    items[i].want_total = j.terminal;
-    fill_own(items[i], j, j.reverse, ops, n, g, G, nodebuf, fwd_total, false, nodebuf, j.h_off, fwd_total, batch);
+    fill_own(items[i], j, ops, n, g, G, nodebuf, fwd_total, false, nodebuf, j.h_off, fwd_total, batch);
   }
   run_batch(batch, BH, D);
   log_scan(comm, ops, n, items);
@@ -541,9 +571,14 @@ void exchange_backward(Communicator& comm, const ExchangePlan& plan, const std::
   std::vector<Item> items(jobs.size());
   std::vector<Fold> batch;  // the nodes' own maps, then the seeds: one launch each
   for (size_t i = 0; i < jobs.size(); ++i) {
-    const ExchangeJob& j = jobs[i];
+    items[i].E = jobs[i].E;
+    items[i].reverse = !jobs[i].reverse;
     items[i].init = a0[i];
-    fill_own(items[i], j, !j.reverse, ops, n, g, G, kept, fwd_total, true, nbuf, j.dX0_off, bwd_total, batch);
+  }
+  if (n > 1 && G > 1) place_own(items, ops, g, G);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const ExchangeJob& j = jobs[i];
+    fill_own(items[i], j, ops, n, g, G, kept, fwd_total, true, nbuf, j.dX0_off, bwd_total, batch);
   }
   run_batch(batch, BH, D);
   log_scan(comm, ops, n, items);
