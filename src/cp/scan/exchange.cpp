@@ -109,8 +109,8 @@ struct Item {
   Tensor init;           // the initial state the exclusive composite is applied to (undefined = 0)
   bool want_total = false;
   Affine own;
-  // Where own lies, when both its parts lie in one buffer (a node of one rank, forward: the pack's
-  // h and M): the element offsets of own.h and own.N there (-1: not there).
+  // The buffer own lies in, where its parts share one (place_own's; a node of one rank's pack),
+  // and the element offsets of own.h and own.N there (-1: not there).
   Tensor home;
   int64_t home_h = -1, home_N = -1;
   Tensor out;    // the exclusive composite applied to init; undefined when none (position 0, no init)
