@@ -29,8 +29,6 @@ namespace gdncp {
 namespace test {
 namespace {
 
-#define REQUIRE_GPU() \
-  if (cuda_device_count() < 1) GTEST_SKIP() << "needs CUDA and a visible GPU"
 // The tests of one rank's work (emulated peers, a group of one) run in the one-rank run.
 #define REQUIRE_ONE_RANK() \
   if (nranks() != 1) GTEST_SKIP() << "runs at np 1"

@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,15 +21,6 @@
 namespace gdncp {
 namespace test {
 namespace {
-
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible"
-
-// GDNCP_TEST_SMALL=1: the smaller shapes only (scripts/gpu.sh sanitize).
-bool small_only() {
-  const char* v = std::getenv("GDNCP_TEST_SMALL");
-  return v && std::string(v) == "1";
-}
 
 Tensor gpu(const Tensor& t) { return t.defined() ? t.to(Device::cuda) : Tensor(); }
 Tensor cpu(const Tensor& t) { return t.defined() ? t.to(Device::cpu) : Tensor(); }

@@ -39,14 +39,6 @@ namespace gdncp {
 namespace test {
 namespace {
 
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible"
-
-bool small_only() {
-  const char* v = std::getenv("GDNCP_TEST_SMALL");
-  return v && std::string(v) == "1";
-}
-
 const char* mode_name(MathMode m) { return m == MathMode::bf16 ? "bf16" : m == MathMode::tf32 ? "tf32" : "ieee"; }
 
 double twin_tol(MathMode m) { return m == MathMode::ieee ? tol::f32 : m == MathMode::tf32 ? tol::tf32 : tol::bf16; }

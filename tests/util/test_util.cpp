@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -72,6 +73,11 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
 }
 
 void poison(Tensor& t) { t.fill_(std::numeric_limits<double>::quiet_NaN()); }
+
+bool small_only() {
+  const char* v = std::getenv("GDNCP_TEST_SMALL");
+  return v && std::string(v) == "1";
+}
 
 bool has_nonfinite(const Tensor& t) {
   for (double v : t.to_vector())

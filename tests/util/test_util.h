@@ -26,6 +26,12 @@ bool bitwise_equal(const Tensor& a, const Tensor& b);
 void poison(Tensor& t);
 // True if any element is NaN or inf.
 bool has_nonfinite(const Tensor& t);
+// GDNCP_TEST_SMALL=1: the tests keep their smaller shapes only (scripts/gpu.sh sanitize, where
+// compute-sanitizer runs every kernel many times slower).
+bool small_only();
+// A test of CUDA code skips itself where no GPU is visible (or gdncp has no CUDA).
+#define REQUIRE_GPU() \
+  if (!::gdncp::cuda_available()) GTEST_SKIP() << "no CUDA device visible"
 
 // Central-difference gradient check in f64 (CPU).
 //   fn maps the inputs to one or more outputs; the scalar loss is
