@@ -385,8 +385,8 @@ Fold node_fold(const ExchangeJob& j, const Tensor& Mbuf, int64_t m_stride, bool 
 
 // With more than one lane a node's own maps are fold results. Those of each rank order are
 // written into one home laid out as the order's first message (item after item, h, then N where
-// the item needs it), which log_scan then sends as it is (at_home). Items' E, reverse, init and
-// want_total are set.
+// the item needs it), which log_scan then sends as it is (at_home). It reads the items' E,
+// reverse, init and want_total.
 void place_own(std::vector<Item>& items, const Ops& ops, int g, int G) {
   for (bool dir : {false, true}) {
     int64_t total = 0;
@@ -408,8 +408,8 @@ void place_own(std::vector<Item>& items, const Ops& ops, int g, int G) {
 
 // This node's own map in an item (its lanes' maps folded in the item's order; transpose:
 // the adjoint maps, M from Mbuf, addends from hbuf), when it travels or is the total, and its
-// N when it is needed; into the item's home where place_own gave it one. The item's E, reverse,
-// init and want_total are set. The folds go into batch (with one lane the map is that lane's,
+// N when it is needed; into the item's home where place_own gave it one. It reads the item's E,
+// reverse, init and want_total. The folds go into batch (with one lane the map is that lane's,
 // read where it lies, and that is its home).
 void fill_own(Item& it, const ExchangeJob& j, const Ops& ops, int n, int g, int G, const Tensor& Mbuf,
               int64_t fwd_total, bool transpose, const Tensor& hbuf, int64_t h_off, int64_t h_total,
