@@ -200,13 +200,9 @@ void log_scan(Communicator& comm, const Ops& ops, int n, std::vector<Item>& item
     const int s = 1 << k;
     o.dst = w.pos + s < G ? pos_of(w.pos + s, G, w.dir) * n + lane : -1;
     o.m = layout(k, std::max(0, w.pos - s + 1), w);
-    o.placed.assign(o.m.at.size(), 0);
-    if (o.dst < 0) return o;
-    if (k == 0) o.msg = at_home(w, o.m);
-    if (o.msg.defined())
-      o.placed.assign(o.placed.size(), 1);
-    else
-      o.msg = Tensor::empty({o.m.total}, ops.dt, ops.dev);
+    if (o.dst >= 0 && k == 0) o.msg = at_home(w, o.m);
+    o.placed.assign(o.m.at.size(), o.msg.defined() ? 1 : 0);
+    if (o.dst >= 0 && !o.msg.defined()) o.msg = Tensor::empty({o.m.total}, ops.dt, ops.dev);
     return o;
   };
   // Where a composition of round k's item q goes: its slot in the next message, if it has one.
@@ -332,39 +328,6 @@ std::vector<int> lanes_in_order(int n, bool reverse) {
   return v;
 }
 
-// The product of the node's transitions in logical order, M_last ⋯ M_first: the linear
-// part of the node's forward map and, as transposed storage, of its adjoint map. One lane's is its
-// M where it lies; more lanes fold the rest onto the first one's, read in place, in batch.
-Tensor node_product(const Ops& ops, const Tensor& nodebuf, int64_t stride, const ExchangeJob& j, int n,
-                    std::vector<Fold>& batch, const Tensor& into = Tensor()) {
-  GDNCP_CHECK(j.M_off >= 0, "cp exchange: the node's transitions were not packed");
-  const std::vector<int> order = lanes_in_order(n, j.reverse);
-  const Tensor first = region(nodebuf, order[0] * stride + j.M_off, ops.BH * ops.D * ops.D);
-  if (n == 1) return first;
-  Fold f;
-  f.X = into.defined() ? into : ops.flat(ops.D);
-  f.init = first;
-  f.Mbuf = nodebuf;
-  f.m_off = j.M_off;
-  f.m_stride = stride;
-  f.Hbuf = ops.zeros;
-  f.E = ops.D;
-  f.order.assign(order.begin() + 1, order.end());
-  batch.push_back(f);
-  return f.X;
-}
-
-Ops ops_of(const Tensor& like, int64_t BH, int64_t D, bool transpose) {
-  Ops o;
-  o.BH = BH;
-  o.D = D;
-  o.dt = like.dtype();
-  o.dev = like.device();
-  o.transpose = transpose;
-  o.zeros = Tensor::zeros({BH * D * D}, o.dt, o.dev);
-  return o;
-}
-
 // A fold of job j over the lanes `order` of a node: M_l from Mbuf (slot j.M_off of lane l's slice,
 // slices m_stride apart; the identity where j's M was not packed), H_l from hbuf likewise (slot
 // h_off, slices h_stride apart); transpose: the adjoint maps. From a zero state (init undefined).
@@ -383,11 +346,40 @@ Fold node_fold(const ExchangeJob& j, const Tensor& Mbuf, int64_t m_stride, bool 
   return f;
 }
 
+// The product of the node's transitions in logical order, M_last ⋯ M_first: the linear
+// part of the node's forward map and, as transposed storage, of its adjoint map. One lane's is its
+// M where it lies; more lanes fold the rest onto the first one's, read in place, in batch.
+Tensor node_product(const Ops& ops, const Tensor& nodebuf, int64_t stride, const ExchangeJob& j, int n,
+                    std::vector<Fold>& batch, const Tensor& into = Tensor()) {
+  GDNCP_CHECK(j.M_off >= 0, "cp exchange: the node's transitions were not packed");
+  const std::vector<int> order = lanes_in_order(n, j.reverse);
+  const Tensor first = region(nodebuf, order[0] * stride + j.M_off, ops.BH * ops.D * ops.D);
+  if (n == 1) return first;
+  Fold f = node_fold(j, nodebuf, stride, false, ops.zeros, 0, 0, {order.begin() + 1, order.end()});
+  f.E = ops.D;  // the product's columns: M_first's
+  f.X = into.defined() ? into : ops.flat(ops.D);
+  f.init = first;
+  batch.push_back(f);
+  return f.X;
+}
+
+Ops ops_of(const Tensor& like, int64_t BH, int64_t D, bool transpose) {
+  Ops o;
+  o.BH = BH;
+  o.D = D;
+  o.dt = like.dtype();
+  o.dev = like.device();
+  o.transpose = transpose;
+  o.zeros = Tensor::zeros({BH * D * D}, o.dt, o.dev);
+  return o;
+}
+
 // With more than one lane a node's own maps are fold results. Those of each rank order are
 // written into one home laid out as the order's first message (item after item, h, then N where
 // the item needs it), which log_scan then sends as it is (at_home). It reads the items' E,
-// reverse, init and want_total.
-void place_own(std::vector<Item>& items, const Ops& ops, int g, int G) {
+// reverse, init and want_total. Nothing travels over one node, and one lane's maps lie in its pack.
+void place_own(std::vector<Item>& items, const Ops& ops, int n, int g, int G) {
+  if (n == 1 || G == 1) return;
   for (bool dir : {false, true}) {
     int64_t total = 0;
     for (Item& it : items) {
@@ -504,7 +496,7 @@ void exchange_forward(Communicator& comm, const ExchangePlan& plan, const std::v
     items[i].reverse = jobs[i].reverse;
     items[i].want_total = jobs[i].terminal;
   }
-  if (n > 1 && G > 1) place_own(items, ops, g, G);
+  place_own(items, ops, n, g, G);
   for (size_t i = 0; i < jobs.size(); ++i) {
     const ExchangeJob& j = jobs[i];
     fill_own(items[i], j, ops, n, g, G, nodebuf, fwd_total, false, nodebuf, j.h_off, fwd_total, batch);
@@ -575,7 +567,7 @@ void exchange_backward(Communicator& comm, const ExchangePlan& plan, const std::
     items[i].reverse = !jobs[i].reverse;
     items[i].init = a0[i];
   }
-  if (n > 1 && G > 1) place_own(items, ops, g, G);
+  place_own(items, ops, n, g, G);
   for (size_t i = 0; i < jobs.size(); ++i) {
     const ExchangeJob& j = jobs[i];
     fill_own(items[i], j, ops, n, g, G, kept, fwd_total, true, nbuf, j.dX0_off, bwd_total, batch);

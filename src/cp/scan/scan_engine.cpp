@@ -226,9 +226,11 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   const bool hide = ctx.overlap && gather && plan.algo == Exchange::all_gather;
   // With the log or hierarchical exchange the pack is this rank's slot of the buffer the exchange
   // keeps (exchange.h): its node's ring and the backward read it where the sweeps write it.
+  const std::vector<ExchangeJob> xjobs =  // what the log or hierarchical exchange sees of the jobs
+      plan.algo != Exchange::all_gather ? exchange_jobs(jobs, L) : std::vector<ExchangeJob>();
   Tensor pack, kept;
   if (gather && plan.algo != Exchange::all_gather) {
-    kept = Tensor::empty({kept_elements(plan, exchange_jobs(jobs, L), L.fwd_total, BH, D)}, dt, dev);
+    kept = Tensor::empty({kept_elements(plan, xjobs, L.fwd_total, BH, D)}, dt, dev);
     pack = blank_pack(region(kept, kept_pack_offset(plan, r, L.fwd_total), L.fwd_total));
   } else if (gather) {
     pack = new_pack(L.fwd_total, dt, dev);
@@ -314,7 +316,7 @@ void scan_forward(ScanContext& ctx, std::vector<ScanJob>& jobs) {
   if (plan.algo != Exchange::all_gather) {
     std::vector<Tensor> X0s, Ts;  // views into ctx.gathered
     if (gather) ctx.gathered = kept;
-    exchange_forward(comm, plan, exchange_jobs(jobs, L), pack, L.fwd_total, BH, D, ctx.gathered, X0s, Ts);
+    exchange_forward(comm, plan, xjobs, pack, L.fwd_total, BH, D, ctx.gathered, X0s, Ts);
     for (size_t i = 0; i < jobs.size(); ++i) {
       jobs[i].X0 = X0s[i];
       if (jobs[i].terminal) jobs[i].T = Ts[i];
